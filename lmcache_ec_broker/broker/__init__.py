@@ -1,0 +1,4 @@
+"""The broker process: entry index and lifecycle, eviction, server loop, disk tier, metrics.
+
+Nothing under this package imports torch.
+"""

@@ -1,0 +1,474 @@
+"""Entry index and lifecycle: reserve -> commit (ready) | abort; get -> pin -> release.
+
+Pure state, no I/O: the server loop calls it, tests drive it directly.
+
+Invariants (``check()`` asserts them; tests call it after every step):
+1. ``free + used + reserved == capacity`` (all in block-granular bytes), where
+   *reserved* is the blocks of RESERVED entries and *used* the blocks of READY
+   entries plus doomed entries still pinned by a reader.
+2. No block belongs to two entries; a block is reused only after its entry is
+   gone from the index and no pin refers to it.
+3. Readers never see a partial entry: only READY entries are returned by
+   ``get``/``has``.
+4. Pinned (by a get or a lease) and reserved entries are never evicted.
+5. Allocation fails only if the free blocks plus the blocks of unpinned READY
+   entries are not enough.
+6. Everything a connection holds (reservations, pins, leases) is released by
+   ``close_connection``.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..protocol import (
+    ErrorCode,
+    ErrorReply,
+    Extent,
+    Hit,
+    ReserveReply,
+    ReserveStatus,
+    expected_nbytes,
+)
+from ..shm.allocator import BlockAllocator, Run
+from .eviction import LRUPolicy
+
+
+class State(enum.Enum):
+    RESERVED = 1
+    READY = 2
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    runs: list[Run]
+    extents: list[Extent]
+    state: State
+    token: int = 0
+    owner: int = 0  # connection id holding the reservation
+    pins: int = 0
+    doomed: bool = False  # removed from the index; blocks freed at the last release
+
+
+@dataclass(slots=True, eq=False)
+class Pin:
+    entry: Entry
+    conn: int
+    expires_at: float = 0.0  # 0: held until released; >0: a lease
+
+
+@dataclass(slots=True)
+class ConnState:
+    reservations: set[int] = field(default_factory=set)
+    pins: set[int] = field(default_factory=set)
+    leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
+
+
+class StoreListener:
+    """Hooks for the disk tier and metrics; every method is optional."""
+
+    def on_ready(self, entry: Entry) -> None: ...
+    def on_evicted(self, entry: Entry) -> None: ...
+    def on_deleted(self, key: str) -> None: ...
+
+
+class Store:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_size: int,
+        max_entry_bytes: int | None = None,
+        max_key_length: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block size must be positive")
+        self.block_size = block_size
+        self.nblocks = capacity_bytes // block_size
+        self.capacity_bytes = self.nblocks * block_size
+        self.max_entry_bytes = min(max_entry_bytes or self.capacity_bytes, self.capacity_bytes)
+        self.max_key_length = max_key_length
+        self.allocator = BlockAllocator(self.nblocks)
+        self.lru = LRUPolicy()
+        self.entries: dict[str, Entry] = {}
+        self.reservations: dict[int, Entry] = {}
+        self.pins: dict[int, Pin] = {}
+        self.conns: dict[int, ConnState] = {}
+        self.listener: StoreListener = StoreListener()
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._lease_heap: list[tuple[float, int]] = []
+        self.reserved_blocks = 0
+        self.used_blocks = 0
+        self.pinned_entries = 0
+        self.counters = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "has_hits",
+                "has_misses",
+                "puts",
+                "put_present",
+                "put_in_progress",
+                "aborts",
+                "evictions",
+                "deletes",
+                "bytes_stored",
+                "bytes_loaded",
+                "no_space",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------ connections
+
+    def open_connection(self, conn: int) -> None:
+        self.conns[conn] = ConnState()
+
+    def close_connection(self, conn: int) -> None:
+        state = self.conns.pop(conn, None)
+        if state is None:
+            return
+        for token in list(state.reservations):
+            self._abort(token)
+        for pin_id in list(state.pins):
+            self._unpin(pin_id)
+
+    # ------------------------------------------------------------ helpers
+
+    def _blocks_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.block_size)
+
+    def _extents(self, runs: list[Run], nbytes: int) -> list[Extent]:
+        extents: list[Extent] = []
+        left = nbytes
+        for start, length in runs:
+            n = min(length * self.block_size, left)
+            extents.append((start * self.block_size, n))
+            left -= n
+        return extents
+
+    def _pin(self, entry: Entry, conn: int, expires_at: float = 0.0) -> int:
+        pin_id = next(self._ids)
+        self.pins[pin_id] = Pin(entry, conn, expires_at)
+        if entry.pins == 0:
+            self.pinned_entries += 1
+        entry.pins += 1
+        self.conns[conn].pins.add(pin_id)
+        if expires_at:
+            heapq.heappush(self._lease_heap, (expires_at, pin_id))
+        return pin_id
+
+    def _unpin(self, pin_id: int) -> bool:
+        pin = self.pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        state = self.conns.get(pin.conn)
+        if state is not None:
+            state.pins.discard(pin_id)
+            if pin.expires_at and state.leases.get(pin.entry.key) == pin_id:
+                del state.leases[pin.entry.key]
+        entry = pin.entry
+        entry.pins -= 1
+        if entry.pins == 0:
+            self.pinned_entries -= 1
+            if entry.doomed:
+                self._free_blocks(entry)
+        return True
+
+    def _free_blocks(self, entry: Entry) -> None:
+        n = sum(length for _, length in entry.runs)
+        if entry.state is State.RESERVED:
+            self.reserved_blocks -= n
+        else:
+            self.used_blocks -= n
+        self.allocator.free(entry.runs)
+        entry.runs = []
+        entry.extents = []
+
+    def _drop_ready(self, entry: Entry) -> None:
+        """Remove a READY entry from the index; free now or at its last release."""
+        del self.entries[entry.key]
+        self.lru.remove(entry.key)
+        if entry.pins:
+            entry.doomed = True
+        else:
+            self._free_blocks(entry)
+
+    def _make_room(self, nblocks: int) -> bool:
+        """Evict LRU unpinned READY entries until ``nblocks`` are free."""
+        self.expire_leases()
+        if self.allocator.free_blocks >= nblocks:
+            return True
+        need = nblocks - self.allocator.free_blocks
+        victims: list[Entry] = []
+        for key in self.lru.candidates():
+            entry = self.entries[key]
+            if entry.pins:
+                continue
+            victims.append(entry)
+            need -= sum(length for _, length in entry.runs)
+            if need <= 0:
+                break
+        if need > 0:
+            return False
+        for entry in victims:
+            self._drop_ready(entry)
+            self.counters["evictions"] += 1
+            self.listener.on_evicted(entry)
+        return True
+
+    def validate_key(self, key: str) -> ErrorReply | None:
+        if not key:
+            return ErrorReply(ErrorCode.KEY_INVALID, "key is empty")
+        if len(key) > self.max_key_length:
+            return ErrorReply(
+                ErrorCode.KEY_INVALID,
+                f"key is {len(key)} characters long; the maximum is {self.max_key_length}",
+            )
+        return None
+
+    # ------------------------------------------------------------ operations
+
+    def reserve(
+        self, conn: int, key: str, nbytes: int, dtype: str, shape: list[int]
+    ) -> ReserveReply | ErrorReply:
+        if (err := self.validate_key(key)) is not None:
+            return err
+        try:
+            implied = expected_nbytes(dtype, shape)
+        except ValueError as exc:
+            code = ErrorCode.DTYPE_INVALID if "dtype" in str(exc) else ErrorCode.SHAPE_MISMATCH
+            return ErrorReply(code, str(exc))
+        if nbytes != implied:
+            return ErrorReply(
+                ErrorCode.SHAPE_MISMATCH,
+                f"nbytes={nbytes} but dtype {dtype} with shape {shape} needs {implied} bytes",
+            )
+        if nbytes > self.max_entry_bytes:
+            return ErrorReply(
+                ErrorCode.TOO_LARGE,
+                f"entry of {nbytes} bytes exceeds the maximum entry size of "
+                f"{self.max_entry_bytes} bytes (slab capacity {self.capacity_bytes} bytes); "
+                "start the broker with a larger --shm-size or max_entry_size",
+            )
+        existing = self.entries.get(key)
+        if existing is not None:
+            if existing.state is State.READY:
+                self.lru.touch(key)
+                self.counters["put_present"] += 1
+                return ReserveReply(ReserveStatus.PRESENT)
+            self.counters["put_in_progress"] += 1
+            return ReserveReply(ReserveStatus.IN_PROGRESS)
+        nblocks = self._blocks_for(nbytes)
+        if not self._make_room(nblocks):
+            self.counters["no_space"] += 1
+            return ErrorReply(
+                ErrorCode.NO_SPACE,
+                f"no room for {nbytes} bytes: {self.allocator.free_blocks * self.block_size} "
+                f"bytes free, {self.reserved_blocks * self.block_size} reserved by writers and "
+                f"{self.pinned_entries} entries pinned by readers; retry later or grow --shm-size",
+            )
+        runs = self.allocator.allocate(nblocks)
+        assert runs is not None  # _make_room guaranteed the blocks
+        token = next(self._ids)
+        entry = Entry(
+            key=key,
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=list(shape),
+            runs=runs,
+            extents=self._extents(runs, nbytes),
+            state=State.RESERVED,
+            token=token,
+            owner=conn,
+        )
+        self.entries[key] = entry
+        self.reservations[token] = entry
+        self.reserved_blocks += nblocks
+        self.conns[conn].reservations.add(token)
+        return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
+
+    def _owned_reservation(self, conn: int, token: int) -> Entry | ErrorReply:
+        entry = self.reservations.get(token)
+        if entry is None or entry.owner != conn:
+            return ErrorReply(
+                ErrorCode.UNKNOWN_TOKEN,
+                f"token {token} is not an open reservation of this connection "
+                "(already committed or aborted, or never issued to it)",
+            )
+        return entry
+
+    def commit(self, conn: int, token: int) -> ErrorReply | None:
+        entry = self._owned_reservation(conn, token)
+        if isinstance(entry, ErrorReply):
+            return entry
+        del self.reservations[token]
+        self.conns[conn].reservations.discard(token)
+        n = sum(length for _, length in entry.runs)
+        self.reserved_blocks -= n
+        self.used_blocks += n
+        entry.state = State.READY
+        entry.token = 0
+        entry.owner = 0
+        self.lru.insert(entry.key)
+        self.counters["puts"] += 1
+        self.counters["bytes_stored"] += entry.nbytes
+        self.listener.on_ready(entry)
+        return None
+
+    def abort(self, conn: int, token: int) -> ErrorReply | None:
+        entry = self._owned_reservation(conn, token)
+        if isinstance(entry, ErrorReply):
+            return entry
+        self.conns[conn].reservations.discard(token)
+        self._abort(token)
+        return None
+
+    def _abort(self, token: int) -> None:
+        entry = self.reservations.pop(token)
+        del self.entries[entry.key]
+        self._free_blocks(entry)
+        self.counters["aborts"] += 1
+
+    def get(self, conn: int, keys: list[str]) -> list[Hit | None]:
+        out: list[Hit | None] = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or entry.state is not State.READY:
+                self.counters["misses"] += 1
+                out.append(None)
+                continue
+            self.counters["hits"] += 1
+            self.counters["bytes_loaded"] += entry.nbytes
+            self.lru.touch(key)
+            pin_id = self._pin(entry, conn)
+            out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
+        return out
+
+    def release(self, conn: int, pins: list[int]) -> ErrorReply | None:
+        state = self.conns[conn]
+        unknown = [p for p in pins if p not in state.pins]
+        for pin_id in pins:
+            if pin_id in state.pins:
+                self._unpin(pin_id)
+        if unknown:
+            return ErrorReply(
+                ErrorCode.UNKNOWN_TOKEN,
+                f"pins {unknown[:8]} are not held by this connection (released twice?)",
+            )
+        return None
+
+    def has(self, conn: int, keys: list[str], lease_ms: int = 0) -> list[bool]:
+        hits: list[bool] = []
+        now = self._clock() if lease_ms > 0 else 0.0
+        for key in keys:
+            entry = self.entries.get(key)
+            hit = entry is not None and entry.state is State.READY
+            hits.append(hit)
+            if not hit:
+                self.counters["has_misses"] += 1
+                continue
+            self.counters["has_hits"] += 1
+            if lease_ms > 0:
+                self._lease(conn, entry, now + lease_ms / 1000.0)
+        return hits
+
+    def _lease(self, conn: int, entry: Entry, expires_at: float) -> None:
+        state = self.conns[conn]
+        pin_id = state.leases.get(entry.key)
+        if pin_id is not None:
+            pin = self.pins.get(pin_id)
+            if pin is not None and pin.entry is entry:
+                if expires_at > pin.expires_at:
+                    pin.expires_at = expires_at
+                    heapq.heappush(self._lease_heap, (expires_at, pin_id))
+                return
+            self._unpin(pin_id)
+        state.leases[entry.key] = self._pin(entry, conn, expires_at)
+
+    def expire_leases(self) -> int:
+        now = self._clock()
+        expired = 0
+        heap = self._lease_heap
+        while heap and heap[0][0] <= now:
+            _, pin_id = heapq.heappop(heap)
+            pin = self.pins.get(pin_id)
+            # A lease extended after this heap item was pushed has a later expiry.
+            if pin is not None and pin.expires_at and pin.expires_at <= now:
+                self._unpin(pin_id)
+                expired += 1
+        return expired
+
+    def next_lease_expiry(self) -> float | None:
+        return self._lease_heap[0][0] if self._lease_heap else None
+
+    def delete(self, keys: list[str]) -> list[bool]:
+        out = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or entry.state is not State.READY:
+                out.append(False)
+                continue
+            self._drop_ready(entry)
+            self.counters["deletes"] += 1
+            self.listener.on_deleted(key)
+            out.append(True)
+        return out
+
+    def clear(self) -> int:
+        ready = [e for e in self.entries.values() if e.state is State.READY]
+        for entry in ready:
+            self._drop_ready(entry)
+            self.listener.on_deleted(entry.key)
+        return len(ready)
+
+    # ------------------------------------------------------------ inspection
+
+    def stats(self) -> dict[str, int]:
+        bs = self.block_size
+        ready = len(self.lru)
+        return {
+            "entries": ready,
+            "reserved_entries": len(self.reservations),
+            "used_bytes": self.used_blocks * bs,
+            "reserved_bytes": self.reserved_blocks * bs,
+            "free_bytes": self.allocator.free_blocks * bs,
+            "capacity_bytes": self.capacity_bytes,
+            "block_size": bs,
+            "max_entry_bytes": self.max_entry_bytes,
+            "pinned_entries": self.pinned_entries,
+            "pins": len(self.pins),
+            "free_runs": self.allocator.free_runs,
+            **self.counters,
+        }
+
+    def check(self) -> None:
+        self.allocator.check()
+        assert (
+            self.allocator.free_blocks + self.used_blocks + self.reserved_blocks == self.nblocks
+        ), "free + used + reserved != capacity"
+        owned: set[int] = set()
+        entries = self._live_entries()
+        for entry in entries:
+            for start, length in entry.runs:
+                blocks = set(range(start, start + length))
+                assert not (blocks & owned), f"block shared by two entries ({entry.key!r})"
+                owned |= blocks
+        assert len(owned) == self.used_blocks + self.reserved_blocks, "block accounting drift"
+        assert sum(1 for e in entries if e.pins) == self.pinned_entries, "pinned count drift"
+
+    def _live_entries(self) -> list[Entry]:
+        """Indexed entries plus doomed ones still pinned (each once)."""
+        uniq = {id(e): e for e in self.entries.values()}
+        uniq.update((id(p.entry), p.entry) for p in self.pins.values())
+        return list(uniq.values())

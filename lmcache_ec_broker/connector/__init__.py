@@ -1,0 +1,1 @@
+"""Client side: BrokerClient, tensor copies, and the vLLM connector."""

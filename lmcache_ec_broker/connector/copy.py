@@ -1,0 +1,137 @@
+"""Tensor copies between torch tensors and the mapped slab (the only data copy).
+
+CPU tensors: ``copy_`` between the tensor's bytes and a ``torch.frombuffer``
+view of the mapping. CUDA tensors: the mapping is registered once per process
+with ``cudaHostRegister`` so copies run as DMA; they are issued ``non_blocking``
+on a dedicated stream and synchronised before the caller commits or releases
+(the broker may reuse the blocks right after). If registration fails (e.g. the
+memlock limit), copies fall back to pageable memory and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+
+from ..protocol import DTYPE_ITEMSIZE, Extent
+
+log = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise ValueError(f"dtype {dtype} is not supported by the broker")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"the broker returned unknown dtype {name!r}")
+    return dt
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's storage (0-d tensors included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class SlabView:
+    """The client's view of the slab mapping; owns the CUDA registration."""
+
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        self.size = size
+        self.u8 = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+        self._cuda_registered = False
+        self._cuda_tried = False
+        self._stream: torch.cuda.Stream | None = None
+        self.pinned = False  # True once registered: copies are DMA
+
+    # ------------------------------------------------------------------ CUDA
+
+    def _ensure_cuda(self, device: torch.device) -> torch.cuda.Stream:
+        if not self._cuda_tried:
+            self._cuda_tried = True
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.u8.data_ptr(), self.size, 0)
+            code = int(getattr(err, "value", err))
+            if code == 0:
+                self._cuda_registered = self.pinned = True
+                log.info("registered the %d-byte slab with cudaHostRegister", self.size)
+            else:
+                log.warning(
+                    "cudaHostRegister of the slab failed (cudaError %d%s); falling back to "
+                    "pageable copies, which are slower. Raise the memlock limit "
+                    "(ulimit -l unlimited / LimitMEMLOCK=infinity) to enable DMA.",
+                    code,
+                    f": {err}" if not isinstance(err, int) else "",
+                )
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    # ------------------------------------------------------------------ copies
+
+    def write(self, extents: list[Extent], tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes into ``extents``; returns when the bytes are in the slab."""
+        if tensor.numel() == 0:
+            return
+        if tensor.is_cuda:
+            stream = self._ensure_cuda(tensor.device)
+            src = _flat_bytes(tensor.contiguous())
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                off = 0
+                for start, n in extents:
+                    self.u8[start : start + n].copy_(src[off : off + n], non_blocking=True)
+                    off += n
+            stream.synchronize()
+            return
+        if len(extents) == 1 and not tensor.is_contiguous():
+            # One strided pass straight into the slab instead of contiguous() + copy.
+            start, n = extents[0]
+            dst = self.u8[start : start + n].view(tensor.dtype).view(tensor.shape)
+            dst.copy_(tensor)
+            return
+        src = _flat_bytes(tensor.contiguous())
+        off = 0
+        for start, n in extents:
+            self.u8[start : start + n].copy_(src[off : off + n])
+            off += n
+
+    def read(
+        self, extents: list[Extent], dtype: torch.dtype, shape: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """A new tensor holding the entry; returns when the copy is complete."""
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if out.numel() == 0:
+            return out
+        dst = _flat_bytes(out)
+        if out.is_cuda:
+            stream = self._ensure_cuda(out.device)
+            stream.wait_stream(torch.cuda.current_stream(out.device))
+            with torch.cuda.stream(stream):
+                off = 0
+                for start, n in extents:
+                    dst[off : off + n].copy_(self.u8[start : start + n], non_blocking=True)
+                    off += n
+            stream.synchronize()
+            return out
+        off = 0
+        for start, n in extents:
+            dst[off : off + n].copy_(self.u8[start : start + n])
+            off += n
+        return out
+
+    def close(self) -> None:
+        if self._cuda_registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
+            except Exception:  # the process may be tearing CUDA down already
+                pass
+            self._cuda_registered = False
+        self._stream = None
+        del self.u8

@@ -1,0 +1,224 @@
+"""The wire contract between the broker and its clients.
+
+Every control message is a msgspec Struct encoded as msgpack and framed with a
+4-byte big-endian length prefix. Requests and replies are tagged unions (field
+``op``), decoded with typed decoders, so a frame of the wrong shape is a
+``msgspec.ValidationError`` — never an arbitrary object (no pickle anywhere).
+
+Tensor bytes never cross the socket: replies carry *extents* (byte offset,
+length) inside the shared-memory slab and the client copies directly.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+
+# dtype name (torch's short name) -> item size in bytes. The broker validates
+# `nbytes == prod(shape) * itemsize` against this table without importing torch.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+Extent = tuple[int, int]  # (byte offset in the slab, length in bytes)
+
+
+class ErrorCode:
+    BAD_REQUEST = "bad_request"
+    VERSION_MISMATCH = "version_mismatch"
+    NOT_HELLO = "handshake_required"
+    TOO_LARGE = "too_large"
+    NO_SPACE = "no_space"
+    UNKNOWN_TOKEN = "unknown_token"
+    KEY_INVALID = "key_invalid"
+    DTYPE_INVALID = "dtype_invalid"
+    SHAPE_MISMATCH = "shape_mismatch"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    PERMISSION_DENIED = "permission_denied"
+    INTERNAL = "internal"
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="op", forbid_unknown_fields=True):
+    version: int
+    client_id: str
+    pid: int = 0
+
+
+class Has(msgspec.Struct, tag="has", tag_field="op", forbid_unknown_fields=True):
+    keys: list[str]
+    # >0: every hit is protected from eviction for this long (or until the
+    # connection closes), so a worker can still load what the scheduler saw.
+    lease_ms: int = 0
+
+
+class Reserve(msgspec.Struct, tag="reserve", tag_field="op", forbid_unknown_fields=True):
+    key: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
+class Commit(msgspec.Struct, tag="commit", tag_field="op", forbid_unknown_fields=True):
+    token: int
+
+
+class Abort(msgspec.Struct, tag="abort", tag_field="op", forbid_unknown_fields=True):
+    token: int
+
+
+class Get(msgspec.Struct, tag="get", tag_field="op", forbid_unknown_fields=True):
+    keys: list[str]
+
+
+class Release(msgspec.Struct, tag="release", tag_field="op", forbid_unknown_fields=True):
+    pins: list[int]
+
+
+class Delete(msgspec.Struct, tag="delete", tag_field="op", forbid_unknown_fields=True):
+    keys: list[str]
+
+
+class Clear(msgspec.Struct, tag="clear", tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+class Stats(msgspec.Struct, tag="stats", tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+class Ping(msgspec.Struct, tag="ping", tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+Request = Hello | Has | Reserve | Commit | Abort | Get | Release | Delete | Clear | Stats | Ping
+
+
+# ---------------------------------------------------------------- replies
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
+    version: int
+    segment_name: str
+    segment_size: int
+    block_size: int
+    epoch: str
+    broker_pid: int
+    max_frame_bytes: int
+
+
+class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):
+    hits: list[bool]
+
+
+class ReserveStatus:
+    RESERVED = "reserved"  # write the extents, then Commit(token) or Abort(token)
+    PRESENT = "present"  # a ready entry already exists: nothing to write
+    IN_PROGRESS = "in_progress"  # another writer holds the reservation
+
+
+class ReserveReply(msgspec.Struct, tag="reserve_reply", tag_field="op"):
+    status: str
+    token: int = 0
+    extents: list[Extent] = []
+
+
+class Hit(msgspec.Struct):
+    pin: int
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    extents: list[Extent]
+
+
+class GetReply(msgspec.Struct, tag="get_reply", tag_field="op"):
+    items: list[Hit | None]
+
+
+class DeleteReply(msgspec.Struct, tag="delete_reply", tag_field="op"):
+    deleted: list[bool]
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", tag_field="op"):
+    stats: dict[str, int | float | str]
+
+
+class OkReply(msgspec.Struct, tag="ok", tag_field="op"):
+    pass
+
+
+class PongReply(msgspec.Struct, tag="pong", tag_field="op"):
+    epoch: str
+
+
+class ErrorReply(msgspec.Struct, tag="error", tag_field="op"):
+    code: str
+    message: str
+
+
+Reply = (
+    HelloReply
+    | HasReply
+    | ReserveReply
+    | GetReply
+    | DeleteReply
+    | StatsReply
+    | OkReply
+    | PongReply
+    | ErrorReply
+)
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be accepted (too large, truncated, undecodable)."""
+
+
+def encode_frame(encoder: msgspec.msgpack.Encoder, msg: msgspec.Struct) -> bytes:
+    body = encoder.encode(msg)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def check_frame_length(length: int, max_frame_bytes: int) -> None:
+    if length > max_frame_bytes:
+        raise ProtocolError(
+            f"frame of {length} bytes exceeds the maximum of {max_frame_bytes} bytes"
+        )
+
+
+def expected_nbytes(dtype: str, shape: list[int]) -> int:
+    """nbytes implied by dtype and shape; ValueError names what is wrong."""
+    itemsize = DTYPE_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_ITEMSIZE))}")
+    if len(shape) > 16:
+        raise ValueError(f"shape has {len(shape)} dimensions; at most 16 are accepted")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape {shape} has a negative dimension")
+    return math.prod(shape) * itemsize

@@ -1,0 +1,174 @@
+"""One POSIX shared-memory segment: create (broker), attach (clients), unlink.
+
+Invariants kept here:
+- The broker creates the segment with O_CREX, so it never adopts a segment it
+  did not create; a stale segment of a dead broker is removed explicitly first
+  (``remove_stale``), never silently reused.
+- Pages are pre-faulted at creation (first-touch faults make later copies ~10x
+  slower), and the room in /dev/shm is checked *before* creating, so a short
+  /dev/shm is a clear refusal at start instead of SIGBUS on a later copy.
+- ``unlink`` is idempotent; the broker calls it on every exit path.
+- ``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13
+  its resource tracker unlinks segments that a process merely attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import posix_ipc
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap module
+
+
+class ShmError(RuntimeError):
+    """A shared-memory segment cannot be created or attached; the message says why."""
+
+
+def _grow_hint(size: int) -> str:
+    gib = max(1, -(-size // (1 << 30)))
+    return (
+        "Grow /dev/shm or use a smaller --shm-size: with Docker run the container with "
+        f"--shm-size={gib + 1}g; on Kubernetes mount an emptyDir with medium: Memory "
+        f"(sizeLimit >= {gib + 1}Gi) at /dev/shm; on a host: "
+        f"mount -o remount,size={gib + 1}G /dev/shm."
+    )
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def _populate(mm: mmap.mmap, size: int, write_zeros: bool) -> None:
+    """Fault every page in now. Prefer one madvise call; fall back to touching pages."""
+    if size == 0:
+        return
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass
+    if write_zeros:
+        chunk = bytes(1 << 24)
+        for off in range(0, size, len(chunk)):
+            n = min(len(chunk), size - off)
+            mm[off : off + n] = chunk[:n]
+    else:
+        page = mmap.PAGESIZE
+        view = memoryview(mm)
+        try:
+            for off in range(0, size, page):
+                view[off] = view[off]
+        finally:
+            view.release()
+
+
+class Segment:
+    """A mapped POSIX shared-memory segment."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.mm = mm
+        self.owner = owner
+        self._unlinked = False
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int = 0o600, prefault: bool = True) -> Segment:
+        if size <= 0:
+            raise ShmError(f"segment size must be positive, got {size} bytes")
+        free = shm_free_bytes()
+        if size > free:
+            raise ShmError(
+                f"/dev/shm has {free / (1 << 20):.0f} MiB free but the slab needs "
+                f"{size / (1 << 20):.0f} MiB. {_grow_hint(size)}"
+            )
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+        except posix_ipc.ExistentialError as exc:
+            raise ShmError(
+                f"shared-memory segment {name} already exists; another broker owns it "
+                "or a dead broker left it (it is removed at start when stale)"
+            ) from exc
+        except (OSError, posix_ipc.Error) as exc:
+            raise ShmError(f"cannot create shared-memory segment {name}: {exc}") from exc
+        try:
+            # The umask may have narrowed the mode; make it exactly what was asked.
+            os.fchmod(shm.fd, mode)
+            mm = mmap.mmap(shm.fd, size)
+        except OSError as exc:
+            shm.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
+        shm.close_fd()
+        seg = cls(name, size, mm, owner=True)
+        if prefault:
+            try:
+                _populate(mm, size, write_zeros=True)
+            except BaseException:
+                seg.close()
+                seg.unlink()
+                raise
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, size: int, prefault: bool = True) -> Segment:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError as exc:
+            raise ShmError(
+                f"shared-memory segment {name} does not exist (broker restarted?)"
+            ) from exc
+        except (OSError, posix_ipc.Error) as exc:
+            raise ShmError(f"cannot open shared-memory segment {name}: {exc}") from exc
+        try:
+            if shm.size < size:
+                raise ShmError(f"segment {name} has {shm.size} bytes, the broker announced {size}")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        if prefault:
+            _populate(mm, size, write_zeros=False)
+        return cls(name, size, mm, owner=False)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
+
+    def unlink(self) -> None:
+        if self._unlinked:
+            return
+        self._unlinked = True
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix`` (no leading slash).
+
+    Only called after the broker has established that no live broker serves the
+    socket these segments belong to.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for fname in names:
+        if fname.startswith(prefix):
+            try:
+                posix_ipc.unlink_shared_memory("/" + fname)
+                removed.append(fname)
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                pass
+    return removed
