@@ -1,0 +1,126 @@
+"""Shared fixtures: real broker processes started through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_ec_broker.broker.server import segment_prefix
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def shm_segments(socket_path: str) -> list[str]:
+    prefix = segment_prefix(socket_path)
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+class BrokerProcess:
+    """A real ``lmcache-ec-broker start`` process on a private socket."""
+
+    def __init__(self, socket_path: str, args: list[str], env: dict[str, str] | None = None):
+        self.socket_path = socket_path
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = socket_path + ".log"
+
+    def start(self, wait: bool = True, timeout: float = 20.0) -> BrokerProcess:
+        cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.socket_path]
+        env = dict(os.environ, **(self.env or {}))
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        from lmcache_ec_broker.broker.server import probe_socket
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.read_log()}")
+            if probe_socket(self.socket_path, timeout=0.2):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"broker not ready after {timeout}s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    # AF_UNIX paths are limited to ~107 bytes: keep them short.
+    d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_broker(sock_dir: str) -> Iterator:
+    """Factory: make_broker("--shm-size", "64MiB", ...) -> started BrokerProcess.
+
+    Every broker is stopped at teardown and the test fails if it left its socket
+    or a shared-memory segment behind.
+    """
+    started: list[BrokerProcess] = []
+
+    def factory(*args: str, socket_path: str | None = None, wait: bool = True, env=None):
+        path = socket_path or os.path.join(sock_dir, f"b-{uuid.uuid4().hex[:8]}.sock")
+        args_list = list(args) or ["--shm-size", "64MiB"]
+        b = BrokerProcess(path, args_list, env=env).start(wait=wait)
+        started.append(b)
+        return b
+
+    yield factory
+    leaks = []
+    for b in started:
+        b.stop()
+        if os.path.exists(b.socket_path):
+            leaks.append(b.socket_path)
+        leaks += shm_segments(b.socket_path)
+    assert not leaks, f"brokers left behind: {leaks}"
+
+
+@pytest.fixture
+def broker(make_broker) -> BrokerProcess:
+    return make_broker("--shm-size", "64MiB")
