@@ -112,9 +112,10 @@ def make_broker(sock_dir: str) -> Iterator:
         return b
 
     yield factory
-    leaks = []
     for b in started:
         b.stop()
+    leaks = []
+    for b in started:
         if os.path.exists(b.socket_path):
             leaks.append(b.socket_path)
         leaks += shm_segments(b.socket_path)
