@@ -1,0 +1,394 @@
+"""Crashes, restarts, signals and stalls, with real broker and client processes.
+
+Every test checks the broker's books afterwards: nothing reserved or pinned once
+the holders are gone, and ``free + used + reserved == capacity``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import posix_ipc
+import pytest
+import torch
+from conftest import shm_segments
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.broker.server import segment_prefix
+from lmcache_ec_broker.protocol import FRAME_HEADER, PROTOCOL_VERSION, Hello, Ping
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+# A client process that gets into a state and then blocks until it is killed.
+# Tensor bytes derive from the key, so anyone can verify what anyone wrote.
+CHILD = textwrap.dedent(
+    """
+    import hashlib, sys, time
+    import torch
+    from lmcache_ec_broker import BrokerClient
+    from lmcache_ec_broker.protocol import Get, Reserve
+
+    def data(key, n):
+        seed = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+    sock, mode = sys.argv[1], sys.argv[2]
+    c = BrokerClient(sock, timeout_s=30)
+    if mode == "hold-everything":
+        # a reservation half copied, a pin from a get never released, a lease from has
+        c.put("pinned", data("pinned", 3 << 20))
+        c.put("leased", data("leased", 2 << 20))
+        c._call(Get(["pinned"]))
+        assert c.has(["leased"], lease_ms=600_000) == [True]
+        r = c._call(Reserve("half", 8 << 20, "uint8", [8 << 20]))
+        slab = c._slab_view()
+        start, n = r.extents[0]
+        slab.u8[start : start + n // 2].copy_(data("half", 8 << 20)[: n // 2])
+    elif mode == "put-loop":
+        i = 0
+        print("ready", flush=True)
+        while True:
+            key = f"loop-{i % 12}"
+            c.put(key, data(key, 6 << 20))
+            i += 1
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def data(key: str, n: int) -> torch.Tensor:
+    import hashlib
+
+    seed = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def spawn(sock: str, mode: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, sock, mode], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline().strip()
+    assert line == "ready", f"child did not get ready (exit {p.poll()})"
+    return p
+
+
+def books_balance(st: dict) -> None:
+    assert st["free_bytes"] + st["used_bytes"] + st["reserved_bytes"] == st["capacity_bytes"], st
+
+
+def wait_nothing_held(c: BrokerClient, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.stats()
+        books_balance(st)
+        held = (st["reserved_bytes"], st["reserved_entries"], st["pinned_entries"], st["pins"])
+        if held == (0, 0, 0, 0):
+            return st
+        assert time.monotonic() < deadline, f"still held after the holder died: {st}"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- client crashes
+
+
+def test_kill9_client_holding_reservation_pins_and_leases_releases_all(broker) -> None:
+    p = spawn(broker.socket_path, "hold-everything")
+    with BrokerClient(broker.socket_path) as c:
+        st = c.stats()
+        books_balance(st)
+        assert st["reserved_bytes"] == 8 * MiB and st["reserved_entries"] == 1
+        assert st["pinned_entries"] == 2 and st["pins"] == 2
+        assert c.delete("pinned")  # doomed: its blocks stay until the pin goes
+        assert c.stats()["used_bytes"] == 5 * MiB
+        p.kill()
+        p.wait()
+        st = wait_nothing_held(c)
+        assert st["used_bytes"] == 2 * MiB  # only "leased" is left; "pinned" was freed
+        assert st["clients"] == 1
+        # The half-written reservation never became visible, and its key is free again.
+        assert c.has(["half", "pinned", "leased"]) == [False, False, True]
+        assert c.put("half", data("half", 8 << 20))
+        assert torch.equal(c.get("half"), data("half", 8 << 20))
+        # The lease died with its connection: the entry is evictable again.
+        assert c.delete("leased")
+        assert c.stats()["used_bytes"] == 8 * MiB
+
+
+def test_kill9_writers_at_random_points_never_expose_partial_entries(make_broker) -> None:
+    b = make_broker("--shm-size", "48MiB")  # 12 keys x 6 MiB: the loop also evicts
+    with BrokerClient(b.socket_path) as c:
+        for delay in (0.05, 0.13, 0.29, 0.41, 0.6):
+            p = spawn(b.socket_path, "put-loop")
+            time.sleep(delay)
+            p.kill()
+            p.wait()
+            wait_nothing_held(c)
+        for i in range(12):
+            key = f"loop-{i}"
+            got = c.get(key)
+            assert got is None or torch.equal(got, data(key, 6 << 20)), key
+        wait_nothing_held(c)
+
+
+# ---------------------------------------------------------------- broker crashes
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def _mapped(name: str) -> bool:
+    return f"/dev/shm{name}" in Path("/proc/self/maps").read_text()
+
+
+def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
+    b = make_broker("--shm-size", "64MiB")
+    c = BrokerClient(b.socket_path, timeout_s=2.0, max_backoff_s=0.5)
+    try:
+        assert c.put("before", data("before", MiB))
+        assert torch.equal(c.get("before"), data("before", MiB))
+        old_epoch = c.epoch
+        old_segment = c._hello.segment_name
+        assert _mapped(old_segment)
+
+        b.kill9()
+        assert os.path.exists(b.socket_path)  # a dead broker leaves its socket ...
+        assert shm_segments(b.socket_path)  # ... and its segment behind
+
+        # During the outage: misses and False, quickly, never an exception.
+        worst = 0.0
+        for i in range(50):
+            for fn, args, miss in (
+                (c.has, (["before"],), [False]),
+                (c.has, (["before"], 1000), [False]),
+                (c.get, ("before",), None),
+                (c.put, (f"during-{i}", data("x", 4096)), False),
+                (c.delete, ("before",), False),
+                (c.ping, (), False),
+                (c.stats, (), {}),
+            ):
+                out, dt = _timed(fn, *args)
+                assert out == miss if miss is not None else out is None
+                worst = max(worst, dt)
+        assert worst < 1.0, f"a call during the outage took {worst:.2f}s"
+
+        b2 = make_broker("--shm-size", "64MiB", socket_path=b.socket_path)
+        log = b2.read_log()
+        assert "removing stale socket" in log
+        assert "removed stale shared-memory segment" in log
+        assert old_segment.lstrip("/") not in shm_segments(b.socket_path)
+        assert len(shm_segments(b.socket_path)) == 1
+
+        # The client reconnects by itself (backoff <= 0.5 s) and maps the new slab.
+        deadline = time.monotonic() + 5
+        while not c.ping():
+            assert time.monotonic() < deadline, "client did not reconnect"
+            time.sleep(0.05)
+        assert c.epoch != old_epoch
+        assert c.reconnects >= 1
+        assert c.has(["before"]) == [False]  # the restart started empty (no disk tier)
+        assert c.put("after", data("after", 3 * MiB))
+        assert torch.equal(c.get("after"), data("after", 3 * MiB))
+        assert not _mapped(old_segment), "the old mapping was kept after the restart"
+        assert _mapped(c._hello.segment_name)
+        # A second client of the new broker reads what the reconnected one wrote.
+        with BrokerClient(b.socket_path) as other:
+            assert torch.equal(other.get("after"), data("after", 3 * MiB))
+            wait_nothing_held(other)
+    finally:
+        c.close()
+
+
+def test_outage_calls_back_off_instead_of_retrying_every_call(sock_dir) -> None:
+    path = os.path.join(sock_dir, "none.sock")
+    c = BrokerClient(path, max_backoff_s=0.2)
+    assert not c.connected
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 0.5:
+        assert c.has(["k"]) == [False]
+        n += 1
+    assert n > 1000  # no connect attempt (or sleep) on most calls
+    # A broker that appears later is found without creating a new client.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.listen()
+    s.close()  # a stale socket: connect is refused, still no exception
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        assert c.has(["k"]) == [False] and c.get("k") is None
+    os.unlink(path)
+    c.close()
+
+
+def test_stopped_broker_calls_end_at_the_deadline_and_recover(make_broker) -> None:
+    b = make_broker("--shm-size", "64MiB")
+    c = BrokerClient(b.socket_path, timeout_s=0.3, connect_timeout_s=0.3, max_backoff_s=0.2)
+    try:
+        assert c.put("k", data("k", MiB))
+        epoch = c.epoch
+        os.kill(b.pid, signal.SIGSTOP)  # alive but not answering: only a deadline helps
+        try:
+            for _ in range(5):
+                out, dt = _timed(c.has, ["k"])
+                assert out == [False]
+                assert dt < 0.3 + 0.3 + 0.2, f"has() took {dt:.2f}s with a 0.3 s deadline"
+                out, dt = _timed(c.get, "k")
+                assert out is None and dt < 0.8
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while c.has(["k"]) != [True]:
+            assert time.monotonic() < deadline, "client did not recover after SIGCONT"
+            time.sleep(0.05)
+        assert c.epoch == epoch  # same broker: same mapping, same data
+        assert torch.equal(c.get("k"), data("k", MiB))
+        wait_nothing_held(c)
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- signals and starts
+
+
+def test_sigterm_aborts_inflight_work_unlinks_everything_and_exits_0(broker) -> None:
+    p = spawn(broker.socket_path, "hold-everything")
+    try:
+        seg = shm_segments(broker.socket_path)
+        assert len(seg) == 1
+        assert broker.stop() == 0
+        assert not os.path.exists(broker.socket_path)
+        assert shm_segments(broker.socket_path) == []
+        log = broker.read_log()
+        assert (
+            "received SIGTERM" in log and "stopped; socket and shared-memory segment removed" in log
+        )
+        assert "Traceback" not in log
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_sigterm_with_a_stalled_client_still_exits(broker) -> None:
+    # A client that connected but never sends anything must not hold up shutdown.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(broker.socket_path)
+    try:
+        t0 = time.monotonic()
+        assert broker.stop(timeout=10) == 0
+        assert time.monotonic() - t0 < 5
+        assert s.recv(1) == b""  # the broker closed it
+    finally:
+        s.close()
+
+
+def _cli_start(path: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", path, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_second_start_on_a_live_socket_refuses_and_leaves_the_first_alone(broker) -> None:
+    out = _cli_start(broker.socket_path, "--shm-size", "64MiB")
+    assert out.returncode == 1
+    assert "a broker is already running on" in out.stderr and "stop it first" in out.stderr
+    assert len(shm_segments(broker.socket_path)) == 1  # the first broker's segment is untouched
+    with BrokerClient(broker.socket_path) as c:
+        assert c.ping()
+
+
+def test_start_replaces_a_stale_socket_and_segment(make_broker, sock_dir) -> None:
+    path = os.path.join(sock_dir, "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)  # a socket file nobody listens on, as a kill -9 leaves it
+    s.close()
+    stale = "/" + segment_prefix(path) + "deadbeef0000"
+    posix_ipc.SharedMemory(stale, posix_ipc.O_CREX, size=4096).close_fd()
+    b = make_broker("--shm-size", "64MiB", socket_path=path)
+    assert stale.lstrip("/") not in shm_segments(path)
+    with BrokerClient(path) as c:
+        assert c.put("k", data("k", 4096))
+
+
+def test_start_refuses_to_replace_a_file_that_is_not_a_socket(sock_dir) -> None:
+    path = os.path.join(sock_dir, "file.sock")
+    Path(path).write_text("not a socket")
+    out = _cli_start(path, "--shm-size", "64MiB")
+    assert out.returncode == 1
+    assert "exists and is not a socket" in out.stderr
+    assert Path(path).read_text() == "not a socket"
+    assert shm_segments(path) == []
+
+
+# ---------------------------------------------------------------- slow and stalled peers
+
+
+@pytest.fixture
+def no_uvloop(tmp_path) -> dict[str, str]:
+    """Environment for a broker on the plain asyncio loop (uvloop made unimportable)."""
+    (tmp_path / "uvloop.py").write_text("raise ImportError('disabled for this test')\n")
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+
+
+def _uses_uvloop(pid: int) -> bool:
+    return "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_client_that_stops_reading_does_not_stall_others(make_broker, loop, no_uvloop) -> None:
+    b = make_broker("--shm-size", "64MiB", env=None if loop == "uvloop" else no_uvloop)
+    assert _uses_uvloop(b.pid) == (loop == "uvloop")
+    rss0 = _rss(b.pid)
+    hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hog.connect(b.socket_path)
+    enc = __import__("msgspec").msgpack.Encoder()
+    hello = enc.encode(Hello(PROTOCOL_VERSION, "hog"))
+    ping = enc.encode(Ping())
+    frame = FRAME_HEADER.pack(len(ping)) + ping
+    hog.sendall(FRAME_HEADER.pack(len(hello)) + hello)
+    hog.setblocking(False)
+    burst = frame * 4096
+    sent = 0
+    blocked = False
+    with BrokerClient(b.socket_path, timeout_s=2.0) as c:
+        worst = 0.0
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end:
+            try:
+                sent += hog.send(burst)  # never reads a reply
+            except BlockingIOError:
+                blocked = True  # the broker stopped reading us: what should happen
+            ok, dt = _timed(c.ping)
+            assert ok
+            worst = max(worst, dt)
+        assert sent > 4 * len(burst), "the hog could not even start"
+        assert blocked, "the broker kept reading a client that never reads its replies"
+        assert worst < 0.5, f"a well-behaved client waited {worst:.2f}s behind a stalled one"
+        assert c.stats()["clients"] in (1, 2)  # the hog is paused or was disconnected
+        # Replies to the hog are bounded by the pause/disconnect, not by what it sent.
+        assert _rss(b.pid) - rss0 < 64 * MiB
+    hog.close()
