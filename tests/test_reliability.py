@@ -321,7 +321,7 @@ def test_start_replaces_a_stale_socket_and_segment(make_broker, sock_dir) -> Non
     s.close()
     stale = "/" + segment_prefix(path) + "deadbeef0000"
     posix_ipc.SharedMemory(stale, posix_ipc.O_CREX, size=4096).close_fd()
-    b = make_broker("--shm-size", "64MiB", socket_path=path)
+    make_broker("--shm-size", "64MiB", socket_path=path)
     assert stale.lstrip("/") not in shm_segments(path)
     with BrokerClient(path) as c:
         assert c.put("k", data("k", 4096))
