@@ -38,12 +38,24 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float64": 8,
     "complex64": 8,
     "complex128": 16,
+    "complex32": 4,
     "float8_e4m3fn": 1,
     "float8_e4m3fnuz": 1,
     "float8_e5m2": 1,
     "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    # Sub-byte and raw-bit dtypes: torch stores one element per byte.
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    **{f"uint{n}": 1 for n in range(1, 8)},
+    **{f"int{n}": 1 for n in range(1, 8)},
 }
+# Quantized dtypes carry a scale and zero point the cache does not store.
+QUANTIZED_DTYPES = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 
 Extent = tuple[int, int]  # (byte offset in the slab, length in bytes)
 
@@ -132,6 +144,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
     epoch: str
     broker_pid: int
     max_frame_bytes: int
+    # The membership filter segment (shm/filter.py); "" when the broker publishes none.
+    filter_name: str = ""
+    filter_size: int = 0
 
 
 class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):
@@ -215,6 +230,11 @@ def check_frame_length(length: int, max_frame_bytes: int) -> None:
 def expected_nbytes(dtype: str, shape: list[int]) -> int:
     """nbytes implied by dtype and shape; ValueError names what is wrong."""
     itemsize = DTYPE_ITEMSIZE.get(dtype)
+    if dtype in QUANTIZED_DTYPES:
+        raise ValueError(
+            f"quantized dtype {dtype} is not supported: its scale and zero point would be "
+            "lost; dequantize first or store the int representation (tensor.int_repr())"
+        )
     if itemsize is None:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_ITEMSIZE))}")
     if len(shape) > 16:

@@ -214,3 +214,31 @@ def test_malformed_frames_get_errors_and_the_broker_keeps_serving(broker) -> Non
     with BrokerClient(broker.socket_path) as c:
         assert c.ping()
         assert_nothing_held(c)  # the raw connection's reservation died with it
+
+
+def all_torch_dtypes() -> list[torch.dtype]:
+    seen: dict[str, torch.dtype] = {}
+    for name in dir(torch):
+        d = getattr(torch, name)
+        if isinstance(d, torch.dtype) and not str(d).startswith(("torch.qint", "torch.quint")):
+            seen[str(d)] = d
+    return list(seen.values())
+
+
+def test_every_torch_dtype_round_trips(broker) -> None:
+    with BrokerClient(broker.socket_path) as c:
+        for i, dt in enumerate(all_torch_dtypes()):
+            raw = torch.randint(0, 256, (6 * 5 * torch.empty(0, dtype=dt).element_size(),), dtype=torch.uint8)
+            if dt == torch.bool:
+                raw = raw % 2
+            t = raw.view(dt).reshape(6, 5)
+            assert c.put(f"dt{i}", t), dt
+            got = c.get(f"dt{i}")
+            assert got is not None and got.dtype == dt and got.shape == t.shape, dt
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), dt
+
+
+def test_quantized_tensors_are_refused_clearly(broker) -> None:
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with BrokerClient(broker.socket_path) as c, pytest.raises(ValueError, match="dequantize"):
+        c.put("q", q)

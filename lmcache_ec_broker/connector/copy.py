@@ -15,15 +15,14 @@ import mmap
 
 import torch
 
-from ..protocol import DTYPE_ITEMSIZE, Extent
+from ..protocol import Extent, expected_nbytes
 
 log = logging.getLogger(__name__)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise ValueError(f"dtype {dtype} is not supported by the broker")
+    expected_nbytes(name, [1])  # raises ValueError naming the problem
     return name
 
 
@@ -107,8 +106,15 @@ class SlabView:
     ) -> torch.Tensor:
         """A new tensor holding the entry; returns when the copy is complete."""
         out = torch.empty(shape, dtype=dtype, device=device)
+        self.read_into(extents, out)
+        return out
+
+    def read_into(self, extents: list[Extent], out: torch.Tensor) -> None:
+        """Copy the entry into ``out`` (contiguous, matching size); returns when done."""
+        if not out.is_contiguous():
+            raise ValueError("the output tensor must be contiguous")
         if out.numel() == 0:
-            return out
+            return
         dst = _flat_bytes(out)
         if out.is_cuda:
             stream = self._ensure_cuda(out.device)
@@ -119,12 +125,11 @@ class SlabView:
                     dst[off : off + n].copy_(self.u8[start : start + n], non_blocking=True)
                     off += n
             stream.synchronize()
-            return out
+            return
         off = 0
         for start, n in extents:
             dst[off : off + n].copy_(self.u8[start : start + n])
             off += n
-        return out
 
     def close(self) -> None:
         if self._cuda_registered:
