@@ -27,6 +27,13 @@ def _octal(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not an octal mode like 0660") from exc
 
 
+def _uids(value: str) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list of uids like 1000,1001") from exc
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmcache-ec-broker",
@@ -54,6 +61,19 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--socket-group", help="group that may use the socket (with --socket-mode 0660)"
     )
+    start.add_argument(
+        "--allowed-uids",
+        type=_uids,
+        help="comma-separated uids admitted besides the owner and root (e.g. 1000,1001)",
+    )
+    start.add_argument("--max-key-length", type=int, help="longest accepted key (characters)")
+    start.add_argument(
+        "--max-frame-size",
+        dest="max_frame_bytes",
+        type=_size,
+        help="largest accepted control message, e.g. 1MiB",
+    )
+    start.add_argument("--max-connections", type=int, help="most clients served at once")
     start.add_argument(
         "--local-disk", help="directory (or file:// URL) of the disk tier; off by default"
     )
@@ -85,6 +105,10 @@ _START_KEYS = (
     "max_entry_size",
     "socket_mode",
     "socket_group",
+    "allowed_uids",
+    "max_key_length",
+    "max_frame_bytes",
+    "max_connections",
     "local_disk",
     "max_local_disk_size",
     "metrics_port",

@@ -283,17 +283,22 @@ class BrokerServer:
                 "(max_connections); close idle clients or raise the limit",
             )
         sock = transport.get_extra_info("socket")
-        if sock is None:
-            return None
         try:
+            # Fail closed: a peer whose credentials cannot be read is not admitted.
+            if sock is None:
+                raise OSError("the event loop does not expose the connection's socket")
             _pid, uid, gid = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
-        except OSError:
-            return None
+        except OSError as exc:
+            return ErrorReply(
+                ErrorCode.PERMISSION_DENIED, f"cannot read the peer's credentials: {exc}"
+            )
+        # Root is admitted: it bypasses file permissions and can read any process's
+        # memory anyway, so refusing it protects nothing.
         if uid in (self._uid, 0) or uid in cfg.allowed_uids:
             return None
-        if self._group_gid is not None and gid == self._group_gid:
+        if self._group_gid is not None and self._group_gid in _peer_groups(sock, gid):
             return None
         return ErrorReply(
             ErrorCode.PERMISSION_DENIED,
@@ -470,6 +475,25 @@ class BrokerServer:
             self.segment.unlink()
             self.segment.close()
             self.segment = None
+
+
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
+def _peer_groups(sock: socket.socket, gid: int) -> set[int]:
+    """The peer's primary and supplementary groups, as the kernel saw them at connect.
+
+    The file system admits a group member through any of its groups (usually a
+    supplementary one), so the primary gid from SO_PEERCRED alone is not enough.
+    """
+    groups = {gid}
+    try:
+        # 1024 bytes (256 groups) is the most Python's getsockopt accepts.
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)
+    except OSError:
+        return groups  # old kernel, or more than 256 groups: primary group only
+    groups.update(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    return groups
 
 
 def _is_socket(path: str) -> bool:
