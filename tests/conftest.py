@@ -20,9 +20,15 @@ from lmcache_ec_broker.broker.server import segment_prefix
 REPO = Path(__file__).resolve().parent.parent
 
 
-def shm_segments(socket_path: str) -> list[str]:
+def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
+    """The broker's slab segments; with include_filter also its membership-filter
+    segments (name ends in -f), which leak checks must count too."""
     prefix = segment_prefix(socket_path)
-    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    return [
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith(prefix) and (include_filter or not n.endswith("-f"))
+    ]
 
 
 class BrokerProcess:
@@ -118,7 +124,7 @@ def make_broker(sock_dir: str) -> Iterator:
     for b in started:
         if os.path.exists(b.socket_path):
             leaks.append(b.socket_path)
-        leaks += shm_segments(b.socket_path)
+        leaks += shm_segments(b.socket_path, include_filter=True)
     assert not leaks, f"brokers left behind: {leaks}"
 
 

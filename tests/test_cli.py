@@ -49,7 +49,7 @@ def test_ping_stats_stop(broker) -> None:
     assert r.returncode == 0, r.stderr
     assert broker.proc.wait(10) == 0
     assert not os.path.exists(broker.socket_path)
-    assert shm_segments(broker.socket_path) == []
+    assert shm_segments(broker.socket_path, include_filter=True) == []
     assert cli("ping", "--socket", broker.socket_path).returncode == 1
 
 
@@ -107,4 +107,4 @@ def test_sigterm_exits_zero_and_cleans_up(broker) -> None:
     assert broker.stop() == 0
     s.close()
     assert not os.path.exists(broker.socket_path)
-    assert shm_segments(broker.socket_path) == []
+    assert shm_segments(broker.socket_path, include_filter=True) == []

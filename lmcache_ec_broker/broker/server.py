@@ -54,6 +54,7 @@ from ..protocol import (
     Stats,
     StatsReply,
 )
+from ..shm.filter import FilterWriter, slots_for
 from ..shm.segment import Segment, remove_stale
 from .store import Store
 
@@ -231,6 +232,8 @@ class Connection(asyncio.Protocol):
                 epoch=srv.epoch,
                 broker_pid=os.getpid(),
                 max_frame_bytes=srv.config.max_frame_bytes,
+                filter_name=srv.filter.name if srv.filter else "",
+                filter_size=srv.filter.size if srv.filter else 0,
             )
         )
 
@@ -248,6 +251,7 @@ class BrokerServer:
             max_key_length=config.max_key_length,
         )
         self.segment: Segment | None = None
+        self.filter: FilterWriter | None = None
         self.conn_ids = itertools.count(1)
         self.connections: dict[int, Connection] = {}
         self.decoder = msgspec.msgpack.Decoder(Request)
@@ -387,10 +391,23 @@ class BrokerServer:
                 format_size(self.store.block_size),
                 time.perf_counter() - t0,
             )
+            self._publish_filter(name)
             self._sock = self._bind(path)
         except BaseException:
             self.cleanup()
             raise
+
+    def _publish_filter(self, slab_name: str) -> None:
+        # Until the disk tier keeps its own keys in the filter, a broker with a disk
+        # tier publishes none: a disk-only key must never read as a local miss.
+        if self.config.local_disk:
+            return
+        self.filter = FilterWriter(
+            slab_name + "-f", slots_for(self.store.nblocks), mode=self.config.socket_mode
+        )
+        if self._group_gid is not None:
+            os.chown("/dev/shm" + self.filter.name, -1, self._group_gid)
+        self.store.membership = self.filter
 
     def _bind(self, path: str) -> socket.socket:
         cfg = self.config
@@ -471,6 +488,10 @@ class BrokerServer:
                 pass
             self._sock.close()
             self._sock = None
+        if self.filter is not None:
+            self.store.membership = None
+            self.filter.close()
+            self.filter = None
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()

@@ -25,6 +25,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..protocol import (
     ErrorCode,
@@ -73,6 +74,13 @@ class ConnState:
     leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
 
 
+class Membership(Protocol):
+    """What the store needs of a membership filter (shm.filter.FilterWriter)."""
+
+    def add(self, key: str) -> None: ...
+    def remove(self, key: str) -> None: ...
+
+
 class StoreListener:
     """Hooks for the disk tier and metrics; every method is optional."""
 
@@ -104,6 +112,10 @@ class Store:
         self.pins: dict[int, Pin] = {}
         self.conns: dict[int, ConnState] = {}
         self.listener: StoreListener = StoreListener()
+        # The published membership filter (shm/filter.py); None when not published.
+        # This memory tier adds a key before it becomes READY and removes it after
+        # it stopped being READY, keeping the filter's invariant for its own keys.
+        self.membership: Membership | None = None
         self._clock = clock
         self._ids = itertools.count(1)
         self._lease_heap: list[tuple[float, int]] = []
@@ -198,6 +210,8 @@ class Store:
     def _drop_ready(self, entry: Entry) -> None:
         """Remove a READY entry from the index; free now or at its last release."""
         del self.entries[entry.key]
+        if self.membership is not None:
+            self.membership.remove(entry.key)
         self.lru.remove(entry.key)
         if entry.pins:
             entry.doomed = True
@@ -323,6 +337,8 @@ class Store:
         self.lru.insert(entry.key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += entry.nbytes
+        if self.membership is not None:
+            self.membership.add(entry.key)
         self.listener.on_ready(entry)
         return None
 

@@ -54,7 +54,10 @@ from ..protocol import (
     StatsReply,
     expected_nbytes,
 )
+from ..shm.filter import FilterReader
 from ..shm.segment import Segment, ShmError
+
+_MAX_REPLY_BYTES = 256 << 20
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +88,7 @@ class BrokerClient:
         connect_timeout_s: float = 1.0,
         max_backoff_s: float = 2.0,
         prefault: bool = True,
+        filter_trust_s: float = 1.0,
     ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self.timeout_s = timeout_s
@@ -99,7 +103,20 @@ class BrokerClient:
         self._slab: SlabView | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
-        self._header = bytearray(4)
+        # Receive buffer: frames are parsed in place; [_rpos, _rend) is unread data.
+        self._rbuf = bytearray(1 << 16)
+        self._rpos = 0
+        self._rend = 0
+        # Replies still owed by the broker for requests whose reply we do not wait
+        # for (Release); they are read and discarded before the next reply.
+        self._owed = 0
+        # The broker's membership filter: a local "absent" skips the round trip. It is
+        # trusted only while the connection was confirmed within filter_trust_s, so a
+        # killed broker's stale filter cannot hide a restarted broker's entries for long.
+        self.filter_trust_s = filter_trust_s
+        self._filter: FilterReader | None = None
+        self._confirmed_at = 0.0
+        self.local_misses = 0
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._outage_logged = False
@@ -149,8 +166,12 @@ class BrokerClient:
         try:
             sock.connect(self.socket_path)
             sock.settimeout(self.timeout_s)
+            try:
+                sock.sendall(self._frame(Hello(PROTOCOL_VERSION, self.client_id, os.getpid())))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a refusing broker writes why and closes at once: its reason is queued
             self._sock = sock
-            reply = self._roundtrip(Hello(PROTOCOL_VERSION, self.client_id, os.getpid()))
+            reply = self._read_replies(1)[0]
         except BaseException:
             self._drop_socket()
             sock.close()
@@ -166,6 +187,17 @@ class BrokerClient:
             if self._hello.epoch != reply.epoch:
                 self._unmap()  # the broker restarted: its old segment is gone
         self._hello = reply
+        self._map_filter(reply)
+
+    def _map_filter(self, hello: HelloReply) -> None:
+        if self._filter is not None:
+            self._filter.close()
+            self._filter = None
+        if hello.filter_name:
+            try:
+                self._filter = FilterReader(hello.filter_name, hello.filter_size)
+            except ShmError as exc:
+                log.warning("not using the broker's membership filter: %s", exc)
 
     def _drop_socket(self) -> None:
         if self._sock is not None:
@@ -174,6 +206,8 @@ class BrokerClient:
             except OSError:
                 pass
         self._sock = None
+        self._rpos = self._rend = 0
+        self._owed = 0
 
     def _unmap(self) -> None:
         if self._slab is not None:
@@ -201,31 +235,78 @@ class BrokerClient:
 
     # ------------------------------------------------------------ transport
 
-    def _recv_exactly(self, n: int) -> bytes:
-        assert self._sock is not None
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:])
+    def _read_reply(self) -> Any:
+        """Decode the next reply frame; usually one recv_into per reply."""
+        sock = self._sock
+        assert sock is not None
+        buf = self._rbuf
+        while True:
+            avail = self._rend - self._rpos
+            need = 4
+            if avail >= 4:
+                (length,) = FRAME_HEADER.unpack_from(buf, self._rpos)
+                need = 4 + length
+                if avail >= need:
+                    start = self._rpos + 4
+                    self._rpos = start + length
+                    if self._rpos == self._rend:
+                        self._rpos = self._rend = 0
+                    with memoryview(buf) as view:
+                        return self._decoder.decode(view[start : start + length])
+                if need > _MAX_REPLY_BYTES:
+                    raise BrokerUnavailable(f"reply frame of {length} bytes is implausible")
+            if self._rpos:  # keep the unread tail at the front
+                buf[:avail] = buf[self._rpos : self._rend]
+                self._rpos, self._rend = 0, avail
+            if need > len(buf):
+                buf.extend(bytes(need - len(buf)))
+            with memoryview(buf) as view:
+                k = sock.recv_into(view[self._rend :])
             if k == 0:
                 raise BrokerUnavailable("the broker closed the connection")
-            got += k
-        return bytes(buf)
+            self._rend += k
 
-    def _roundtrip(self, msg: msgspec.Struct) -> Any:
+    def _send(self, data: bytes) -> None:
         sock = self._sock
         if sock is None:
             raise BrokerUnavailable("not connected")
-        body = self._encoder.encode(msg)
         try:
-            sock.sendall(FRAME_HEADER.pack(len(body)) + body)
-            (length,) = FRAME_HEADER.unpack(self._recv_exactly(4))
-            return self._decoder.decode(self._recv_exactly(length))
+            sock.sendall(data)
+        except OSError as exc:
+            self._drop_socket()
+            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def _frame(self, msg: msgspec.Struct) -> bytes:
+        body = self._encoder.encode(msg)
+        return FRAME_HEADER.pack(len(body)) + body
+
+    def _read_replies(self, n: int) -> list[Any]:
+        """Skip the owed replies, then read ``n`` replies."""
+        try:
+            while self._owed:
+                owed = self._read_reply()
+                self._owed -= 1
+                if isinstance(owed, ErrorReply):
+                    log.debug("deferred request refused: %s: %s", owed.code, owed.message)
+            out = [self._read_reply() for _ in range(n)]
         except (OSError, msgspec.MsgspecError) as exc:
             # Timeouts land here too: the stream position is unknown, so start over.
             self._drop_socket()
             raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BrokerUnavailable:
+            self._drop_socket()
+            raise
+        self._confirmed_at = time.monotonic()
+        return out
+
+    def _roundtrip(self, msg: msgspec.Struct) -> Any:
+        self._send(self._frame(msg))
+        return self._read_replies(1)[0]
+
+    def _post(self, msg: msgspec.Struct) -> None:
+        """Send without waiting: the reply is read (and dropped) before the next one."""
+        self._send(self._frame(msg))
+        self._owed += 1
 
     def _call(self, msg: msgspec.Struct) -> Any:
         """One request; raises BrokerUnavailable or BrokerRefused."""
@@ -278,8 +359,13 @@ class BrokerClient:
 
         dev = torch.device(device)
         with self._lock:
+            mask = self._maybe_mask(keys)
+            ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            if not ask:
+                self.local_misses += len(keys)
+                return [None] * len(keys)
             try:
-                reply: GetReply = self._call(Get(list(keys)))
+                reply: GetReply = self._call(Get(ask))
             except BrokerUnavailable:
                 return [None] * len(keys)
             hits: list[Hit] = [h for h in reply.items if h is not None]
@@ -297,22 +383,137 @@ class BrokerClient:
             except BrokerUnavailable:
                 return [None] * len(keys)
             finally:
-                if hits and self._sock is not None:
-                    try:
-                        self._call(Release([h.pin for h in hits]))
-                    except BrokerUnavailable:
-                        pass  # the pins died with the connection
-            return out
+                self._release(hits)
+            return out if mask is None else _expand(mask, out, None)
+
+    def get_into(self, key: str, out: torch.Tensor) -> bool:
+        """Copy the entry into ``out`` (same dtype and shape, contiguous; CPU or CUDA).
+
+        The copy-only path: no allocation, so no first-touch page faults on the
+        destination. True on a hit; False on a miss or while the broker is away.
+        """
+        from .copy import dtype_name
+
+        with self._lock:
+            mask = self._maybe_mask([key])
+            if mask is not None and not mask[0]:
+                self.local_misses += 1
+                return False
+            try:
+                reply: GetReply = self._call(Get([key]))
+            except BrokerUnavailable:
+                return False
+            item = reply.items[0]
+            if item is None:
+                return False
+            try:
+                if item.dtype != dtype_name(out.dtype) or item.shape != list(out.shape):
+                    raise ValueError(
+                        f"entry {key!r} is {item.dtype} {item.shape}, the output tensor is "
+                        f"{dtype_name(out.dtype)} {list(out.shape)}; pass a matching tensor "
+                        "or use get()"
+                    )
+                self._slab_view().read_into(item.extents, out)
+            except BrokerUnavailable:
+                return False
+            finally:
+                self._release([item])
+            return True
+
+    def put_many(self, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
+        """Batched put: all reservations in one round trip, all commits in another.
+
+        One bool per item, as ``put``. If the broker refuses some items, the others
+        are still stored, then the first refusal is raised as ``BrokerRefused``.
+        """
+        from .copy import dtype_name
+
+        reqs = []
+        for key, tensor in items:
+            dtype = dtype_name(tensor.dtype)
+            shape = list(tensor.shape)
+            reqs.append(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
+        if not reqs:
+            return []
+        with self._lock:
+            if not self._ensure_connected():
+                return [False] * len(items)
+            try:
+                self._send(b"".join(self._frame(r) for r in reqs))
+                replies = self._read_replies(len(reqs))
+            except BrokerUnavailable:
+                return [False] * len(items)
+            refusal = next((r for r in replies if isinstance(r, ErrorReply)), None)
+            todo = [
+                (i, r.token)
+                for i, r in enumerate(replies)
+                if isinstance(r, ReserveReply) and r.status == ReserveStatus.RESERVED
+            ]
+            done: list[int] = []
+            try:
+                slab = self._slab_view() if todo else None
+                for i, token in todo:
+                    assert slab is not None
+                    slab.write(replies[i].extents, items[i][1])
+                    done.append(token)
+            except BaseException:
+                for _, token in todo:
+                    if self._sock is not None:
+                        try:
+                            self._post(Abort(token))
+                        except BrokerUnavailable:
+                            pass
+                raise
+            stored = [False] * len(items)
+            if todo:
+                try:
+                    self._send(b"".join(self._frame(Commit(t)) for t in done))
+                    commits = self._read_replies(len(done))
+                except BrokerUnavailable:
+                    return stored
+                for (i, _), r in zip(todo, commits, strict=True):
+                    if isinstance(r, ErrorReply):
+                        refusal = refusal or r
+                    else:
+                        stored[i] = True
+            if refusal is not None:
+                raise BrokerRefused(refusal.code, refusal.message)
+            return stored
 
     def has(self, keys: list[str], lease_ms: int = 0) -> list[bool]:
         """One bool per key. ``lease_ms > 0`` protects each hit from eviction for that long
-        (or until this client disconnects)."""
+        (or until this client disconnects). Keys the broker's membership filter rules
+        out are answered here, without a round trip."""
         with self._lock:
+            mask = self._maybe_mask(keys)
+            ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            if not ask:
+                self.local_misses += len(keys)
+                return [False] * len(keys)
             try:
-                reply: HasReply = self._call(Has(list(keys), lease_ms))
-                return reply.hits
+                reply: HasReply = self._call(Has(ask, lease_ms))
             except BrokerUnavailable:
                 return [False] * len(keys)
+            return reply.hits if mask is None else _expand(mask, reply.hits, False)
+
+    def _maybe_mask(self, keys: list[str]) -> list[bool] | None:
+        """Per key, False where the filter proves a miss; None if the filter is not usable.
+        Call with the lock held."""
+        flt = self._filter
+        if (
+            flt is None
+            or self._sock is None
+            or time.monotonic() - self._confirmed_at > self.filter_trust_s
+        ):
+            return None
+        return [flt.maybe(k) for k in keys]
+
+    def _release(self, hits: list[Hit]) -> None:
+        if hits and self._sock is not None:
+            try:
+                self._post(Release([h.pin for h in hits]))
+            except BrokerUnavailable:
+                pass  # the pins died with the connection
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key])[0]
@@ -354,6 +555,9 @@ class BrokerClient:
         with self._lock:
             self._drop_socket()
             self._unmap()
+            if self._filter is not None:
+                self._filter.close()
+                self._filter = None
             self._hello = None
 
     def __enter__(self) -> BrokerClient:
@@ -367,3 +571,9 @@ class BrokerClient:
             self._drop_socket()
         except Exception:
             pass
+
+
+def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:
+    """Merge the broker's answers for the "maybe" keys back into one list per key."""
+    it = iter(answers)
+    return [next(it) if m else absent for m in mask]

@@ -1,0 +1,206 @@
+"""Start and talk to real ``vllm serve`` processes (tests, benchmarks, examples).
+
+Servers run through :mod:`lmcache_ec_broker.testing.vllm_cli` in their own
+process group, so ``stop()`` ends the API server and every engine/worker process
+it spawned, and nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_SERVER_DEV_MODE": "1",  # /reset_encoder_cache
+}
+
+SMALL_MODEL_ARGS = [
+    "--enforce-eager",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "2",
+    "--max-num-batched-tokens",
+    "512",
+    "--no-enable-prefix-caching",
+    "--limit-mm-per-prompt",
+    '{"image": 1, "video": 0}',
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ec_transfer_config(role: str, socket_path: str, **extra: Any) -> str:
+    return json.dumps(
+        {
+            "ec_connector": "ECBrokerConnector",
+            "ec_role": role,
+            "ec_connector_module_path": "lmcache_ec_broker.connector.vllm",
+            "ec_connector_extra_config": {"socket_path": socket_path, **extra},
+        }
+    )
+
+
+def png_data_url(seed: int, size: int = 112) -> str:
+    """A deterministic, seed-specific PNG as a ``data:`` URL."""
+    from PIL import Image
+
+    img = Image.new("RGB", (size, size))
+    img.putdata(
+        [
+            ((x * 7 + seed * 31) % 256, (y * 5 + seed * 17) % 256, (x * y + seed) % 256)
+            for y in range(size)
+            for x in range(size)
+        ]
+    )
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model: str | Path,
+        log_path: str | Path,
+        ec_config: str | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.port = port or free_port()
+        self.log_path = Path(log_path)
+        self.args = [*SMALL_MODEL_ARGS, *(extra_args or [])]
+        if ec_config is not None:
+            self.args += ["--ec-transfer-config", ec_config]
+        self.env = {**os.environ, **CPU_ENV, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        cmd = [
+            sys.executable,
+            "-m",
+            "lmcache_ec_broker.testing.vllm_cli",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group is ours alone
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(10)
+        try:  # stragglers (engine core, workers) of this group only
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> bytes:
+        data = json.dumps(body).encode() if body is not None else b""
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
+
+    def chat_token_ids(
+        self, image_url: str, text: str = "describe the image", max_tokens: int = 8
+    ) -> list[int]:
+        """Greedy completion for one image + text; the generated token ids."""
+        body = {
+            "model": self.model,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image_url}},
+                        {"type": "text", "text": text},
+                    ],
+                }
+            ],
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+        }
+        reply = json.loads(self._post("/v1/chat/completions", body, timeout=120))
+        content = reply["choices"][0]["logprobs"]["content"]
+        return [int(item["token"].removeprefix("token_id:")) for item in content]
+
+    def reset_encoder_cache(self) -> None:
+        self._post("/reset_encoder_cache", None, timeout=30)
+
+    def __enter__(self) -> VllmServer:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,199 @@
+"""The shared-memory membership filter: unit properties and a real broker with real clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+from conftest import shm_segments
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.shm.filter import SATURATED, FilterReader, FilterWriter, slots_for
+
+
+@pytest.fixture
+def writer():
+    w = FilterWriter(f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}-f", 16)
+    yield w
+    w.close()
+
+
+def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
+    reader = FilterReader(writer.name, writer.size)
+    try:
+        assert not reader.maybe("a")
+        writer.add("a")
+        assert reader.maybe("a") and writer.maybe("a")
+        writer.add("a")  # counted twice (e.g. memory and disk tier)
+        writer.remove("a")
+        assert reader.maybe("a")
+        writer.remove("a")
+        assert not reader.maybe("a")
+    finally:
+        reader.close()
+
+
+def test_closed_filter_says_maybe_for_everything(writer: FilterWriter) -> None:
+    reader = FilterReader(writer.name, writer.size)
+    try:
+        assert not reader.maybe("never-added")
+        writer.mm[20:24] = b"\0\0\0\0"  # what close() does before unlinking
+        assert not reader.live
+        assert reader.maybe("never-added")
+    finally:
+        reader.close()
+
+
+def test_saturated_slots_stay_maybe(writer: FilterWriter) -> None:
+    for _ in range(SATURATED + 10):
+        writer.add("hot")
+    for _ in range(SATURATED + 10):
+        writer.remove("hot")
+    assert writer.maybe("hot")  # the true count is unknown once saturated: never decrement
+    assert writer.saturated >= 1
+
+
+def test_sizing() -> None:
+    assert slots_for(1) == 16
+    assert 1 << slots_for(32768) >= 16 * 32768
+
+
+def test_reader_rejects_a_segment_that_is_not_a_filter() -> None:
+    from lmcache_ec_broker.shm.segment import Segment, ShmError
+
+    name = f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}"
+    seg = Segment.create(name, 1 << 17)
+    try:
+        with pytest.raises(ShmError, match="not a membership filter"):
+            FilterReader(name, 1 << 17)
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=300))
+def test_never_absent_while_present(ops: list[tuple[bool, int]]) -> None:
+    """The invariant: any key with a positive count reads as "maybe", whatever else
+    was added or removed (collisions included: 2**16 slots, 41 keys)."""
+    w = FilterWriter(f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}-f", 16)
+    try:
+        counts: dict[str, int] = {}
+        for add, i in ops:
+            key = f"model@1@0@{i}@bfloat16"
+            if add:
+                w.add(key)
+                counts[key] = counts.get(key, 0) + 1
+            elif counts.get(key):
+                w.remove(key)
+                counts[key] -= 1
+            for k, n in counts.items():
+                if n:
+                    assert w.maybe(k), k
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------ real broker
+
+_PUT = """
+import sys, torch
+from lmcache_ec_broker import BrokerClient
+c = BrokerClient(sys.argv[1])
+for key in sys.argv[2:]:
+    assert c.put(key, torch.arange(1024, dtype=torch.float32)), key
+c.close()
+"""
+
+
+def _put_in_other_process(sock: str, *keys: str) -> None:
+    subprocess.run([sys.executable, "-c", _PUT, sock, *keys], check=True, timeout=60)
+
+
+def test_broker_publishes_filter_and_client_answers_misses_locally(broker) -> None:
+    segs = shm_segments(broker.socket_path, include_filter=True)
+    assert any(s.endswith("-f") for s in segs), segs
+    _put_in_other_process(broker.socket_path, "present-1", "present-2")
+    with BrokerClient(broker.socket_path) as c:
+        assert c._filter is not None
+        before = c.stats()
+        misses = [f"absent-{i}" for i in range(200)]
+        assert c.has(misses) == [False] * 200
+        assert c.has(["present-1", "absent-x", "present-2"]) == [True, False, True]
+        assert c.get("absent-y") is None
+        after = c.stats()
+        # The broker saw (almost) none of the misses: a false "maybe" is rare, not zero.
+        assert after["has_misses"] - before["has_misses"] <= 5
+        assert c.local_misses >= 195
+        # A deleted key: the filter may still say maybe; the broker must answer False.
+        assert c.delete("present-1")
+        assert c.has(["present-1", "present-2"]) == [False, True]
+
+
+def test_local_miss_is_fast(broker) -> None:
+    with BrokerClient(broker.socket_path) as c:
+        c.ping()
+        t0 = time.perf_counter()
+        for i in range(2000):
+            c.has([f"k{i}"])
+        per_call = (time.perf_counter() - t0) / 2000
+        # Generous bound for a loaded 2-core machine; a round trip costs >= ~15 us here.
+        assert per_call < 50e-6, per_call
+        assert c.local_misses == 2000
+
+
+def test_filter_is_trusted_only_while_the_broker_is_confirmed(make_broker, sock_dir) -> None:
+    """A killed broker cannot mark its filter dead; after a restart the client must not
+    keep answering misses from the stale filter for longer than filter_trust_s."""
+    sock = os.path.join(sock_dir, "restart.sock")
+    b1 = make_broker("--shm-size", "64MiB", socket_path=sock)
+    c = BrokerClient(sock, filter_trust_s=0.2)
+    try:
+        assert c.has(["k"]) == [False]
+        b1.kill9()
+        b2 = make_broker("--shm-size", "64MiB", socket_path=sock)
+        _put_in_other_process(sock, "k")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and c.has(["k"]) != [True]:
+            time.sleep(0.05)
+        assert c.has(["k"]) == [True]
+        assert len([s for s in shm_segments(sock, include_filter=True) if s.endswith("-f")]) == 1  # stale one gone
+        b2.stop()
+    finally:
+        c.close()
+
+
+def test_clean_stop_marks_filter_dead(make_broker, sock_dir) -> None:
+    sock = os.path.join(sock_dir, "stop.sock")
+    b = make_broker("--shm-size", "64MiB", socket_path=sock)
+    c = BrokerClient(sock, filter_trust_s=60)
+    try:
+        assert c.has(["k"]) == [False]
+        flt = c._filter
+        assert flt is not None and flt.live
+        b.stop()
+        assert not flt.live  # every read is now "maybe", so the client reaches the broker
+        assert c.has(["k"]) == [False]  # broker away: a miss, no error
+    finally:
+        c.close()
+
+
+def test_cross_process_put_then_has(broker) -> None:
+    """Keys committed by another process are never reported absent afterwards."""
+    keys = [f"x-{i}" for i in range(50)]
+    with BrokerClient(broker.socket_path) as c:
+        assert c.has(keys) == [False] * 50
+        _put_in_other_process(broker.socket_path, *keys)
+        assert c.has(keys) == [True] * 50
+        out = c.get_many(keys[:3] + ["nope"])
+        assert [t is not None for t in out] == [True, True, True, False]
+        assert json.dumps(c.stats()["entries"]) == "50"
+        torch.testing.assert_close(out[0], torch.arange(1024, dtype=torch.float32))
