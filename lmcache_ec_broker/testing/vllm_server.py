@@ -41,6 +41,9 @@ SMALL_MODEL_ARGS = [
     "--max-num-batched-tokens",
     "512",
     "--no-enable-prefix-caching",
+    # An explicit KV size also skips the CPU worker's warm-up pass (faster start).
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
     "--limit-mm-per-prompt",
     '{"image": 1, "video": 0}',
 ]
@@ -139,20 +142,28 @@ class VllmServer:
             time.sleep(0.5)
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def terminate(self) -> None:
+        """Ask the API server to shut down (it stops its engine and workers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group is ours alone
-        os.killpg(pgid, signal.SIGTERM)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(10)
-        try:  # stragglers (engine core, workers) of this group only
+            pass
+        try:  # whatever is left of this server's process group
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.terminate()
+        self.wait_stopped(timeout)
 
     def log_text(self) -> str:
         try:

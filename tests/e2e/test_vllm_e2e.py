@@ -81,17 +81,24 @@ def broker_socket(workdir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def servers(model: str, broker_socket: str, workdir: Path) -> Iterator[dict[str, VllmServer]]:
+    cores = os.cpu_count() or 1
+
     def server(name: str, role: str | None) -> VllmServer:
         cfg = ec_transfer_config(role, broker_socket) if role else None
-        return VllmServer(model, workdir / f"{name}.log", ec_config=cfg)
+        # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
+        return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env)
 
-    fleet = {
-        "a": server("a", "ec_both"),
-        "b": server("b", "ec_both"),
-        "plain": server("plain", None),
-        "producer": server("producer", "ec_producer"),
-        "consumer": server("consumer", "ec_consumer"),
-    }
+    fleet: dict[str, VllmServer] = {}
+
+    for name, role in [
+        ("a", "ec_both"),
+        ("b", "ec_both"),
+        ("plain", None),
+        ("producer", "ec_producer"),
+        ("consumer", "ec_consumer"),
+    ]:
+        fleet[name] = server(name, role)
     try:
         for s in fleet.values():
             s.start()
@@ -100,7 +107,9 @@ def servers(model: str, broker_socket: str, workdir: Path) -> Iterator[dict[str,
         yield fleet
     finally:
         for s in fleet.values():
-            s.stop()
+            s.terminate()
+        for s in fleet.values():
+            s.wait_stopped()
 
 
 def broker_stats(socket_path: str) -> dict:
