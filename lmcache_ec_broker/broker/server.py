@@ -265,6 +265,9 @@ class BrokerServer:
         self.observers: list[Callable[[str, float], None]] = []
         # Called with the server after the loop stops, before the segment goes (disk flush).
         self.shutdown_hooks: list[Callable[[], Awaitable[None] | None]] = []
+        # Each adds keys to stats() (metrics latency summaries).
+        self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
 
     # ---------------------------------------------------------------- wiring
 
@@ -348,6 +351,10 @@ class BrokerServer:
             segment=self.segment.name if self.segment else "",
             socket=self.config.socket_path,
         )
+        if self.filter is not None:
+            out.update(filter_slots=self.filter.nslots, filter_saturated=self.filter.saturated)
+        for provide in self.stats_providers:
+            out.update(provide())
         return out
 
     # ---------------------------------------------------------------- lifecycle
@@ -392,10 +399,23 @@ class BrokerServer:
                 time.perf_counter() - t0,
             )
             self._publish_filter(name)
+            if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
+                self._start_metrics(cfg.metrics_port)
             self._sock = self._bind(path)
         except BaseException:
             self.cleanup()
             raise
+
+    def _start_metrics(self, port: int) -> None:
+        from .metrics import install
+
+        try:
+            install(self, port)
+        except OSError as exc:
+            raise BrokerError(
+                f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
+                "choose another --metrics-port (0 turns metrics off)"
+            ) from exc
 
     def _publish_filter(self, slab_name: str) -> None:
         # Until the disk tier keeps its own keys in the filter, a broker with a disk
@@ -430,6 +450,7 @@ class BrokerServer:
     async def serve(self) -> None:
         assert self._sock is not None, "prepare() first"
         loop = asyncio.get_running_loop()
+        self.loop = loop
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
