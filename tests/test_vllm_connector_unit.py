@@ -302,7 +302,7 @@ def test_broker_down_means_misses_not_crashes(pairs, sock_dir, connector_log):
     assert any("not reachable" in line for line in connector_log.lines)
 
 
-def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir):
+def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir, connector_log):
     path = os.path.join(sock_dir, "restart.sock")
     first = make_broker("--shm-size", "64MiB", socket_path=path)
     p = pairs(socket_path=path)
@@ -313,6 +313,7 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir):
     first.stop()
 
     assert not p.sched.has_cache_item(h)  # broker away: a miss, no exception
+    assert any("not reachable" in line for line in connector_log.lines)
     p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
     make_broker("--shm-size", "64MiB", socket_path=path)
     deadline = time.monotonic() + 10
@@ -332,3 +333,4 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir):
         assert time.monotonic() < deadline, "scheduler did not reconnect"
         time.sleep(0.1)
     assert torch.equal(cache[h2], tensor)
+    assert any("reachable again" in line for line in connector_log.lines)

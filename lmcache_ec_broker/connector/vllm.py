@@ -43,6 +43,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
+# Hooks a given vLLM does not have are simply never called (``update_connector_output``
+# and ``build_connector_worker_meta`` from 0.29, ``take_unavailable_requests`` from
+# 0.31, ``ensure_cache_available`` from 0.24); only imports need a guard.
 try:  # vLLM >= 0.29
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - older vLLM
@@ -59,9 +62,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 DEFAULT_LEASE_MS = 30_000
-
-_HAS_WORKER_META = "build_connector_worker_meta" in vars(ECConnectorBase)
-_HAS_UNAVAILABLE = "take_unavailable_requests" in vars(ECConnectorBase)
 
 
 def dtype_short_name(dtype: Any) -> str:
@@ -116,6 +116,7 @@ class ECBrokerConnector(ECConnectorBase):
         self._client: BrokerClient | None = None
         self._client_pid = -1
         self._client_lock = threading.Lock()
+        self._broker_up = True
 
         # Counters (scheduler side: has_cache_item answers; worker side: loads, puts).
         self.ec_hits = 0
@@ -149,13 +150,24 @@ class ECBrokerConnector(ECConnectorBase):
             if self._client is None or self._client_pid != os.getpid():
                 self._client = BrokerClient(self._socket_path, timeout_s=self._timeout_s)
                 self._client_pid = os.getpid()
-                if not self._client.connected:
-                    logger.warning(
-                        "EC broker not reachable at %s; serving without it (misses) "
-                        "and reconnecting in the background",
-                        self._client.socket_path,
-                    )
+                self._broker_up = True
+                self._note_health(self._client)
             return self._client
+
+    def _note_health(self, client: BrokerClient) -> None:
+        """Log each transition between reachable and unreachable broker once."""
+        up = client.connected
+        if up == self._broker_up:
+            return
+        self._broker_up = up
+        if up:
+            logger.info("EC broker at %s is reachable again", client.socket_path)
+        else:
+            logger.warning(
+                "EC broker not reachable at %s; serving without it (misses) "
+                "and reconnecting in the background",
+                client.socket_path,
+            )
 
     def stats(self) -> dict[str, int]:
         return {
@@ -181,7 +193,9 @@ class ECBrokerConnector(ECConnectorBase):
         answer = self._step_answers.get(identifier)
         if answer is None:
             try:
-                answer = self.client.has([self.key(identifier)], lease_ms=self._lease_ms)[0]
+                client = self.client
+                answer = client.has([self.key(identifier)], lease_ms=self._lease_ms)[0]
+                self._note_health(client)
             except Exception as exc:  # never take the scheduler down
                 logger.warning("EC broker has() failed: %s", exc)
                 answer = False
@@ -255,7 +269,9 @@ class ECBrokerConnector(ECConnectorBase):
         hashes = list(todo)
         device = _runner_device()
         try:
-            tensors = self.client.get_many([self.key(h) for h in hashes], device=device)
+            client = self.client
+            tensors = client.get_many([self.key(h) for h in hashes], device=device)
+            self._note_health(client)
         except Exception as exc:
             logger.warning("EC broker get failed: %s", exc)
             tensors = [None] * len(hashes)
@@ -309,7 +325,9 @@ class ECBrokerConnector(ECConnectorBase):
         if tensor is None or mm_hash in self._placeholders:
             return
         try:
-            stored = self.client.put(self.key(mm_hash), tensor.detach())
+            client = self.client
+            stored = client.put(self.key(mm_hash), tensor.detach())
+            self._note_health(client)
         except BrokerRefused as exc:
             self.put_errors += 1
             logger.warning("EC put refused for mm_hash=%s: %s", mm_hash, exc)
@@ -358,10 +376,3 @@ def _runner_device() -> str:
     if current_platform.is_cuda_alike():
         device = f"{device}:{torch.cuda.current_device()}"
     return device
-
-
-if not _HAS_WORKER_META:  # pragma: no cover - vLLM < 0.29 has no worker->scheduler channel
-    del ECBrokerConnector.build_connector_worker_meta
-    del ECBrokerConnector.update_connector_output
-if not _HAS_UNAVAILABLE:  # pragma: no cover - vLLM < 0.31 cannot fail a request for us
-    del ECBrokerConnector.take_unavailable_requests

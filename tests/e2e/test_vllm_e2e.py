@@ -52,39 +52,58 @@ def model(workdir: Path) -> str:
     return str(build_tiny_qwen2vl(root, SPEC))
 
 
-@pytest.fixture(scope="module")
-def broker_socket(workdir: Path) -> Iterator[str]:
-    path = str(workdir / "broker.sock")
-    log = open(workdir / "broker.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", path]
-        + ["--shm-size", "256MiB"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+class Broker:
+    """A real broker process on a fixed socket that a test can stop and restart."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.socket_path = str(workdir / "broker.sock")
+        self.log_path = workdir / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "lmcache_ec_broker.cli", *args, "--socket", self.socket_path]
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self._cli("start") + ["--shm-size", "256MiB"], stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 30
         while subprocess.call(
-            [sys.executable, "-m", "lmcache_ec_broker.cli", "ping", "--socket", path],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            self._cli("ping"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         ):
-            assert proc.poll() is None, (workdir / "broker.log").read_text()
+            assert self.proc.poll() is None, self.log_path.read_text()
             assert time.monotonic() < deadline, "broker did not start"
             time.sleep(0.2)
-        yield path
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def stats(self) -> dict:
+        with BrokerClient(self.socket_path) as c:
+            stats = c.stats()
+        assert stats, "broker did not answer stats"
+        return stats
 
 
 @pytest.fixture(scope="module")
-def servers(model: str, broker_socket: str, workdir: Path) -> Iterator[dict[str, VllmServer]]:
+def broker(workdir: Path) -> Iterator[Broker]:
+    b = Broker(workdir)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, VllmServer]]:
     cores = os.cpu_count() or 1
 
     def server(name: str, role: str | None) -> VllmServer:
-        cfg = ec_transfer_config(role, broker_socket) if role else None
+        cfg = ec_transfer_config(role, broker.socket_path) if role else None
         # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
         return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env)
@@ -112,32 +131,25 @@ def servers(model: str, broker_socket: str, workdir: Path) -> Iterator[dict[str,
             s.wait_stopped()
 
 
-def broker_stats(socket_path: str) -> dict:
-    with BrokerClient(socket_path) as c:
-        stats = c.stats()
-    assert stats, "broker did not answer stats"
-    return stats
-
-
-def test_one_instance_reloads_from_broker_after_encoder_cache_reset(servers, broker_socket):
+def test_one_instance_reloads_from_broker_after_encoder_cache_reset(servers, broker):
     a = servers["a"]
     image = png_data_url(seed=1)
-    before = broker_stats(broker_socket)
+    before = broker.stats()
     cold = a.chat_token_ids(image)
     stored = puts(a)
     assert list(stored.values()) == [ENTRY_BYTES], a.log_tail()
-    after_put = broker_stats(broker_socket)
+    after_put = broker.stats()
     assert after_put["entries"] == before["entries"] + 1
 
     a.reset_encoder_cache()
     warm = a.chat_token_ids(image)
-    after_load = broker_stats(broker_socket)
+    after_load = broker.stats()
     assert after_load["hits"] == after_put["hits"] + 1, "second request did not load from broker"
     assert puts(a) == stored, "the encoder ran again instead of loading"
     assert warm == cold
 
 
-def test_two_instances_share_one_broker(servers, broker_socket):
+def test_two_instances_share_one_broker(servers, broker):
     a, b, plain = servers["a"], servers["b"], servers["plain"]
     image = png_data_url(seed=2)
     stored_before = puts(a)
@@ -146,22 +158,43 @@ def test_two_instances_share_one_broker(servers, broker_socket):
     assert list(new.values()) == [ENTRY_BYTES]
     (mm_hash,) = new
 
-    hits = broker_stats(broker_socket)["hits"]
+    hits = broker.stats()["hits"]
     tokens_b = b.chat_token_ids(image)
-    assert broker_stats(broker_socket)["hits"] == hits + 1, "B did not load A's entry"
+    assert broker.stats()["hits"] == hits + 1, "B did not load A's entry"
     assert mm_hash not in puts(b), "B encoded the image itself"
     assert tokens_b == plain.chat_token_ids(image) == tokens_a
 
 
-def test_disaggregated_producer_and_consumer(servers, broker_socket):
+def test_disaggregated_producer_and_consumer(servers, broker):
     producer, consumer, plain = servers["producer"], servers["consumer"], servers["plain"]
     image = png_data_url(seed=3)
     producer.chat_token_ids(image, max_tokens=1)  # the encode step
     (mm_hash,) = [h for h in puts(producer)]
     assert puts(producer)[mm_hash] == ENTRY_BYTES
 
-    hits = broker_stats(broker_socket)["hits"]
+    hits = broker.stats()["hits"]
     tokens = consumer.chat_token_ids(image)
-    assert broker_stats(broker_socket)["hits"] == hits + 1, "consumer did not load"
+    assert broker.stats()["hits"] == hits + 1, "consumer did not load"
     assert puts(consumer) == {}
     assert tokens == plain.chat_token_ids(image)
+
+
+def test_broker_outage_keeps_vllm_serving(servers, broker):
+    """Runs last: stops the module's broker. vLLM serves through the outage (the
+    encoder runs locally) and uses the broker again once it is back."""
+    a, plain = servers["a"], servers["plain"]
+    broker.stop()
+    image = png_data_url(seed=4)
+    assert a.chat_token_ids(image) == plain.chat_token_ids(image)
+    assert "EC broker not reachable" in a.log_text()
+
+    broker.start()
+    known = set(puts(a))
+    deadline = time.monotonic() + 30
+    seed = 100
+    while not set(puts(a)) - known:  # reconnects after its backoff (seconds)
+        assert time.monotonic() < deadline, "vLLM did not store into the restarted broker"
+        a.chat_token_ids(png_data_url(seed=seed), max_tokens=1)
+        seed += 1
+        time.sleep(0.5)
+    assert broker.stats()["entries"] >= 1
