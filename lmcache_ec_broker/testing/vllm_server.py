@@ -55,12 +55,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ec_transfer_config(role: str, socket_path: str, **extra: Any) -> str:
+def ec_transfer_config(
+    role: str,
+    socket_path: str,
+    *,
+    connector: str = "ECBrokerConnector",
+    module: str = "lmcache_ec_broker.connector.vllm",
+    **extra: Any,
+) -> str:
     return json.dumps(
         {
-            "ec_connector": "ECBrokerConnector",
+            "ec_connector": connector,
             "ec_role": role,
-            "ec_connector_module_path": "lmcache_ec_broker.connector.vllm",
+            "ec_connector_module_path": module,
             "ec_connector_extra_config": {"socket_path": socket_path, **extra},
         }
     )

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_q
 from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
 
 pytestmark = pytest.mark.vllm
+HERE = Path(__file__).resolve().parent
 
 SPEC = TinyQwen2VLSpec()
 ENTRY_BYTES = 16 * SPEC.hidden_size * 2  # a 112x112 image: 16 rows of bf16
@@ -102,10 +104,13 @@ def broker(workdir: Path) -> Iterator[Broker]:
 def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, VllmServer]]:
     cores = os.cpu_count() or 1
 
-    def server(name: str, role: str | None) -> VllmServer:
-        cfg = ec_transfer_config(role, broker.socket_path) if role else None
+    def server(name: str, role: str | None, **connector: str) -> VllmServer:
+        cfg = ec_transfer_config(role, broker.socket_path, **connector) if role else None
         # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
-        env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        }
         return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env)
 
     fleet: dict[str, VllmServer] = {}
@@ -118,6 +123,12 @@ def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, Vll
         ("consumer", "ec_consumer"),
     ]:
         fleet[name] = server(name, role)
+    fleet["faulty"] = server(
+        "faulty",
+        "ec_both",
+        connector="ECBrokerConnectorDropsBeforeLoad",
+        module="faulty_ec_connector",
+    )
     try:
         for s in fleet.values():
             s.start()
@@ -177,6 +188,24 @@ def test_disaggregated_producer_and_consumer(servers, broker):
     assert broker.stats()["hits"] == hits + 1, "consumer did not load"
     assert puts(consumer) == {}
     assert tokens == plain.chat_token_ids(image)
+
+
+def test_vanished_entry_fails_the_request_and_the_engine_lives(servers):
+    """The entry disappears between the scheduler's has() and the worker's load:
+    that request fails with a (retryable) 500; the engine keeps serving."""
+    faulty, plain = servers["faulty"], servers["plain"]
+    image = png_data_url(seed=5)
+    first = faulty.chat_token_ids(image)  # encodes and stores
+    assert first == plain.chat_token_ids(image)
+    faulty.reset_encoder_cache()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        faulty.chat_token_ids(image)  # hit -> entry deleted -> load fails
+    assert err.value.code == 500
+    log = faulty.log_text()
+    assert "EC load failed for mm_hash=" in log
+    assert "failing 1 request(s)" in log
+    other = png_data_url(seed=6)
+    assert faulty.chat_token_ids(other) == plain.chat_token_ids(other)
 
 
 def test_broker_outage_keeps_vllm_serving(servers, broker):
