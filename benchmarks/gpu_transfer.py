@@ -21,10 +21,11 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import MiB, Broker, fmt_size, median, parse_sizes, table  # noqa: E402
+from benchmarks._common import Broker, MiB, fmt_size, median, parse_sizes, table  # noqa: E402
 
 NO_DEVICE_EXIT = 3
 
@@ -37,7 +38,9 @@ def timed(fn, sync) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="64KiB,2MiB,8MiB,34MiB,130MiB")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda:0")
@@ -75,11 +78,11 @@ def main() -> int:
             for r in range(args.runs + 1):  # the first round warms up streams and caches
                 key = f"gpu-{size}-{r}"
                 samples = {
-                    "D2H pinned": timed(lambda: pinned.copy_(src, non_blocking=True), sync),
-                    "H2D pinned": timed(lambda: out.copy_(pinned, non_blocking=True), sync),
-                    "D2H pageable": timed(lambda: pageable.copy_(src), sync),
-                    "put": timed(lambda k=key: c.put(k, src), sync),
-                    "get_into": timed(lambda k=key: c.get_into(k, out), sync),
+                    "D2H pinned": timed(partial(pinned.copy_, src, non_blocking=True), sync),
+                    "H2D pinned": timed(partial(out.copy_, pinned, non_blocking=True), sync),
+                    "D2H pageable": timed(partial(pageable.copy_, src), sync),
+                    "put": timed(partial(c.put, key, src), sync),
+                    "get_into": timed(partial(c.get_into, key, out), sync),
                 }
                 if not torch.equal(out, src):
                     raise SystemExit(f"gpu_transfer: {fmt_size(size)} came back different")

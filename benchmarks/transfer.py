@@ -39,8 +39,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import (  # noqa: E402
-    MiB,
     Broker,
+    MiB,
     Worker,
     fmt_size,
     median,
@@ -96,7 +96,11 @@ class State:
         torch = self.torch
         g = torch.Generator().manual_seed(size)
         raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
-        self.tensors[size] = raw.view(torch.bfloat16).reshape(-1, HIDDEN) if size >= 2 * HIDDEN else raw.view(torch.bfloat16)
+        self.tensors[size] = (
+            raw.view(torch.bfloat16).reshape(-1, HIDDEN)
+            if size >= 2 * HIDDEN
+            else raw.view(torch.bfloat16)
+        )
         self.outs[size] = torch.empty_like(self.tensors[size])
         self.outs[size].fill_(0)  # touch every page: a reused destination
         return {}
@@ -340,7 +344,6 @@ def ec_cpu_connector_status() -> str:
     """Why vLLM's ECCPUConnector cannot be measured here (or that it could)."""
     try:
         import torch
-
         import vllm._custom_ops  # noqa: F401  registers the compiled ops
     except Exception as exc:
         return f"cannot import vLLM: {exc}"
@@ -409,7 +412,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         writer, reader = Worker(script), Worker(script)
         info = {}
         for w in (writer, reader):
-            info = w.call(op="setup", socket_path=broker.socket_path, redis_socket=redis_sock, st_dirs=st_dirs)
+            info = w.call(
+                op="setup", socket_path=broker.socket_path, redis_socket=redis_sock, st_dirs=st_dirs
+            )
         results: dict[str, Any] = {"sizes": sizes, "runs": args.runs, "peers_info": info}
         results["ec_cpu_connector"] = ec_cpu_connector_status()
         per: dict[int, dict[str, list[float]]] = {}
@@ -425,12 +430,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 put = writer.call(op="put", system="broker", key=key, size=size)
                 assert put["ok"], f"broker did not store {key}"
                 m.setdefault("broker put", []).append(put["t"])
-                m.setdefault("broker get", []).append(reader.call(op="get", system="broker", key=key, size=size, mode="new")["t"])
-                m.setdefault("broker get_into", []).append(reader.call(op="get", system="broker", key=key, size=size, mode="into")["t"])
+                m.setdefault("broker get", []).append(
+                    reader.call(op="get", system="broker", key=key, size=size, mode="new")["t"]
+                )
+                m.setdefault("broker get_into", []).append(
+                    reader.call(op="get", system="broker", key=key, size=size, mode="into")["t"]
+                )
                 writer.call(op="delete", system="broker", key=key)
                 for peer in peers:
                     pkey = f"{key}-{peer}"
-                    m.setdefault(f"{peer} put", []).append(writer.call(op="put", system=peer, key=pkey, size=size)["t"])
+                    m.setdefault(f"{peer} put", []).append(
+                        writer.call(op="put", system=peer, key=pkey, size=size)["t"]
+                    )
                     if peer == "st-disk-cold":
                         writer.call(op="drop_page_cache", system=peer, key=pkey)
                     got = reader.call(op="get", system=peer, key=pkey, size=size)
@@ -448,7 +459,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         echo = os.path.join(tmp, "echo.sock")
         writer.call(op="echo_start", path=echo)
         results["rtt_floor"] = reader.call(op="rtt", path=echo, iters=args.has_iters)
-        results["small"] = [reader.call(op="small_ops", n=args.small_n, batch=32) for _ in range(args.small_runs)]
+        results["small"] = [
+            reader.call(op="small_ops", n=args.small_n, batch=32) for _ in range(args.small_runs)
+        ]
         return results
     finally:
         for w in (writer, reader):
@@ -481,20 +494,49 @@ def report(res: dict[str, Any]) -> str:
     out.append(
         "Broker, writer and reader in different processes (GB/s; ratio to memcpy of the same bytes, same run)\n\n"
         + table(
-            ["size", "memcpy", "put", "get_into", "memcpy->new", "get (new tensor)", "put+get_into vs 2 memcpy"],
+            [
+                "size",
+                "memcpy",
+                "put",
+                "get_into",
+                "memcpy->new",
+                "get (new tensor)",
+                "put+get_into vs 2 memcpy",
+            ],
             rows,
         )
     )
-    peers = sorted({k.rsplit(" ", 1)[0] for m in res["per_size"].values() for k in m} - {"broker", "memcpy", "memcpy->new"})
+    peers = sorted(
+        {k.rsplit(" ", 1)[0] for m in res["per_size"].values() for k in m}
+        - {"broker", "memcpy", "memcpy->new"}
+    )
     if peers:
         rows = []
         for s in res["sizes"]:
             m = res["per_size"][str(s)]
             b = m["broker put"] + m["broker get_into"]
-            rows.append([fmt_size(s), "broker", f"{m['broker put'] * 1e3:.2f}", f"{m['broker get_into'] * 1e3:.2f}", f"{b * 1e3:.2f}", "1.00x"])
+            rows.append(
+                [
+                    fmt_size(s),
+                    "broker",
+                    f"{m['broker put'] * 1e3:.2f}",
+                    f"{m['broker get_into'] * 1e3:.2f}",
+                    f"{b * 1e3:.2f}",
+                    "1.00x",
+                ]
+            )
             for p in peers:
                 t = m[f"{p} put"] + m[f"{p} get"]
-                rows.append([fmt_size(s), p, f"{m[f'{p} put'] * 1e3:.2f}", f"{m[f'{p} get'] * 1e3:.2f}", f"{t * 1e3:.2f}", f"{t / b:.1f}x"])
+                rows.append(
+                    [
+                        fmt_size(s),
+                        p,
+                        f"{m[f'{p} put'] * 1e3:.2f}",
+                        f"{m[f'{p} get'] * 1e3:.2f}",
+                        f"{t * 1e3:.2f}",
+                        f"{t / b:.1f}x",
+                    ]
+                )
         out.append(
             "Peers, same sizes, same run (ms). Every get delivers the bytes into the reader's "
             "reused tensor (broker: get_into; safetensors: load_file + copy; redis: GET + copy); "
@@ -504,13 +546,22 @@ def report(res: dict[str, Any]) -> str:
     out.append(f"vLLM ECCPUConnector: {res['ec_cpu_connector']}")
     if res.get("peers_info"):
         out.append("safetensors peers use: " + ", ".join(sorted(set(res["peers_info"].values()))))
-    rows = [[name, f"{v['p50'] * 1e6:.1f}", f"{v['p99'] * 1e6:.1f}"] for name, v in res["has"].items()]
+    rows = [
+        [name, f"{v['p50'] * 1e6:.1f}", f"{v['p99'] * 1e6:.1f}"] for name, v in res["has"].items()
+    ]
     f = res["rtt_floor"]
-    rows.append(["raw Unix-socket ping-pong (floor)", f"{f['p50'] * 1e6:.1f}", f"{f['p99'] * 1e6:.1f}"])
-    out.append("has() across processes (microseconds)\n\n" + table(["call", "p50 us", "p99 us"], rows))
+    rows.append(
+        ["raw Unix-socket ping-pong (floor)", f"{f['p50'] * 1e6:.1f}", f"{f['p99'] * 1e6:.1f}"]
+    )
+    out.append(
+        "has() across processes (microseconds)\n\n" + table(["call", "p50 us", "p99 us"], rows)
+    )
     modes = list(res["small"][0])
     rows = [[mode, f"{median(r[mode] for r in res['small']):,.0f}"] for mode in modes]
-    out.append("64 KiB entries, one client (pairs per second, median of runs)\n\n" + table(["path", "pairs/s"], rows))
+    out.append(
+        "64 KiB entries, one client (pairs per second, median of runs)\n\n"
+        + table(["path", "pairs/s"], rows)
+    )
     return "\n\n".join(out)
 
 
@@ -518,10 +569,14 @@ def main() -> None:
     if "--worker" in sys.argv:
         worker_main()
         return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default=DEFAULT_SIZES)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}, or none")
+    p.add_argument(
+        "--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}, or none"
+    )
     p.add_argument("--disk-dir", default="/var/tmp", help="local-disk directory for st-disk")
     p.add_argument("--has-iters", type=int, default=5000)
     p.add_argument("--small-n", type=int, default=3000)
