@@ -136,7 +136,6 @@ class ECBrokerConnector(ECConnectorBase):
         self._placeholders: set[str] = set()
         self._failed_this_step: dict[str, set[str]] = {}
         self._cleared_this_step: set[str] = set()
-        self._encoder_cache: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -256,7 +255,6 @@ class ECBrokerConnector(ECConnectorBase):
     # ------------------------------------------------------------------- worker
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        self._encoder_cache = encoder_cache
         self._check_placeholders(encoder_cache)
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
@@ -280,7 +278,8 @@ class ECBrokerConnector(ECConnectorBase):
             if tensor is not None and tensor.dim() == 2 and tensor.shape[0] == expected:
                 encoder_cache[mm_hash] = tensor
                 self.loads += 1
-                logger.debug("EC load: mm_hash=%s shape=%s", mm_hash, tuple(tensor.shape))
+                nbytes = tensor.numel() * tensor.element_size()
+                logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
                 continue
             self.load_failures += 1
             logger.error(

@@ -32,10 +32,15 @@ HERE = Path(__file__).resolve().parent
 SPEC = TinyQwen2VLSpec()
 ENTRY_BYTES = 16 * SPEC.hidden_size * 2  # a 112x112 image: 16 rows of bf16
 PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
+LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 
 def puts(server: VllmServer) -> dict[str, int]:
     return {h: int(n) for n, h in PUT_LINE.findall(server.log_text())}
+
+
+def loads(server: VllmServer) -> list[str]:
+    return [h for _, h in LOAD_LINE.findall(server.log_text())]
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +162,7 @@ def test_one_instance_reloads_from_broker_after_encoder_cache_reset(servers, bro
     after_load = broker.stats()
     assert after_load["hits"] == after_put["hits"] + 1, "second request did not load from broker"
     assert puts(a) == stored, "the encoder ran again instead of loading"
+    assert loads(a) == list(stored)
     assert warm == cold
 
 
@@ -173,6 +179,7 @@ def test_two_instances_share_one_broker(servers, broker):
     tokens_b = b.chat_token_ids(image)
     assert broker.stats()["hits"] == hits + 1, "B did not load A's entry"
     assert mm_hash not in puts(b), "B encoded the image itself"
+    assert loads(b) == [mm_hash]
     assert tokens_b == plain.chat_token_ids(image) == tokens_a
 
 
@@ -187,6 +194,7 @@ def test_disaggregated_producer_and_consumer(servers, broker):
     tokens = consumer.chat_token_ids(image)
     assert broker.stats()["hits"] == hits + 1, "consumer did not load"
     assert puts(consumer) == {}
+    assert loads(consumer) == [mm_hash]
     assert tokens == plain.chat_token_ids(image)
 
 
