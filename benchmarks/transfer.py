@@ -402,9 +402,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     st_dirs = {k: v for k, v in st_dirs.items() if k in peers}
     shm = max(256 * MiB, 3 * max(sizes) + 64 * MiB)
     redis_proc = None
-    broker = Broker(shm)
-    writer = reader = None
+    broker = writer = reader = None
     try:
+        broker = Broker(shm)
         redis_sock = ""
         if "redis" in peers:
             redis_proc, redis_sock = start_redis(tmp)
@@ -467,7 +467,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in (writer, reader):
             if w is not None:
                 w.close()
-        broker.stop()
+        if broker is not None:
+            broker.stop()
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(10)

@@ -1,0 +1,62 @@
+"""Each benchmark script runs once with tiny sizes, so the scripts cannot rot.
+
+These are not timed tests: they check that the scripts run against real processes
+(broker, redis-server, vLLM's connector class, vllm serve) and print their tables.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_transfer_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    r = _run(
+        "transfer.py", "--sizes", "64KiB,1MiB", "--runs", "1", "--quick",
+        "--disk-dir", str(tmp_path), "--json", str(out),
+        timeout=420,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("memcpy", "get_into", "st-shm", "st-disk-cold", "redis", "ECCPUConnector",
+                   "hit x1", "miss x1", "put_many+get_many"):  # fmt: skip
+        assert needle in r.stdout, (needle, r.stdout)
+    assert out.exists()
+    # Nothing left behind: private socket dirs and shm segments are removed.
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("ecb-bench-st-")]
+
+
+def test_gpu_transfer_smoke() -> None:
+    import torch
+
+    r = _run("gpu_transfer.py", "--sizes", "64KiB,1MiB", "--runs", "1", timeout=300)
+    if not torch.cuda.is_available():
+        assert r.returncode == 3, r.stderr
+        assert "no CUDA device" in r.stderr
+        return
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "cudaHostRegister" in r.stdout and "put GB/s" in r.stdout
+
+
+@pytest.mark.vllm
+def test_ttft_smoke() -> None:
+    r = _run("ttft.py", "--images", "112", "--reps", "1", timeout=1200)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    assert "warm (2nd instance)" in r.stdout and "yes" in r.stdout
