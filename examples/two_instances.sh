@@ -29,7 +29,7 @@ trap cleanup EXIT
 
 setsid lmcache-ec-broker start --socket "$SOCK" --shm-size 1GiB >"$WORK/broker.log" 2>&1 &
 pids+=($!)
-until lmcache-ec-broker ping --socket "$SOCK" 2>/dev/null; do sleep 0.2; done
+until lmcache-ec-broker ping --socket "$SOCK" >/dev/null 2>&1; do sleep 0.2; done
 
 EC_CONFIG="{\"ec_connector\": \"ECBrokerConnector\", \"ec_role\": \"ec_both\",
   \"ec_connector_module_path\": \"lmcache_ec_broker.connector.vllm\",
@@ -57,7 +57,8 @@ for port in "$PORT_A" "$PORT_B"; do
   echo "--- instance on :$port"
   curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
     -d @"$BODY" | $PY -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["message"]["content"])'
-  grep -h "EC put: stored" "$WORK/vllm-$port.log" || echo "(no EC put on :$port: it loaded the entry)"
+  # A: "EC put: stored ..." (it ran the encoder); B: "EC load: loaded ..." (it did not).
+  grep -hoE "EC (put|load): .*" "$WORK/vllm-$port.log" || true
 done
 echo "--- broker"
 lmcache-ec-broker stats --socket "$SOCK" | grep -E '^(entries|hits|misses|has_hits) '
