@@ -334,3 +334,27 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir, connector_lo
         time.sleep(0.1)
     assert torch.equal(cache[h2], tensor)
     assert any("reachable again" in line for line in connector_log.lines)
+
+
+def test_counters_reach_vllm_stats(pairs):
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
+
+    p = pairs()
+    h = "3" * 64
+    assert not p.sched.has_cache_item(h)
+    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.worker.save_caches({h: embedding(10)}, h)
+    assert p.sched.has_cache_item(h)
+    assert p.sched.stats()["ec_hits"] == 1 and p.sched.stats()["ec_misses"] == 1
+
+    interval = p.sched.get_ec_connector_stats()
+    assert interval.reduce() == {"ec_hits": 1, "ec_misses": 1}
+    assert p.sched.get_ec_connector_stats() is None  # deltas: nothing new since
+
+    # vLLM's own stats logger rebuilds, sums and prints them.
+    logging_ = ECConnectorLogging(p.sched._vllm_config.ec_transfer_config)
+    logging_.observe(interval.data)
+    logging_.observe(p.worker.get_ec_connector_stats().data)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert lines == ["EC Transfer metrics: ec_hits=1, ec_misses=1, puts_stored=1"]

@@ -51,6 +51,11 @@ try:  # vLLM >= 0.29
 except ImportError:  # pragma: no cover - older vLLM
     ECConnectorWorkerMetadata = object  # type: ignore[misc,assignment]
 
+try:  # vLLM >= 0.31: stats reported here are logged as "EC Transfer metrics: ..."
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+except ImportError:  # pragma: no cover - older vLLM
+    ECConnectorStats = None  # type: ignore[assignment,misc]
+
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
 
 if TYPE_CHECKING:
@@ -101,6 +106,29 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
+STAT_FIELDS = ("ec_hits", "ec_misses", "loads", "load_failures", "puts_stored", "put_errors")
+
+if ECConnectorStats is not None:
+
+    @dataclass
+    class ECBrokerStats(ECConnectorStats):
+        """Counter deltas of one interval; vLLM sums them across steps and workers."""
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: ECConnectorStats) -> ECBrokerStats:
+            for name, value in (other.data or {}).items():
+                self.data[name] = self.data.get(name, 0) + value
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            return {name: self.data.get(name, 0) for name in STAT_FIELDS if name in self.data}
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
+
+
 class ECBrokerConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -125,6 +153,7 @@ class ECBrokerConnector(ECConnectorBase):
         self.load_failures = 0
         self.puts_stored = 0
         self.put_errors = 0
+        self._reported: dict[str, int] = {}
 
         # Scheduler state.
         self._step_answers: dict[str, bool] = {}
@@ -169,14 +198,26 @@ class ECBrokerConnector(ECConnectorBase):
             )
 
     def stats(self) -> dict[str, int]:
-        return {
-            "ec_hits": self.ec_hits,
-            "ec_misses": self.ec_misses,
-            "loads": self.loads,
-            "load_failures": self.load_failures,
-            "puts_stored": self.puts_stored,
-            "put_errors": self.put_errors,
+        """Cumulative counters of this connector (this process, this role)."""
+        return {name: getattr(self, name) for name in STAT_FIELDS}
+
+    def get_ec_connector_stats(self) -> Any:
+        if ECConnectorStats is None:
+            return None
+        now = self.stats()
+        delta = {
+            k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)
         }
+        if not delta:
+            return None
+        self._reported = now
+        return ECBrokerStats(data=delta)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if ECConnectorStats is None:
+            return None
+        return ECBrokerStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         with self._client_lock:
