@@ -358,3 +358,30 @@ def test_counters_reach_vllm_stats(pairs):
     lines: list[str] = []
     logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     assert lines == ["EC Transfer metrics: ec_hits=1, ec_misses=1, puts_stored=1"]
+
+
+def test_outputs_encoded_during_an_outage_are_published_after_it(pairs, make_broker, sock_dir):
+    path = os.path.join(sock_dir, "outage.sock")
+    first = make_broker("--shm-size", "64MiB", socket_path=path)
+    p = pairs(socket_path=path)
+    assert p.sched.client.connected
+    first.stop()
+    kept, dropped = "1" * 64, "2" * 64
+    cache = {kept: embedding(11), dropped: embedding(12)}
+    p.worker.save_caches(cache, kept)
+    p.worker.save_caches(cache, dropped)
+    assert p.worker.puts_stored == 0
+    p.worker.start_save_caches(encoder_cache=cache)  # still away: nothing happens
+    del cache[dropped]  # vLLM evicted this one meanwhile
+
+    make_broker("--shm-size", "64MiB", socket_path=path)
+    deadline = time.monotonic() + 10
+    while p.worker.puts_stored == 0:
+        assert time.monotonic() < deadline, "never published after the broker came back"
+        p.worker.start_save_caches(encoder_cache=cache)
+        time.sleep(0.1)
+    assert p.worker.puts_stored == 1
+    with BrokerClient(path) as c:
+        assert c.has([p.sched.key(kept), p.sched.key(dropped)]) == [True, False]
+    p.worker.start_save_caches(encoder_cache=cache)
+    assert p.worker.puts_stored == 1  # nothing left to retry

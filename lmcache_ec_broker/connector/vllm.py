@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 DEFAULT_LEASE_MS = 30_000
+MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 
 
 def dtype_short_name(dtype: Any) -> str:
@@ -163,6 +164,7 @@ class ECBrokerConnector(ECConnectorBase):
 
         # Worker state.
         self._placeholders: set[str] = set()
+        self._unsaved: set[str] = set()
         self._failed_this_step: dict[str, set[str]] = {}
         self._cleared_this_step: set[str] = set()
 
@@ -361,9 +363,30 @@ class ECBrokerConnector(ECConnectorBase):
     ) -> None:
         if not self.is_producer:
             return
+        if self._put(encoder_cache, mm_hash) is None:
+            # Broker away: publish it from start_save_caches once it is back,
+            # as long as vLLM still holds the output.
+            if len(self._unsaved) < MAX_UNSAVED:
+                self._unsaved.add(mm_hash)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        """vLLM >= 0.31, every step on producers: retry outputs encoded while the
+        broker was away (a no-op in microseconds while it still is)."""
+        encoder_cache = kwargs.get("encoder_cache")
+        if not self._unsaved or not self.is_producer or encoder_cache is None:
+            return
+        for mm_hash in list(self._unsaved):
+            if mm_hash not in encoder_cache or self._put(encoder_cache, mm_hash) is not None:
+                self._unsaved.discard(mm_hash)
+            elif not self.client.connected:
+                break
+
+    def _put(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> bool | None:
+        """True: stored; False: not stored for good (present, being stored, refused);
+        None: broker unavailable, worth retrying."""
         tensor = encoder_cache.get(mm_hash)
         if tensor is None or mm_hash in self._placeholders:
-            return
+            return False
         try:
             client = self.client
             stored = client.put(self.key(mm_hash), tensor.detach())
@@ -371,15 +394,17 @@ class ECBrokerConnector(ECConnectorBase):
         except BrokerRefused as exc:
             self.put_errors += 1
             logger.warning("EC put refused for mm_hash=%s: %s", mm_hash, exc)
-            return
+            return False
         except Exception as exc:
             self.put_errors += 1
             logger.warning("EC put failed for mm_hash=%s: %s", mm_hash, exc)
-            return
+            return False
         if stored:
             self.puts_stored += 1
             nbytes = tensor.numel() * tensor.element_size()
             logger.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
+            return True
+        return False if client.connected else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
