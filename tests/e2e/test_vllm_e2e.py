@@ -1,8 +1,9 @@
 """End to end with real ``vllm serve`` processes (vLLM on CPU) and a real broker.
 
-All servers of the module start at once, in parallel, and are shared by the
-tests; each test uses its own image so the tests do not see each other's entries.
-Expect ~2-3 minutes on a 2-core machine, almost all of it server start-up.
+All servers of the module (seven engines, one of them TP=2) start at once, in
+parallel, and are shared by the tests; each test uses its own image so the tests
+do not see each other's entries. Expect ~3 minutes on an idle 2-core machine,
+almost all of it server start-up (8 minutes measured while other suites ran).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
 from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
 
-pytestmark = pytest.mark.vllm
+# The first test also pays for starting every server (minutes on a busy 2-core host).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 HERE = Path(__file__).resolve().parent
 
 SPEC = TinyQwen2VLSpec()
@@ -109,14 +111,16 @@ def broker(workdir: Path) -> Iterator[Broker]:
 def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, VllmServer]]:
     cores = os.cpu_count() or 1
 
-    def server(name: str, role: str | None, **connector: str) -> VllmServer:
+    def server(name: str, role: str | None, tp: int = 1, **connector: str) -> VllmServer:
         cfg = ec_transfer_config(role, broker.socket_path, **connector) if role else None
         # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
+        binds = [str((len(fleet) + rank) % cores) for rank in range(tp)]
         env = {
-            "VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores),
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(binds),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
         }
-        return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env)
+        extra = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env, extra_args=extra)
 
     fleet: dict[str, VllmServer] = {}
 
@@ -134,11 +138,12 @@ def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, Vll
         connector="ECBrokerConnectorDropsBeforeLoad",
         module="faulty_ec_connector",
     )
+    fleet["tp2"] = server("tp2", "ec_both", tp=2)
     try:
         for s in fleet.values():
             s.start()
         for s in fleet.values():
-            s.wait_ready(timeout=480)
+            s.wait_ready(timeout=900)
         yield fleet
     finally:
         for s in fleet.values():
@@ -196,6 +201,27 @@ def test_disaggregated_producer_and_consumer(servers, broker):
     assert puts(consumer) == {}
     assert loads(consumer) == [mm_hash]
     assert tokens == plain.chat_token_ids(image)
+
+
+def test_tensor_parallel_ranks_share_one_entry(servers, broker):
+    """TP=2: both ranks run the encoder and put the same key; exactly one copies.
+    After a reset both ranks load that one entry."""
+    tp2 = servers["tp2"]
+    image = png_data_url(seed=7)
+    before = broker.stats()
+    cold = tp2.chat_token_ids(image)
+    after_put = broker.stats()
+    assert after_put["entries"] == before["entries"] + 1
+    assert after_put["puts"] == before["puts"] + 1
+    skipped = ("put_present", "put_in_progress")
+    assert sum(after_put[k] - before[k] for k in skipped) == 1, "the other rank copied too"
+    (mm_hash,) = puts(tp2)
+
+    tp2.reset_encoder_cache()
+    warm = tp2.chat_token_ids(image)
+    assert broker.stats()["hits"] == after_put["hits"] + 2  # one load per rank
+    assert loads(tp2) == [mm_hash, mm_hash]
+    assert warm == cold
 
 
 def test_vanished_entry_fails_the_request_and_the_engine_lives(servers):
