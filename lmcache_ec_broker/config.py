@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import urllib.parse
 
 import msgspec
 
@@ -38,6 +40,8 @@ def parse_size(value: str | int | float, plain_unit: int = GiB) -> int:
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")
         return int(value * plain_unit)
+    if str(value).strip().startswith("-"):
+        raise ValueError(f"size must not be negative, got {value!r}")
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ValueError(
@@ -97,8 +101,179 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("lease_ms must not be negative")
         if self.max_local_disk_size < 0:
             raise ValueError("max_local_disk_size must not be negative")
+        if self.local_disk is not None:
+            if not os.path.isabs(self.local_disk):
+                raise ValueError(f"local_disk must be an absolute path, got {self.local_disk!r}")
+            if self.max_local_disk_size <= 0:
+                raise ValueError(
+                    "local_disk is set but max_local_disk_size is 0; give the disk tier a "
+                    "capacity, e.g. max_local_disk_size: 16 (GiB) or '512MiB'"
+                )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+
+
+ENV_PREFIX = "LMCACHE_EC_"
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+# LMCache keys that name one of our fields differently.
+_ALIASES = {"max_local_cpu_size": "shm_size"}
+# LMCache keys accepted so an existing LMCache file works; the encoder cache has no use for them.
+_IGNORED = frozenset({"chunk_size", "local_cpu"})
+# Plain numbers (YAML, environment) are GiB for capacities, as in LMCache, and bytes for the rest.
+_GIB_SIZES = frozenset({"shm_size", "max_local_disk_size"})
+_BYTE_SIZES = frozenset({"block_size", "max_entry_size", "max_frame_bytes"})
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+log = logging.getLogger("lmcache_ec_broker.config")
+
+
+def normalize_local_disk(value: str | None) -> str | None:
+    """A ``file://`` URL or a path -> an absolute path; '' and None -> None (no disk tier)."""
+    if value is None:
+        return None
+    value = str(value).strip()
+    if not value:
+        return None
+    if "://" in value:
+        url = urllib.parse.urlparse(value)
+        if url.scheme != "file":
+            raise ValueError(
+                f"local_disk {value!r} uses the unsupported URL scheme {url.scheme!r}; "
+                "use a directory path or a file:///absolute/path URL"
+            )
+        if url.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"local_disk {value!r} names host {url.netloc!r}; only local directories are "
+                "supported (file:///absolute/path)"
+            )
+        value = urllib.parse.unquote(url.path)
+        if not value.startswith("/"):
+            raise ValueError(f"local_disk URL must name an absolute path, got {value!r}")
+    if "\0" in value:
+        raise ValueError("local_disk contains a NUL byte")
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def check_local_disk(path: str) -> None:
+    """Refuse a disk-tier directory the broker could not use, before anything is created."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"local_disk {path} exists and is not a directory")
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise ValueError(
+                f"local_disk {path} is not readable and writable by uid {os.getuid()}; "
+                "fix its permissions or choose another directory"
+            )
+        return
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"local_disk {path} does not exist and cannot be created: {parent or '/'} is not a "
+            f"writable directory for uid {os.getuid()}"
+        )
+
+
+def _coerce(name: str, raw: object, ftype: object, from_text: bool) -> object:
+    """One value from YAML or the environment -> the field's type; ValueError says why."""
+    if name == "local_disk":
+        return normalize_local_disk(None if raw is None else str(raw))
+    if name in _GIB_SIZES or name in _BYTE_SIZES:
+        return parse_size(raw, GiB if name in _GIB_SIZES else 1)  # type: ignore[arg-type]
+    if name == "socket_mode" and isinstance(raw, str):
+        try:
+            return int(raw.strip().lower().removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an octal mode like 0660") from None
+    if ftype is bool and isinstance(raw, str):
+        low = raw.strip().lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ValueError(f"{raw!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
+    if from_text and isinstance(raw, str) and getattr(ftype, "__origin__", None) is list:
+        raw = [part.strip() for part in raw.split(",") if part.strip()]
+    elif getattr(ftype, "__origin__", None) is list and not isinstance(raw, list):
+        raw = [raw]
+    try:
+        return msgspec.convert(raw, ftype, strict=False)  # type: ignore[arg-type]
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _field_for(key: str) -> str:
+    return _ALIASES.get(key, key)
+
+
+def _read_yaml(path: str) -> dict[str, object]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ValueError(f"config file {path} must be a mapping of option names to values")
+    return data
+
+
+def _yaml_layers(
+    path: str, fields: dict[str, object]
+) -> tuple[dict[str, tuple[object, str]], dict[str, tuple[object, str]], list[str]]:
+    """(plain layer, ec_ layer, unknown keys); each layer maps field -> (raw value, source)."""
+    plain: dict[str, tuple[object, str]] = {}
+    prefixed: dict[str, tuple[object, str]] = {}
+    unknown: list[str] = []
+    for key, value in _read_yaml(path).items():
+        layer, bare = (prefixed, key[3:]) if key.startswith("ec_") else (plain, key)
+        if bare in _IGNORED:
+            if bare == "local_cpu" and value is False:
+                log.warning(
+                    "config %s: local_cpu: false is ignored; the encoder cache always keeps "
+                    "entries in the shared-memory slab",
+                    path,
+                )
+            continue
+        name = _field_for(bare)
+        if name not in fields:
+            unknown.append(key)
+            continue
+        if name in layer:
+            raise ValueError(
+                f"config file {path} sets {name} twice ({layer[name][1].split(': ')[-1]} and "
+                f"{key}); keep one of them"
+            )
+        layer[name] = (value, f"yaml {path}: {key}")
+    return plain, prefixed, unknown
+
+
+def _env_layer(fields: dict[str, object]) -> dict[str, tuple[object, str]]:
+    layer: dict[str, tuple[object, str]] = {}
+    names = [(f, f) for f in fields] + [(a, f) for a, f in _ALIASES.items()]
+    for key, name in names:
+        var = ENV_PREFIX + key.upper()
+        if var not in os.environ:
+            continue
+        if name in layer:
+            raise ValueError(f"both {layer[name][1][4:]} and {var} are set; unset one of them")
+        layer[name] = (os.environ[var], f"env {var}")
+    # The socket variable the clients also read; the field-named variable wins over it.
+    if "socket_path" in fields and "socket_path" not in layer and os.environ.get(SOCKET_ENV):
+        layer["socket_path"] = (os.environ[SOCKET_ENV], f"env {SOCKET_ENV}")
+    return layer
+
+
+def _with_source(exc: ValueError, sources: dict[str, str]) -> ValueError:
+    """Name where the offending value came from, so the user knows which layer to fix."""
+    msg = str(exc)
+    named = [f"{n} from {src}" for n, src in sources.items() if src != "default" and n in msg]
+    return ValueError(f"{msg} ({'; '.join(named)})" if named else msg)
 
 
 def load_config(
@@ -106,14 +281,52 @@ def load_config(
 ) -> tuple[BrokerConfig, dict[str, str]]:
     """The effective configuration and, per field, where its value came from.
 
-    Precedence: CLI flags > defaults. (YAML and environment layers: see issue 4.)
+    Precedence, highest first: CLI flags > ``LMCACHE_EC_<FIELD>`` environment >
+    ``ec_``-prefixed YAML keys > plain YAML keys (LMCache's names accepted) > defaults.
+    The YAML file is ``config_file`` (``--config``), else ``$LMCACHE_CONFIG_FILE``.
+    Raises ValueError, naming the value and its source, before anything is created.
     """
-    cli = {k: v for k, v in (cli or {}).items() if v is not None}
-    sources = {name: "default" for name in BrokerConfig.__struct_fields__}
-    for name in cli:
+    fields = {f.name: f.type for f in msgspec.structs.fields(BrokerConfig)}
+    config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
+    plain: dict[str, tuple[object, str]] = {}
+    prefixed: dict[str, tuple[object, str]] = {}
+    if config_file:
+        plain, prefixed, unknown = _yaml_layers(config_file, fields)
+        if unknown:
+            log.warning(
+                "config %s: ignoring unknown keys %s (known: %s)",
+                config_file,
+                ", ".join(sorted(unknown)),
+                ", ".join(sorted([*fields, *_ALIASES, *_IGNORED])),
+            )
+    env = _env_layer(fields)
+    values: dict[str, object] = {}
+    sources = {name: "default" for name in fields}
+    for layer in (plain, prefixed, env):
+        for name, (raw, source) in layer.items():
+            try:
+                values[name] = _coerce(name, raw, fields[name], source.startswith("env "))
+            except ValueError as exc:
+                raise ValueError(f"{name} = {raw!r} from {source}: {exc}") from None
+            sources[name] = source
+    for name, value in (cli or {}).items():
+        if value is None:
+            continue
+        if name == "local_disk":
+            try:
+                value = normalize_local_disk(str(value))
+            except ValueError as exc:
+                raise ValueError(f"--local-disk: {exc}") from None
+        values[name] = value
         sources[name] = "cli"
-    if "socket_path" not in cli and os.environ.get(SOCKET_ENV):
-        sources["socket_path"] = f"env {SOCKET_ENV}"
-    cfg = msgspec.convert(cli, BrokerConfig)
-    cfg.validate()
+    try:
+        cfg = msgspec.convert(values, BrokerConfig)
+    except msgspec.ValidationError as exc:
+        raise _with_source(ValueError(str(exc)), sources) from None
+    try:
+        cfg.validate()
+        if cfg.local_disk:
+            check_local_disk(cfg.local_disk)
+    except ValueError as exc:
+        raise _with_source(exc, sources) from None
     return cfg, sources

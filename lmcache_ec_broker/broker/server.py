@@ -56,6 +56,7 @@ from ..protocol import (
 )
 from ..shm.filter import FilterWriter, slots_for
 from ..shm.segment import Segment, remove_stale
+from .disk import EMPTY_STATS, DiskError, DiskTier
 from .store import Store
 
 log = logging.getLogger("lmcache_ec_broker")
@@ -265,6 +266,12 @@ class BrokerServer:
         self.observers: list[Callable[[str, float], None]] = []
         # Called with the server after the loop stops, before the segment goes (disk flush).
         self.shutdown_hooks: list[Callable[[], Awaitable[None] | None]] = []
+        self.disk: DiskTier | None = None
+        if config.local_disk:
+            self.disk = DiskTier(
+                config.local_disk, config.max_local_disk_size, self.store, config.socket_mode
+            )
+            self.shutdown_hooks.append(self.disk.shutdown)
         # Each adds keys to stats() (metrics latency summaries).
         self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
@@ -317,7 +324,11 @@ class BrokerServer:
         store = self.store
         match msg:
             case Has(keys=keys, lease_ms=lease_ms):
-                return HasReply(store.has(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS)))
+                lease_ms = min(max(lease_ms, 0), MAX_LEASE_MS)
+                hits = store.has(conn, keys, lease_ms)
+                if self.disk is not None:
+                    hits = self.disk.has(keys, hits, lease_ms)
+                return HasReply(hits)
             case Reserve(key=key, nbytes=nbytes, dtype=dtype, shape=shape):
                 return store.reserve(conn, key, nbytes, dtype, shape)
             case Commit(token=token):
@@ -325,13 +336,20 @@ class BrokerServer:
             case Abort(token=token):
                 return store.abort(conn, token) or OkReply()
             case Get(keys=keys):
+                if self.disk is not None:
+                    return self.disk.get(conn, keys)  # awaitable when promoting from disk
                 return GetReply(store.get(conn, keys))
             case Release(pins=pins):
                 return store.release(conn, pins) or OkReply()
             case Delete(keys=keys):
-                return DeleteReply(store.delete(keys))
+                deleted = store.delete(keys)
+                if self.disk is not None:
+                    deleted = self.disk.delete(keys, deleted)
+                return DeleteReply(deleted)
             case Clear():
                 store.clear()
+                if self.disk is not None:
+                    self.disk.clear()
                 return OkReply()
             case Stats():
                 return StatsReply(self.stats())
@@ -351,6 +369,7 @@ class BrokerServer:
             segment=self.segment.name if self.segment else "",
             socket=self.config.socket_path,
         )
+        out.update(self.disk.stats() if self.disk is not None else EMPTY_STATS)
         if self.filter is not None:
             out.update(filter_slots=self.filter.nslots, filter_saturated=self.filter.saturated)
         for provide in self.stats_providers:
@@ -401,6 +420,12 @@ class BrokerServer:
             self._publish_filter(name)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
                 self._start_metrics(cfg.metrics_port)
+            if self.disk is not None:
+                try:
+                    self.disk.open()
+                except DiskError as exc:
+                    raise BrokerError(str(exc)) from exc
+                self.disk.attach(self.segment.mm)
             self._sock = self._bind(path)
         except BaseException:
             self.cleanup()
@@ -454,6 +479,8 @@ class BrokerServer:
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
+        if self.disk is not None:
+            self.disk.start(loop)
         self._server = await loop.create_unix_server(lambda: Connection(self), sock=self._sock)
         log.info(
             "serving on %s (epoch %s, pid %d); %s",
@@ -513,6 +540,8 @@ class BrokerServer:
             self.store.membership = None
             self.filter.close()
             self.filter = None
+        if self.disk is not None:
+            self.disk.close()
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()

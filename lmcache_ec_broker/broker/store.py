@@ -371,6 +371,12 @@ class Store:
             out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
         return out
 
+    def pin_entry(self, conn: int, entry: Entry) -> int:
+        """Pin a READY entry for a broker-internal reader (the disk tier) without
+        counting a hit; undone by ``release(conn, [pin])`` or ``close_connection``."""
+        assert entry.state is State.READY and not entry.doomed
+        return self._pin(entry, conn)
+
     def release(self, conn: int, pins: list[int]) -> ErrorReply | None:
         state = self.conns[conn]
         unknown = [p for p in pins if p not in state.pins]
