@@ -1,0 +1,233 @@
+"""Configuration: precedence of every layer, LMCache keys, and refusals before start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import shm_segments
+
+from lmcache_ec_broker.config import GiB, MiB, load_config
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_EC_") or var == "LMCACHE_CONFIG_FILE":
+            monkeypatch.delenv(var)
+
+
+def write_yaml(tmp_path: Path, text: str, name: str = "lmcache.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+LMCACHE_YAML = """\
+chunk_size: 256
+local_cpu: true
+max_local_cpu_size: 2
+local_disk: "file:///var/lmcache/ec"
+max_local_disk_size: 16
+"""
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def test_defaults_when_nothing_is_set():
+    cfg, sources = load_config({})
+    assert cfg.shm_size == 2 * GiB and cfg.local_disk is None and cfg.max_local_disk_size == 0
+    assert set(sources.values()) == {"default"}
+
+
+def test_plain_yaml_overrides_defaults_and_lmcache_keys_map(tmp_path):
+    path = write_yaml(tmp_path, LMCACHE_YAML)
+    cfg, sources = load_config({}, path)
+    assert cfg.shm_size == 2 * GiB  # max_local_cpu_size, GiB
+    assert cfg.local_disk == "/var/lmcache/ec"  # file:// URL -> path
+    assert cfg.max_local_disk_size == 16 * GiB
+    assert sources["shm_size"] == f"yaml {path}: max_local_cpu_size"
+    assert sources["local_disk"] == f"yaml {path}: local_disk"
+    assert sources["block_size"] == "default"
+
+
+def test_ec_prefixed_yaml_overrides_plain_yaml(tmp_path):
+    path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\nec_shm_size: 512MiB\n")
+    cfg, sources = load_config({}, path)
+    assert cfg.max_local_disk_size == 64 * GiB
+    assert cfg.shm_size == 512 * MiB
+    assert sources["max_local_disk_size"] == f"yaml {path}: ec_max_local_disk_size"
+
+
+def test_env_overrides_ec_prefixed_yaml(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\n")
+    monkeypatch.setenv("LMCACHE_EC_MAX_LOCAL_DISK_SIZE", "128")
+    monkeypatch.setenv("LMCACHE_EC_LOCAL_DISK", str(tmp_path / "d"))
+    monkeypatch.setenv("LMCACHE_EC_PREFAULT", "off")
+    cfg, sources = load_config({}, path)
+    assert cfg.max_local_disk_size == 128 * GiB
+    assert cfg.local_disk == str(tmp_path / "d")
+    assert cfg.prefault is False
+    assert sources["max_local_disk_size"] == "env LMCACHE_EC_MAX_LOCAL_DISK_SIZE"
+
+
+def test_cli_overrides_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCACHE_EC_SHM_SIZE", "1GiB")
+    monkeypatch.setenv("LMCACHE_EC_BROKER_SOCKET", str(tmp_path / "env.sock"))
+    cfg, sources = load_config({"shm_size": 64 * MiB, "socket_path": str(tmp_path / "cli.sock")})
+    assert cfg.shm_size == 64 * MiB and sources["shm_size"] == "cli"
+    assert cfg.socket_path == str(tmp_path / "cli.sock") and sources["socket_path"] == "cli"
+
+
+def test_socket_env_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCACHE_EC_BROKER_SOCKET", str(tmp_path / "a.sock"))
+    cfg, sources = load_config({})
+    assert cfg.socket_path == str(tmp_path / "a.sock")
+    assert sources["socket_path"] == "env LMCACHE_EC_BROKER_SOCKET"
+    monkeypatch.setenv("LMCACHE_EC_SOCKET_PATH", str(tmp_path / "b.sock"))
+    cfg, sources = load_config({})
+    assert cfg.socket_path == str(tmp_path / "b.sock")
+
+
+def test_config_file_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", write_yaml(tmp_path, "ec_lease_ms: 1234\n"))
+    cfg, sources = load_config({})
+    assert cfg.lease_ms == 1234
+    explicit = write_yaml(tmp_path, "ec_lease_ms: 99\n", "other.yaml")
+    cfg, _ = load_config({}, explicit)  # --config wins over LMCACHE_CONFIG_FILE
+    assert cfg.lease_ms == 99
+
+
+def test_env_empty_local_disk_turns_the_disk_tier_off(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, LMCACHE_YAML)
+    monkeypatch.setenv("LMCACHE_EC_LOCAL_DISK", "")
+    cfg, sources = load_config({}, path)
+    assert cfg.local_disk is None and sources["local_disk"] == "env LMCACHE_EC_LOCAL_DISK"
+
+
+# ---------------------------------------------------------------- values
+
+
+def test_sizes_accept_units_and_fractions(tmp_path, monkeypatch):
+    path = write_yaml(
+        tmp_path, "max_local_cpu_size: 0.5\nblock_size: 128KiB\nmax_entry_size: 65536\n"
+    )
+    monkeypatch.setenv("LMCACHE_EC_MAX_FRAME_BYTES", "2MiB")
+    cfg, _ = load_config({}, path)
+    assert cfg.shm_size == GiB // 2
+    assert cfg.block_size == 128 * 1024
+    assert cfg.max_entry_size == 65536  # plain numbers are bytes except for capacities
+    assert cfg.max_frame_bytes == 2 * MiB
+
+
+def test_other_types_from_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCACHE_EC_SOCKET_MODE", "0660")
+    monkeypatch.setenv("LMCACHE_EC_ALLOWED_UIDS", "1000, 1001")
+    monkeypatch.setenv("LMCACHE_EC_MAX_KEY_LENGTH", "16384")
+    cfg, _ = load_config({})
+    assert cfg.socket_mode == 0o660 and cfg.allowed_uids == [1000, 1001]
+    assert cfg.max_key_length == 16384
+
+
+def test_relative_local_disk_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = load_config({"local_disk": "cache/ec", "max_local_disk_size": GiB})
+    assert cfg.local_disk == str(tmp_path / "cache" / "ec")
+
+
+def test_lmcache_only_keys_are_quiet_unknown_keys_warn(tmp_path, caplog):
+    path = write_yaml(tmp_path, LMCACHE_YAML + "remote_url: lm://x:1\nec_colour: blue\n")
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
+        load_config({}, path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "ec_colour, remote_url" in warnings[0]
+    assert "chunk_size," not in warnings[0].split("(known")[0]
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "env", "expected"),
+    [
+        ("max_local_disk_size: -1\n", {}, "must not be negative"),
+        ("", {"LMCACHE_EC_SHM_SIZE": "-2GiB"}, "LMCACHE_EC_SHM_SIZE"),
+        ("", {"LMCACHE_EC_SHM_SIZE": "lots"}, "cannot parse size"),
+        ('local_disk: "s3://bucket/ec"\nmax_local_disk_size: 1\n', {}, "unsupported URL scheme"),
+        ('local_disk: "file://otherhost/x"\nmax_local_disk_size: 1\n', {}, "only local"),
+        ('local_disk: "/tmp/x"\n', {}, "max_local_disk_size is 0"),
+        ("", {"LMCACHE_EC_PREFAULT": "maybe"}, "not a boolean"),
+        ("", {"LMCACHE_EC_METRICS_PORT": "99999"}, "metrics_port"),
+        ("shm_size: 1\nmax_local_cpu_size: 2\n", {}, "sets shm_size twice"),
+        ("- a\n- b\n", {}, "must be a mapping"),
+        ("a: [\n", {}, "not valid YAML"),
+    ],
+)
+def test_invalid_values_are_refused_with_their_source(
+    tmp_path, monkeypatch, yaml_text, env, expected
+):
+    path = write_yaml(tmp_path, yaml_text)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=expected):
+        load_config({}, path)
+
+
+def test_unusable_local_disk_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        load_config({"local_disk": str(blocker), "max_local_disk_size": GiB})
+    with pytest.raises(ValueError, match="cannot be created"):
+        load_config({"local_disk": str(blocker / "sub"), "max_local_disk_size": GiB})
+
+
+def test_missing_config_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot read config file"):
+        load_config({}, str(tmp_path / "nope.yaml"))
+
+
+# ---------------------------------------------------------------- through the CLI
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_ec_broker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
+
+
+def test_print_config_shows_each_layer(tmp_path):
+    path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\nmystery: 1\n")
+    sock = str(tmp_path / "b.sock")
+    r = _cli(
+        "start", "--print-config", "--socket", sock, "--config", path,
+        env={"LMCACHE_EC_LEASE_MS": "500", "LMCACHE_EC_LOCAL_DISK": str(tmp_path / "disk")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["socket_path"].endswith("(cli)")
+    assert "(env LMCACHE_EC_LEASE_MS)" in lines["lease_ms"]
+    assert str(64 * GiB) in lines["max_local_disk_size"]
+    assert "ec_max_local_disk_size" in lines["max_local_disk_size"]
+    assert f"(yaml {path}: max_local_cpu_size)" in lines["shm_size"]
+    assert "(default)" in lines["block_size"]
+    assert "mystery" in r.stderr  # the unknown key is named
+    assert not os.path.exists(sock) and not (tmp_path / "disk").exists()
+
+
+def test_invalid_configuration_refused_before_anything_is_created(tmp_path):
+    sock = str(tmp_path / "b.sock")
+    disk = tmp_path / "disk"
+    path = write_yaml(tmp_path, f'local_disk: "{disk}"\nmax_local_disk_size: -4\n')
+    r = _cli("start", "--socket", sock, "--config", path)
+    assert r.returncode == 2
+    assert "max_local_disk_size" in r.stderr and "must not be negative" in r.stderr
+    assert not os.path.exists(sock) and not disk.exists() and not shm_segments(sock)
