@@ -22,6 +22,9 @@ fi
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
 "$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,test]'
 "$VPY" .ci/patch_torchvision.py
+# Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
+"$VPY" -c "import torchvision, vllm.multimodal" \
+  || { echo "setup: vLLM/torchvision do not import on this CPU torch (see .ci/patch_torchvision.py)" >&2; exit 1; }
 
 # A real redis-server for the comparison benchmark and its test.
 if ! command -v redis-server >/dev/null; then
