@@ -20,6 +20,9 @@ Invariants:
 4. A file that fails validation is never served: it is dropped from the index
    and moved to ``quarantine/`` (or removed, for stale temp files).
 5. Memory eviction keeps the disk copy; delete and clear remove it.
+6. Every indexed key counts once in the store's membership filter (if published),
+   added before has() can answer True for it and removed after; the memory tier
+   counts its own keys separately, so the filter covers both tiers.
 """
 
 from __future__ import annotations
@@ -247,12 +250,10 @@ class DiskTier(StoreListener):
                     log.info("disk tier: scanned %d files in %s so far ...", seen, d)
         found.sort(key=lambda t: t[0])  # oldest first: LRU order survives restarts via mtime
         for _mtime, key, entry in found:
-            self.index[key] = entry
-            self.used_bytes += entry.file_size
+            self._index_put(key, entry)
         evicted = 0
         while self.used_bytes > self.capacity_bytes and self.index:
-            key, entry = self.index.popitem(last=False)
-            self.used_bytes -= entry.file_size
+            entry = self._index_pop(next(iter(self.index)))
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, entry.fname))
             evicted += 1
@@ -331,6 +332,30 @@ class DiskTier(StoreListener):
             self._warned[what] = now
             log.warning(msg, *args)
 
+    # ------------------------------------------------------------ index
+
+    def _index_put(self, key: str, entry: DiskEntry) -> None:
+        """Index a published file. The store's membership filter (clients answer misses
+        from it) learns the key first: has() answers True for it from now on."""
+        old = self.index.get(key)
+        if old is None:
+            if self.store.membership is not None:
+                self.store.membership.add(key)
+        else:
+            self.used_bytes -= old.file_size
+        self.index[key] = entry
+        self.index.move_to_end(key)
+        self.used_bytes += entry.file_size
+
+    def _index_pop(self, key: str) -> DiskEntry | None:
+        """Unindex; the filter forgets the key only after has() stopped counting it."""
+        entry = self.index.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry.file_size
+            if self.store.membership is not None:
+                self.store.membership.remove(key)
+        return entry
+
     # ------------------------------------------------------------ capacity
 
     def _make_room(self, size: int) -> bool:
@@ -338,8 +363,7 @@ class DiskTier(StoreListener):
         while self.used_bytes + self.reserved_bytes + size > self.capacity_bytes:
             if not self.index:
                 return False
-            key, entry = self.index.popitem(last=False)
-            self.used_bytes -= entry.file_size
+            entry = self._index_pop(next(iter(self.index)))
             self.counters["disk_evictions"] += 1
             self._queue_fs(self._unlink, entry.fname, entry.ino)
         return True
@@ -443,11 +467,10 @@ class DiskTier(StoreListener):
         if job.cancelled or result is None:
             return
         file_size, ino = result
-        self.index[job.key] = DiskEntry(
-            key_to_filename(job.key), file_size, job.nbytes, job.dtype, job.shape, ino
+        self._index_put(
+            job.key,
+            DiskEntry(key_to_filename(job.key), file_size, job.nbytes, job.dtype, job.shape, ino),
         )
-        self.index.move_to_end(job.key)
-        self.used_bytes += file_size
         self.counters["disk_writes"] += 1
         # size == file_size by construction; re-check in case the format ever drifts.
         if file_size != job.size:
@@ -460,9 +483,7 @@ class DiskTier(StoreListener):
         job = self.pending.pop(key, None)
         if job is not None:
             job.cancelled = True
-        entry = self.index.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= entry.file_size
+        entry = self._index_pop(key)
         prom = self._promoting.get(key)
         if prom is not None:
             prom.cancelled = True
@@ -478,8 +499,8 @@ class DiskTier(StoreListener):
         self.pending.clear()
         for prom in self._promoting.values():
             prom.cancelled = True
-        self.index.clear()
-        self.used_bytes = 0
+        for key in list(self.index):
+            self._index_pop(key)
         self._queue_fs(self._remove_all)
         return n
 
@@ -627,8 +648,7 @@ class DiskTier(StoreListener):
 
     def _drop_if_current(self, key: str, entry: DiskEntry) -> bool:
         if self.index.get(key) is entry:
-            del self.index[key]
-            self.used_bytes -= entry.file_size
+            self._index_pop(key)
             return True
         return False
 
