@@ -20,6 +20,14 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _bytes(value: str) -> int:
+    """Like _size, but a plain number is bytes (as for these keys in YAML and env)."""
+    try:
+        return parse_size(value, plain_unit=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _octal(value: str) -> int:
     try:
         return int(value, 8)
@@ -51,9 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--shm-size", type=_size, help="slab size: 512MiB, 2GiB, or a plain number of GiB"
     )
-    start.add_argument("--block-size", type=_size, help="allocation block size, e.g. 64KiB")
+    start.add_argument("--block-size", type=_bytes, help="allocation block size, e.g. 64KiB")
     start.add_argument(
-        "--max-entry-size", type=_size, help="largest accepted entry (default: the slab)"
+        "--max-entry-size", type=_bytes, help="largest accepted entry (default: the slab)"
     )
     start.add_argument(
         "--socket-mode", type=_octal, help="socket and segment permissions (default 0600)"
@@ -70,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--max-frame-size",
         dest="max_frame_bytes",
-        type=_size,
+        type=_bytes,
         help="largest accepted control message, e.g. 1MiB",
     )
     start.add_argument("--max-connections", type=int, help="most clients served at once")

@@ -87,10 +87,18 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("block_size is larger than shm_size")
         if self.max_entry_size < 0:
             raise ValueError("max_entry_size must not be negative")
+        if self.max_entry_size > self.shm_size:
+            raise ValueError(
+                f"max_entry_size ({format_size(self.max_entry_size)}) is larger than shm_size "
+                f"({format_size(self.shm_size)}); an entry must fit in the slab"
+            )
         if not 1 <= self.max_key_length <= 64 * KiB:
             raise ValueError("max_key_length must be between 1 and 65536")
-        if self.max_frame_bytes < 4 * KiB:
-            raise ValueError("max_frame_bytes must be at least 4 KiB")
+        if not 4 * KiB <= self.max_frame_bytes <= 64 * MiB:
+            # The broker buffers a whole frame per connection before decoding it.
+            raise ValueError(
+                f"max_frame_bytes must be between 4 KiB and 64 MiB, got {self.max_frame_bytes}"
+            )
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         if not 0 <= self.socket_mode <= 0o777:

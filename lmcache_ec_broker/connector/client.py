@@ -122,7 +122,7 @@ class BrokerClient:
         self._outage_logged = False
         self.reconnects = 0
         with self._lock:
-            self._ensure_connected()
+            self._ensure_connected(raise_refusal=True)
 
     # ------------------------------------------------------------ connection
 
@@ -134,7 +134,9 @@ class BrokerClient:
     def epoch(self) -> str | None:
         return self._hello.epoch if self._hello else None
 
-    def _ensure_connected(self) -> bool:
+    def _ensure_connected(self, raise_refusal: bool = False) -> bool:
+        """Connect if needed. A refusal (permission, too many connections) raises only
+        when asked (at construction); later it is an outage like any other."""
         if self._sock is not None:
             return True
         now = time.monotonic()
@@ -142,7 +144,15 @@ class BrokerClient:
             return False
         try:
             self._connect()
-        except (OSError, BrokerUnavailable, ShmError) as exc:
+        except (OSError, BrokerUnavailable, BrokerRefused, ShmError) as exc:
+            if raise_refusal and isinstance(exc, BrokerRefused):
+                raise
+            # Let go of the old mappings now: unlinked shared memory stays charged to
+            # /dev/shm while anyone maps it, and a restarting broker needs that room.
+            self._unmap()
+            if self._filter is not None:
+                self._filter.close()
+                self._filter = None
             self._backoff = min(max(self._backoff * 2, 0.05), self.max_backoff_s)
             self._next_attempt = time.monotonic() + self._backoff
             if not self._outage_logged:
@@ -278,6 +288,15 @@ class BrokerClient:
 
     def _frame(self, msg: msgspec.Struct) -> bytes:
         body = self._encoder.encode(msg)
+        limit = self._hello.max_frame_bytes if self._hello else 0
+        if limit and len(body) > limit:
+            # Refused here: sent, it would make the broker drop the whole connection.
+            raise BrokerRefused(
+                "bad_request",
+                f"{type(msg).__name__.lower()} request of {len(body)} bytes exceeds the "
+                f"broker's maximum frame of {limit} bytes; split the batch or raise "
+                "max_frame_bytes",
+            )
         return FRAME_HEADER.pack(len(body)) + body
 
     def _read_replies(self, n: int) -> list[Any]:
