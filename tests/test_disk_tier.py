@@ -413,3 +413,25 @@ def test_start_up_scan_logs_progress_and_rebuilds_lru_order(tmp_path, monkeypatc
         assert tier.used_bytes == 4 * size
     finally:
         tier.close()
+
+
+def test_kill9_during_writes_leaves_only_whole_entries(make_broker, sock_dir):
+    disk = os.path.join(sock_dir, "disk")
+    b = start(make_broker, disk, shm="64MiB")
+    data = {f"m@1@0@{i:04d}@bfloat16": torch.randn(512, 1024).to(torch.bfloat16) for i in range(40)}
+    with BrokerClient(b.socket_path) as c:
+        for key, t in data.items():
+            assert c.put(key, t)
+        pending = c.stats()["disk_pending_writes"]
+    b.kill9()  # most likely with writes still queued or half-written
+    b2 = start(make_broker, disk, shm="64MiB", socket_path=b.socket_path)
+    assert not [n for n in os.listdir(disk) if n.startswith(".tmp-")]
+    with BrokerClient(b2.socket_path) as c:
+        s = c.stats()
+        assert s["disk_quarantined"] == 0 and s["disk_entries"] == len(entry_files(disk))
+        present = c.has(list(data))
+        got = c.get_many([k for k, p in zip(data, present, strict=True) if p])
+        for g, key in zip(got, [k for k, p in zip(data, present, strict=True) if p], strict=True):
+            assert same_bits(g, data[key]), key
+        assert c.stats()["disk_errors"] == 0
+    print(f"{pending} writes pending at kill -9; {sum(present)} of {len(data)} entries survived")
