@@ -443,13 +443,12 @@ class BrokerServer:
             ) from exc
 
     def _publish_filter(self, slab_name: str) -> None:
-        # Until the disk tier keeps its own keys in the filter, a broker with a disk
-        # tier publishes none: a disk-only key must never read as a local miss.
-        if self.config.local_disk:
-            return
-        self.filter = FilterWriter(
-            slab_name + "-f", slots_for(self.store.nblocks), mode=self.config.socket_mode
-        )
+        # Both tiers count their keys in it (the disk tier from its start-up scan on),
+        # so it is sized for the entries of both.
+        keys = self.store.nblocks
+        if self.disk is not None:
+            keys += self.config.max_local_disk_size // self.store.block_size
+        self.filter = FilterWriter(slab_name + "-f", slots_for(keys), mode=self.config.socket_mode)
         if self._group_gid is not None:
             os.chown("/dev/shm" + self.filter.name, -1, self._group_gid)
         self.store.membership = self.filter
