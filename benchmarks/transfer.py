@@ -73,7 +73,11 @@ class State:
     # ------------------------------------------------------------- setup
 
     def setup(
-        self, socket_path: str, redis_socket: str = "", st_dirs: dict[str, str] | None = None
+        self,
+        socket_path: str,
+        redis_socket: str = "",
+        st_dirs: dict[str, str] | None = None,
+        real_vllm: bool = True,
     ) -> dict[str, Any]:
         from lmcache_ec_broker import BrokerClient
 
@@ -89,7 +93,8 @@ class State:
             self.redis.ping()
         info: dict[str, Any] = {}
         for name, path in (st_dirs or {}).items():
-            self.st[name], info[name] = make_example_connector(path)
+            self.st[name] = ExampleConnectorFiles(path) if real_vllm else SafetensorsFiles(path)
+            info[name] = self.st[name].what
         return info
 
     def make(self, size: int) -> dict[str, Any]:
@@ -119,9 +124,9 @@ class State:
             t0 = time.perf_counter()
             self.redis.set(key, view)
             return {"t": time.perf_counter() - t0, "ok": True}
-        conn = self.st[system]
+        files = self.st[system]
         t0 = time.perf_counter()
-        conn.save_caches(encoder_cache={key: t}, mm_hash=key)
+        files.save(key, t)
         return {"t": time.perf_counter() - t0, "ok": True}
 
     def get(self, system: str, key: str, size: int, mode: str = "new") -> dict[str, Any]:
@@ -148,22 +153,12 @@ class State:
             dt = time.perf_counter() - t0
             ok = raw is not None
         else:
-            from vllm.distributed.ec_transfer.ec_connector.example_connector import (
-                ECExampleConnectorMetadata,
-                MMMeta,
-            )
-
             # load_file on CPU maps the file lazily; the copy into the reader's reused
             # tensor is what makes the bytes usable (a GPU load would copy them too).
             out = self.outs[size]
-            conn = self.st[system]
-            meta = ECExampleConnectorMetadata()
-            meta.add_mm_data(MMMeta.make_meta(key, expect.shape[0]))
-            cache: dict[str, Any] = {}
+            files = self.st[system]
             t0 = time.perf_counter()
-            conn.bind_connector_metadata(meta)
-            conn.start_load_caches(encoder_cache=cache)
-            loaded = cache.get(key)
+            loaded = files.load(key, expect.shape[0])
             if loaded is not None:
                 _copy_into(out, loaded)
             dt = time.perf_counter() - t0
@@ -173,7 +168,7 @@ class State:
         return {"t": dt, "ok": ok}
 
     def drop_page_cache(self, system: str, key: str) -> dict[str, Any]:
-        path = self.st[system]._generate_filename_debug(key)
+        path = self.st[system].path(key)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -188,7 +183,7 @@ class State:
         elif system == "redis":
             self.redis.delete(key)
         else:
-            shutil.rmtree(os.path.dirname(self.st[system]._generate_filename_debug(key)), True)
+            shutil.rmtree(os.path.dirname(self.st[system].path(key)), True)
         return {}
 
     def memcpy(self, size: int, reps: int = 3) -> dict[str, Any]:
@@ -314,22 +309,70 @@ def _bytes(t: Any) -> Any:
     return t.reshape(-1).view(torch.uint8)
 
 
-def make_example_connector(path: str) -> tuple[Any, str]:
-    """vLLM's real ECExampleConnector writing to ``path``.
+class ExampleConnectorFiles:
+    """vLLM's real ECExampleConnector writing to ``path`` (one safetensors file per entry).
 
     Its constructor wants a whole VllmConfig; only the storage path and the
     producer/consumer flags matter to save_caches/start_load_caches, so the
     instance is built without running __init__ and those attributes are set.
     """
-    from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
-    conn = ECExampleConnector.__new__(ECExampleConnector)
-    conn._connector_metadata = None
-    conn._is_producer = True
-    conn._is_consumer = True
-    conn._storage_path = path
-    conn._mm_datas_need_loads = {}
-    return conn, "vllm ECExampleConnector (installed vLLM)"
+    what = "vllm ECExampleConnector (the installed vLLM's class)"
+
+    def __init__(self, path: str) -> None:
+        from vllm.distributed.ec_transfer.ec_connector.example_connector import (
+            ECExampleConnector,
+            ECExampleConnectorMetadata,
+            MMMeta,
+        )
+
+        self._meta_cls, self._mm_meta = ECExampleConnectorMetadata, MMMeta
+        conn = ECExampleConnector.__new__(ECExampleConnector)
+        conn._connector_metadata = None
+        conn._is_producer = True
+        conn._is_consumer = True
+        conn._storage_path = path
+        conn._mm_datas_need_loads = {}
+        self.conn = conn
+
+    def save(self, key: str, t: Any) -> None:
+        self.conn.save_caches(encoder_cache={key: t}, mm_hash=key)
+
+    def load(self, key: str, num_tokens: int) -> Any:
+        meta = self._meta_cls()
+        meta.add_mm_data(self._mm_meta.make_meta(key, num_tokens))
+        cache: dict[str, Any] = {}
+        self.conn.bind_connector_metadata(meta)
+        self.conn.start_load_caches(encoder_cache=cache)
+        return cache.get(key)
+
+    def path(self, key: str) -> str:
+        return self.conn._generate_filename_debug(key)
+
+
+class SafetensorsFiles:
+    """The same calls as ECExampleConnector (file layout, save_file, load_file), without
+    importing vLLM (--no-vllm: importing vLLM takes minutes on a loaded 2-core box)."""
+
+    what = "ECExampleConnector's exact save_file/load_file calls (--no-vllm)"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def path(self, key: str) -> str:
+        folder = os.path.join(self.root, key)
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, "encoder_cache.safetensors")
+
+    def save(self, key: str, t: Any) -> None:
+        import safetensors.torch
+
+        safetensors.torch.save_file({"ec_cache": t.detach().cpu()}, self.path(key))
+
+    def load(self, key: str, num_tokens: int) -> Any:
+        import safetensors.torch
+
+        return safetensors.torch.load_file(self.path(key), device="cpu")["ec_cache"]
 
 
 def worker_main() -> None:
@@ -413,10 +456,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         info = {}
         for w in (writer, reader):
             info = w.call(
-                op="setup", socket_path=broker.socket_path, redis_socket=redis_sock, st_dirs=st_dirs
+                op="setup",
+                socket_path=broker.socket_path,
+                redis_socket=redis_sock,
+                st_dirs=st_dirs,
+                real_vllm=not args.no_vllm,
             )
         results: dict[str, Any] = {"sizes": sizes, "runs": args.runs, "peers_info": info}
-        results["ec_cpu_connector"] = ec_cpu_connector_status()
+        results["loadavg_start"] = os.getloadavg()
+        results["ec_cpu_connector"] = (
+            "not checked (--no-vllm)" if args.no_vllm else ec_cpu_connector_status()
+        )
         per: dict[int, dict[str, list[float]]] = {}
         for size in sizes:
             writer.call(op="make", size=size)
@@ -462,6 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["small"] = [
             reader.call(op="small_ops", n=args.small_n, batch=32) for _ in range(args.small_runs)
         ]
+        results["loadavg_end"] = os.getloadavg()
         return results
     finally:
         for w in (writer, reader):
@@ -477,7 +528,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    out = []
+    la0, la1 = res["loadavg_start"], res["loadavg_end"]
+    out = [
+        f"{os.cpu_count()} CPUs; load average {la0[0]:.1f} at start, {la1[0]:.1f} at end; "
+        f"median of {res['runs']} runs"
+    ]
     rows = []
     for s in res["sizes"]:
         m = res["per_size"][str(s)]
@@ -582,6 +637,11 @@ def main() -> None:
     p.add_argument("--has-iters", type=int, default=5000)
     p.add_argument("--small-n", type=int, default=3000)
     p.add_argument("--small-runs", type=int, default=3)
+    p.add_argument(
+        "--no-vllm",
+        action="store_true",
+        help="do not import vLLM: the safetensors peers use ECExampleConnector's exact calls",
+    )
     p.add_argument("--quick", action="store_true", help="tiny iteration counts (smoke test)")
     p.add_argument("--json", help="also write the raw medians here")
     args = p.parse_args()

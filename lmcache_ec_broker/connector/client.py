@@ -319,7 +319,29 @@ class BrokerClient:
         return out
 
     def _roundtrip(self, msg: msgspec.Struct) -> Any:
-        self._send(self._frame(msg))
+        sock = self._sock
+        if sock is None or self._owed or self._rend:
+            self._send(self._frame(msg))
+            return self._read_replies(1)[0]
+        # Fast path (nothing owed or buffered): one send, usually one recv.
+        buf = self._rbuf
+        try:
+            sock.sendall(self._frame(msg))
+            n = sock.recv_into(buf)
+            if n >= 4:
+                (length,) = FRAME_HEADER.unpack_from(buf, 0)
+                if n == 4 + length:
+                    with memoryview(buf) as view:
+                        reply = self._decoder.decode(view[4:n])
+                    self._confirmed_at = time.monotonic()
+                    return reply
+        except (OSError, msgspec.MsgspecError) as exc:
+            self._drop_socket()
+            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        if n == 0:
+            self._drop_socket()
+            raise BrokerUnavailable("the broker closed the connection")
+        self._rend = n  # a partial (or longer) reply: the general reader takes over
         return self._read_replies(1)[0]
 
     def _post(self, msg: msgspec.Struct) -> None:
@@ -513,7 +535,9 @@ class BrokerClient:
                 reply: HasReply = self._call(Has(ask, lease_ms))
             except BrokerUnavailable:
                 return [False] * len(keys)
-            return reply.hits if mask is None else _expand(mask, reply.hits, False)
+            if mask is None or len(ask) == len(keys):
+                return reply.hits
+            return _expand(mask, reply.hits, False)
 
     def _maybe_mask(self, keys: list[str]) -> list[bool] | None:
         """Per key, False where the filter proves a miss; None if the filter is not usable.
