@@ -461,6 +461,8 @@ def _rss(pid: int) -> int:
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_a_client_that_stops_reading_does_not_stall_others(make_broker, loop, no_uvloop) -> None:
     b = make_broker("--shm-size", "64MiB", env=None if loop == "uvloop" else no_uvloop)
+    with BrokerClient(b.socket_path) as probe:
+        assert probe.ping()  # the loop is running (the socket listens before it starts)
     assert _uses_uvloop(b.pid) == (loop == "uvloop")
     rss0 = _rss(b.pid)
     hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
