@@ -402,8 +402,8 @@ class BrokerClient:
         with self._lock:
             mask = self._maybe_mask(keys)
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            self.local_misses += len(keys) - len(ask)
             if not ask:
-                self.local_misses += len(keys)
                 return [None] * len(keys)
             try:
                 reply: GetReply = self._call(Get(ask))
@@ -528,8 +528,8 @@ class BrokerClient:
         with self._lock:
             mask = self._maybe_mask(keys)
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            self.local_misses += len(keys) - len(ask)
             if not ask:
-                self.local_misses += len(keys)
                 return [False] * len(keys)
             try:
                 reply: HasReply = self._call(Has(ask, lease_ms))
