@@ -41,6 +41,15 @@ def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
         reader.close()
 
 
+def test_reader_maps_read_only(writer: FilterWriter) -> None:
+    reader = FilterReader(writer.name, writer.size)
+    try:
+        with pytest.raises(TypeError):
+            reader.mm[100] = 1  # a client cannot corrupt what every other client reads
+    finally:
+        reader.close()
+
+
 def test_closed_filter_says_maybe_for_everything(writer: FilterWriter) -> None:
     reader = FilterReader(writer.name, writer.size)
     try:

@@ -32,8 +32,11 @@ connection has been confirmed recently (see BrokerClient).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
+
+import posix_ipc
 
 from .segment import Segment, ShmError
 
@@ -47,6 +50,7 @@ NHASHES = 2
 MIN_LOG2_SLOTS = 16
 MAX_LOG2_SLOTS = 26
 _FLAGS_OFFSET = 20
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
 
 
 def slots_for(capacity_blocks: int) -> int:
@@ -132,14 +136,27 @@ class FilterReader:
     """A client's read-only view. ``maybe`` never blocks and never talks to the broker."""
 
     def __init__(self, name: str, size: int) -> None:
-        self.segment = Segment.attach(name, size, prefault=True)
-        self.mm = self.segment.mm
+        # Mapped read-only: a buggy client cannot corrupt what every other client reads.
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except (OSError, posix_ipc.Error) as exc:
+            raise ShmError(f"cannot open membership filter {name}: {exc}") from exc
+        try:
+            if shm.size < size:
+                raise ShmError(f"filter {name} has {shm.size} bytes, the broker announced {size}")
+            self.mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        try:
+            self.mm.madvise(_MADV_POPULATE_READ)  # no first-touch faults on the hot path
+        except (OSError, ValueError, AttributeError):
+            pass
         magic, version, log2_slots, nhashes, _flags, salt = HEADER.unpack_from(self.mm, 0)
         if magic != MAGIC or version != VERSION:
-            self.segment.close()
+            self.mm.close()
             raise ShmError(f"segment {name} is not a membership filter of this version")
         if HEADER_SIZE + (1 << log2_slots) > size:
-            self.segment.close()
+            self.mm.close()
             raise ShmError(f"filter segment {name} is shorter than its header says")
         self._hasher = _Hasher(salt, log2_slots, nhashes)
 
@@ -158,4 +175,4 @@ class FilterReader:
         return True
 
     def close(self) -> None:
-        self.segment.close()
+        self.mm.close()
