@@ -20,6 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the benchmark process dies (even by SIGKILL),
+    so a killed run leaves no broker, redis-server or worker behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def parse_sizes(text: str) -> list[int]:
     from lmcache_ec_broker.config import parse_size
 
@@ -70,7 +78,9 @@ class Broker:
             sys.executable, "-m", "lmcache_ec_broker.cli", "start",
             "--socket", self.socket_path, "--shm-size", f"{-(-shm_size // MiB)}MiB", *extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
         from lmcache_ec_broker.broker.server import probe_socket
 
         deadline = time.monotonic() + 60
@@ -114,6 +124,7 @@ class Worker:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            preexec_fn=die_with_parent,
         )
 
     def call(self, **req: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from benchmarks._common import (  # noqa: E402
     Broker,
     MiB,
     Worker,
+    die_with_parent,
     fmt_size,
     median,
     parse_sizes,
@@ -439,6 +440,7 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
     )  # fmt: skip
     deadline = time.monotonic() + 20
     while not os.path.exists(path):
