@@ -61,6 +61,15 @@ log = logging.getLogger("lmcache_ec_broker.disk")
 DISK_CONN = -1  # the store connection the disk tier reserves and pins with
 _PROGRESS_EVERY_S = 2.0
 _SHUTDOWN_FLUSH_S = 120.0
+# Monotonic counters of the disk tier (exported as counters by the metrics endpoint).
+DISK_COUNTERS = (
+    "promotions",
+    "disk_writes",
+    "disk_errors",
+    "disk_writes_skipped",
+    "disk_evictions",
+    "disk_quarantined",
+)
 
 
 class DiskError(RuntimeError):
@@ -132,17 +141,7 @@ class DiskTier(StoreListener):
         self._inflight: set[asyncio.Future[Any]] = set()
         self._next_listener = store.listener
         self._warned: dict[str, float] = {}
-        self.counters = dict.fromkeys(
-            (
-                "promotions",
-                "disk_writes",
-                "disk_errors",
-                "disk_writes_skipped",
-                "disk_evictions",
-                "disk_quarantined",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(DISK_COUNTERS, 0)
 
     # ------------------------------------------------------------ lifecycle
 

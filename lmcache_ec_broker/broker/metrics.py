@@ -27,6 +27,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .disk import DISK_COUNTERS
+from .store import STORE_COUNTERS
+
 if TYPE_CHECKING:
     from .server import BrokerServer
 
@@ -41,29 +44,7 @@ BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # Monotonic counters among the stats keys (the rest are gauges or labels).
-COUNTERS = frozenset(
-    {
-        "hits",
-        "misses",
-        "has_hits",
-        "has_misses",
-        "puts",
-        "put_present",
-        "put_in_progress",
-        "aborts",
-        "evictions",
-        "deletes",
-        "bytes_stored",
-        "bytes_loaded",
-        "no_space",
-        "promotions",
-        "disk_writes",
-        "disk_errors",
-        "disk_writes_skipped",
-        "disk_evictions",
-        "disk_quarantined",
-    }
-)
+COUNTERS = frozenset(STORE_COUNTERS + DISK_COUNTERS)
 
 _HELP = {
     "hits": "get() keys served from the broker (hit-ratio numerator)",

@@ -39,6 +39,23 @@ from ..protocol import (
 from ..shm.allocator import BlockAllocator, Run
 from .eviction import LRUPolicy
 
+# Monotonic counters the store keeps (the metrics endpoint exports them as counters).
+STORE_COUNTERS = (
+    "hits",
+    "misses",
+    "has_hits",
+    "has_misses",
+    "puts",
+    "put_present",
+    "put_in_progress",
+    "aborts",
+    "evictions",
+    "deletes",
+    "bytes_stored",
+    "bytes_loaded",
+    "no_space",
+)
+
 
 class State(enum.Enum):
     RESERVED = 1
@@ -122,24 +139,7 @@ class Store:
         self.reserved_blocks = 0
         self.used_blocks = 0
         self.pinned_entries = 0
-        self.counters = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "has_hits",
-                "has_misses",
-                "puts",
-                "put_present",
-                "put_in_progress",
-                "aborts",
-                "evictions",
-                "deletes",
-                "bytes_stored",
-                "bytes_loaded",
-                "no_space",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(STORE_COUNTERS, 0)
 
     # ------------------------------------------------------------ connections
 
