@@ -20,6 +20,16 @@ from lmcache_ec_broker.broker.server import segment_prefix
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``lmcache-ec-broker ARGS`` in a real process; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_ec_broker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
     """The broker's slab segments; with include_filter also its membership-filter
     segments (name ends in -f), which leak checks must count too."""

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import shm_segments
+from conftest import run_cli, shm_segments
 
 from lmcache_ec_broker import BrokerClient
 
@@ -109,22 +109,14 @@ def test_socket_mode_and_group_open_both_files_to_the_group(make_broker) -> None
 
 
 def test_unknown_socket_group_is_a_clear_start_error(sock_dir) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmcache_ec_broker.cli",
-            "start",
-            "--socket",
-            os.path.join(sock_dir, "g.sock"),
-            "--shm-size",
-            "64MiB",
-            "--socket-group",
-            "no-such-group-xyz",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    out = run_cli(
+        "start",
+        "--socket",
+        os.path.join(sock_dir, "g.sock"),
+        "--shm-size",
+        "64MiB",
+        "--socket-group",
+        "no-such-group-xyz",
     )
     assert out.returncode == 1
     assert "socket_group 'no-such-group-xyz' does not exist" in out.stderr

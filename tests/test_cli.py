@@ -5,22 +5,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
-from conftest import shm_segments
+from conftest import run_cli, shm_segments
 
 from lmcache_ec_broker.config import GiB, MiB, parse_size
 
-
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lmcache_ec_broker.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+cli = run_cli
 
 
 @pytest.mark.parametrize(

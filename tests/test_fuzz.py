@@ -8,12 +8,14 @@ Example counts are fixed so the whole module stays well under a minute.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
 import msgspec
 import pytest
 import torch
+from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -469,26 +471,14 @@ def test_limits_refuse_with_clear_messages(make_broker) -> None:
 
 
 def test_max_entry_size_larger_than_the_slab_is_refused_at_start(sock_dir) -> None:
-    import os
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmcache_ec_broker.cli",
-            "start",
-            "--socket",
-            os.path.join(sock_dir, "m.sock"),
-            "--shm-size",
-            "64MiB",
-            "--max-entry-size",
-            "128MiB",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    out = run_cli(
+        "start",
+        "--socket",
+        os.path.join(sock_dir, "m.sock"),
+        "--shm-size",
+        "64MiB",
+        "--max-entry-size",
+        "128MiB",
     )
     assert out.returncode == 2, out.stderr
     assert "max_entry_size" in out.stderr and "shm_size" in out.stderr
