@@ -1,0 +1,83 @@
+"""Probe: how this host's copy bandwidth depends on idleness and on where bytes go.
+
+Copies 34 MiB with memcpy (``ctypes.memmove``, the routine the client uses)
+between private buffers and into a POSIX shared-memory segment (same offset;
+rotating offsets over 1 GiB), then again after 3 s of idleness. It separates
+the broker's own costs from the machine's: see docs/performance.md,
+"A run on an idle VM".
+
+    .venv/bin/python benchmarks/idle_memcpy_probe.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import posix_ipc
+import torch
+
+NBYTES = 34 << 20
+REGION = 1 << 30
+_MADV_POPULATE_WRITE = 23
+
+
+def gbps(copy: Callable[[], None], reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copy()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return NBYTES / times[len(times) // 2] / 1e9
+
+
+def rotating(base: int, src: int) -> Callable[[], None]:
+    offset = [0]
+
+    def copy() -> None:
+        ctypes.memmove(base + offset[0], src, NBYTES)
+        offset[0] = (offset[0] + NBYTES) % (REGION - NBYTES)
+
+    return copy
+
+
+def main() -> None:
+    name = f"/ecb-idle-probe-{os.getpid()}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=REGION)
+    try:
+        mm = mmap.mmap(shm.fd, REGION)
+        shm.close_fd()
+        mm.madvise(_MADV_POPULATE_WRITE)
+        slab = torch.frombuffer(mm, dtype=torch.uint8)
+        src = torch.randint(0, 255, (NBYTES,), dtype=torch.uint8)
+        dst = torch.ones(NBYTES, dtype=torch.uint8)
+        private = torch.ones(REGION, dtype=torch.uint8)
+        s, d, b, p = src.data_ptr(), dst.data_ptr(), slab.data_ptr(), private.data_ptr()
+        rows = [
+            ("private -> private, same buffer", gbps(lambda: ctypes.memmove(d, s, NBYTES))),
+            ("private -> shm, same offset", gbps(lambda: ctypes.memmove(b, s, NBYTES))),
+            ("private -> shm, rotating over 1 GiB", gbps(rotating(b, s), 25)),
+            ("private -> private, rotating over 1 GiB", gbps(rotating(p, s), 25)),
+        ]
+        time.sleep(3)
+        rows.append(
+            ("shm same offset, after 3 s idle", gbps(lambda: ctypes.memmove(b, s, NBYTES), 1))
+        )
+        rows.append(
+            ("private same buffer, after 3 s idle", gbps(lambda: ctypes.memmove(d, s, NBYTES), 1))
+        )
+        print(f"| copy of {NBYTES >> 20} MiB | GB/s |\n|---|---|")
+        for label, rate in rows:
+            print(f"| {label} | {rate:.2f} |")
+        del slab
+        mm.close()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+
+
+if __name__ == "__main__":
+    main()
