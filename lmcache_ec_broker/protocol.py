@@ -220,13 +220,6 @@ def encode_frame(encoder: msgspec.msgpack.Encoder, msg: msgspec.Struct) -> bytes
     return FRAME_HEADER.pack(len(body)) + body
 
 
-def check_frame_length(length: int, max_frame_bytes: int) -> None:
-    if length > max_frame_bytes:
-        raise ProtocolError(
-            f"frame of {length} bytes exceeds the maximum of {max_frame_bytes} bytes"
-        )
-
-
 def expected_nbytes(dtype: str, shape: list[int]) -> int:
     """nbytes implied by dtype and shape; ValueError names what is wrong."""
     itemsize = DTYPE_ITEMSIZE.get(dtype)

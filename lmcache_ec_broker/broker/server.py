@@ -100,7 +100,6 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.busy = False  # an async request is in flight; later frames wait
         self.queued: collections.deque[bytes] = collections.deque()
-        self.peer_pid = 0
 
     # ---------------------------------------------------------------- asyncio
 
@@ -221,7 +220,6 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         self.greeted = True
-        self.peer_pid = msg.pid
         seg = srv.segment
         assert seg is not None
         self.send(

@@ -431,9 +431,6 @@ class Store:
                 expired += 1
         return expired
 
-    def next_lease_expiry(self) -> float | None:
-        return self._lease_heap[0][0] if self._lease_heap else None
-
     def delete(self, keys: list[str]) -> list[bool]:
         out = []
         for key in keys:

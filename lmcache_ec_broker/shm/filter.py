@@ -117,11 +117,6 @@ class FilterWriter:
         mm = self.mm
         return all(mm[s] for s in self._hasher.slots(key))
 
-    def occupancy(self) -> float:
-        """Fraction of non-zero slots (O(slots); for stats and tests, not the hot path)."""
-        body = bytes(self.mm[HEADER_SIZE:])
-        return 1.0 - body.count(0) / self.nslots
-
     def close(self) -> None:
         """Mark the filter dead (readers then say "maybe"), unlink and unmap it."""
         try:
