@@ -40,11 +40,18 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("memcpy", "get_into", "st-shm", "st-disk-cold", "redis", "ECCPUConnector",
                    "exact save_file/load_file calls",
-                   "hit x1", "miss x1", "put_many+get_many"):  # fmt: skip
+                   "hit x1", "miss x1", "put_many+get_many", "new blocks", "reused blocks"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
     assert out.exists()
     # Nothing left behind: private socket dirs and shm segments are removed.
     assert not {n for n in os.listdir("/dev/shm") if n.startswith("ecb-bench-st-")} - before
+
+
+def test_wakeup_probe_smoke() -> None:
+    r = _run("wakeup_probe.py", "--iters", "200", "--runs", "1", timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("both block", "both busy-poll", "pinned to one CPU"):
+        assert needle in r.stdout, (needle, r.stdout)
 
 
 def test_gpu_transfer_smoke() -> None:
