@@ -54,6 +54,19 @@ def test_wakeup_probe_smoke() -> None:
         assert needle in r.stdout, (needle, r.stdout)
 
 
+def test_slab_copy_probe_smoke() -> None:
+    r = _run("slab_copy_probe.py", "--sizes", "1MiB", "--gaps", "0,0.1", "--reps", "2",
+             timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "slab write (again)" in r.stdout and "1 MiB" in r.stdout, r.stdout
+
+
+def test_idle_memcpy_probe_smoke() -> None:
+    r = _run("idle_memcpy_probe.py", timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "never-touched memory" in r.stdout, r.stdout
+
+
 def test_gpu_transfer_smoke() -> None:
     import torch
 
