@@ -5,7 +5,8 @@ between private buffers and into a POSIX shared-memory segment (same offset;
 rotating offsets over 1 GiB), then again after 3 s of idleness. It separates
 the broker's own costs from the machine's (on the Firecracker VMs this project
 is built on, memory left alone for about a second is much slower to touch
-again): see docs/performance.md, "A run on an idle VM".
+again): see docs/performance.md,
+"What this VM does to copies and round trips".
 
     .venv/bin/python benchmarks/idle_memcpy_probe.py
 """
@@ -58,8 +59,9 @@ def main() -> None:
         dst = torch.ones(NBYTES, dtype=torch.uint8)
         private = torch.ones(REGION, dtype=torch.uint8)
         s, d, b, p = src.data_ptr(), dst.data_ptr(), slab.data_ptr(), private.data_ptr()
+        copy_d = lambda: ctypes.memmove(d, s, NBYTES)  # noqa: E731
         rows = [
-            ("private -> private, same buffer", gbps(lambda: ctypes.memmove(d, s, NBYTES))),
+            ("private -> private, same buffer", gbps(copy_d)),
             ("private -> shm, same offset", gbps(lambda: ctypes.memmove(b, s, NBYTES))),
             ("private -> shm, rotating over 1 GiB", gbps(rotating(b, s), 25)),
             ("private -> private, rotating over 1 GiB", gbps(rotating(p, s), 25)),
@@ -68,11 +70,8 @@ def main() -> None:
         rows.append(
             ("shm same offset, after 3 s idle", gbps(lambda: ctypes.memmove(b, s, NBYTES), 1))
         )
-        rows.append(
-            ("private same buffer, after 3 s idle", gbps(lambda: ctypes.memmove(d, s, NBYTES), 1))
-        )
+        rows.append(("private same buffer, after 3 s idle", gbps(copy_d, 1)))
         time.sleep(1)
-        copy_d = lambda: ctypes.memmove(d, s, NBYTES)  # noqa: E731
         rows.append(("private same buffer, first copy after 1 s idle", gbps(copy_d, 1)))
         rows.append(("the same copy again, back to back", gbps(copy_d, 1)))
         fresh = mmap.mmap(-1, NBYTES)  # never touched: every page faults in

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,34 +229,28 @@ class State:
 
     def has_latency(self, present: list[str], iters: int, broker_pid: int = 0) -> dict[str, Any]:
         c = self.client
-        out: dict[str, Any] = {}
-        batch_hit = (present * 64)[:64]
-        for name, keys, want in (
-            ("hit x1", present[:1], True),
-            ("hit x64", batch_hit, True),
-            ("miss x1", None, False),
-            ("miss x64", None, False),
-        ):
-            lat = []
-            n = 1 if name.endswith("x1") else 64
-            for i in range(iters):
-                ks = keys if keys is not None else [f"absent-{i}-{j}" for j in range(n)]
-                t0 = time.perf_counter()
-                r = c.has(ks)
-                lat.append(time.perf_counter() - t0)
-                assert all(r) if want else not any(r)
-            out[name] = {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
+        hit1, hit64 = present[:1], (present * 64)[:64]
+
+        def absent(n: int) -> Callable[[int], list[str]]:
+            return lambda i: [f"absent-{i}-{j}" for j in range(n)]
+
+        def hits(r: list[bool]) -> None:
+            assert all(r)
+
+        def misses(r: list[bool]) -> None:
+            assert not any(r)
+
+        out: dict[str, Any] = {
+            "hit x1": latency(c.has, iters, lambda i: hit1, hits),
+            "hit x64": latency(c.has, iters, lambda i: hit64, hits),
+            "miss x1": latency(c.has, iters, absent(1), misses),
+            "miss x64": latency(c.has, iters, absent(64), misses),
+        }
         # Without the filter: every has() is a round trip (the broker answers).
         trust = c.filter_trust_s
         c.filter_trust_s = -1.0
-        for name, n in (("miss x1 (no filter)", 1), ("miss x64 (no filter)", 64)):
-            lat = []
-            for i in range(iters):
-                ks = [f"absent-{i}-{j}" for j in range(n)]
-                t0 = time.perf_counter()
-                c.has(ks)
-                lat.append(time.perf_counter() - t0)
-            out[name] = {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
+        out["miss x1 (no filter)"] = latency(c.has, iters, absent(1))
+        out["miss x64 (no filter)"] = latency(c.has, iters, absent(64))
         c.filter_trust_s = trust
         if broker_pid and len(os.sched_getaffinity(0)) > 1:
             # The same hit with this process and the broker pinned to one CPU: a
@@ -265,18 +260,10 @@ class State:
             os.sched_setaffinity(broker_pid, one)
             os.sched_setaffinity(0, one)
             try:
-                lat = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    c.has(present[:1])
-                    lat.append(time.perf_counter() - t0)
+                out["hit x1 (client and broker on one CPU)"] = latency(c.has, iters, lambda i: hit1)
             finally:
                 os.sched_setaffinity(0, mine)
                 os.sched_setaffinity(broker_pid, theirs)
-            out["hit x1 (client and broker on one CPU)"] = {
-                "p50": percentile(lat, 0.5),
-                "p99": percentile(lat, 0.99),
-            }
         return out
 
     def small_ops(self, n: int, batch: int) -> dict[str, Any]:
@@ -339,14 +326,34 @@ class State:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         msg = b"x" * 40
-        lat = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
+
+        def ping(_: int) -> None:
             s.sendall(msg)
             s.recv(100)
-            lat.append(time.perf_counter() - t0)
-        s.close()
-        return {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
+
+        try:
+            return latency(ping, iters)
+        finally:
+            s.close()
+
+
+def latency(
+    call: Callable[[Any], Any],
+    iters: int,
+    arg: Callable[[int], Any] = lambda i: i,
+    check: Callable[[Any], None] | None = None,
+) -> dict[str, float]:
+    """p50 and p99 in seconds of ``call(arg(i))`` for i in range(iters); the argument
+    is built and the result checked outside the timed region."""
+    lat = []
+    for i in range(iters):
+        a = arg(i)
+        t0 = time.perf_counter()
+        r = call(a)
+        lat.append(time.perf_counter() - t0)
+        if check is not None:
+            check(r)
+    return {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
 
 
 def _copy_into(dst: Any, src: Any) -> None:

@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import time
 
-from _common import percentile, table
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import median, percentile, table  # noqa: E402
 
 
 def _recv(sock: socket.socket, buf: bytearray, spin_s: float) -> int:
@@ -98,8 +101,7 @@ def main() -> None:
         if same and len(os.sched_getaffinity(0)) < 2:
             continue
         runs = [measure(args.iters, cs, ss, same) for _ in range(args.runs)]
-        p50 = sorted(r[0] for r in runs)[len(runs) // 2]
-        p99 = sorted(r[1] for r in runs)[len(runs) // 2]
+        p50, p99 = median(r[0] for r in runs), median(r[1] for r in runs)
         rows.append([name, f"{p50 * 1e6:.1f}", f"{p99 * 1e6:.1f}"])
     print(
         f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}; Unix-socket round trip "
