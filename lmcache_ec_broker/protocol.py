@@ -130,7 +130,41 @@ class Ping(msgspec.Struct, tag="ping", tag_field="op", forbid_unknown_fields=Tru
     pass
 
 
-Request = Hello | Has | Reserve | Commit | Abort | Get | Release | Delete | Clear | Stats | Ping
+class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields=True):
+    """Like Has, but says per key whether the entry is in the slab now or still being
+    promoted from a lower tier, and its dtype and shape (the vLLM connector defers a
+    request while any of its entries is PENDING and checks shapes before trusting a hit)."""
+
+    keys: list[str]
+    lease_ms: int = 0
+
+
+class Unlease(msgspec.Struct, tag="unlease", tag_field="op", forbid_unknown_fields=True):
+    """End this connection's leases on ``keys`` (the load they protected is done)."""
+
+    keys: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", tag_field="op", forbid_unknown_fields=True):
+    """Stop the broker (honoured for the broker's own uid or root only)."""
+
+
+Request = (
+    Hello
+    | Has
+    | Reserve
+    | Commit
+    | Abort
+    | Get
+    | Release
+    | Delete
+    | Clear
+    | Stats
+    | Ping
+    | Lookup
+    | Unlease
+    | Shutdown
+)
 
 
 # ---------------------------------------------------------------- replies
@@ -151,6 +185,22 @@ class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
 
 class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):
     hits: list[bool]
+
+
+class LookupState:
+    MISS = 0  # on no tier
+    READY = 1  # in the slab: a get now is a hit
+    PENDING = 2  # on a lower tier, being promoted into the slab: ask again shortly
+
+
+class EntryInfo(msgspec.Struct, array_like=True):
+    state: int  # LookupState
+    dtype: str = ""
+    shape: list[int] = []
+
+
+class LookupReply(msgspec.Struct, tag="lookup_reply", tag_field="op"):
+    items: list[EntryInfo]
 
 
 class ReserveStatus:
@@ -201,6 +251,7 @@ class ErrorReply(msgspec.Struct, tag="error", tag_field="op"):
 Reply = (
     HelloReply
     | HasReply
+    | LookupReply
     | ReserveReply
     | GetReply
     | DeleteReply

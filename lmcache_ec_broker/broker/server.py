@@ -41,18 +41,24 @@ from ..protocol import (
     ErrorReply,
     Get,
     GetReply,
+    EntryInfo,
     Has,
     HasReply,
     Hello,
     HelloReply,
+    Lookup,
+    LookupReply,
+    LookupState,
     OkReply,
     Ping,
     PongReply,
     Release,
     Request,
     Reserve,
+    Shutdown,
     Stats,
     StatsReply,
+    Unlease,
 )
 from ..shm.filter import FilterWriter, slots_for
 from ..shm.segment import Segment, remove_stale
@@ -100,6 +106,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.busy = False  # an async request is in flight; later frames wait
         self.queued: collections.deque[bytes] = collections.deque()
+        self.peer_uid = -1  # from SO_PEERCRED at admission
 
     # ---------------------------------------------------------------- asyncio
 
@@ -107,7 +114,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         srv = self.server
-        refusal = srv.admit(transport)
+        refusal = srv.admit(transport, self)
         srv.store.open_connection(self.conn_id)
         srv.connections[self.conn_id] = self
         if refusal is not None:
@@ -184,7 +191,7 @@ class Connection(asyncio.Protocol):
             self.hello(msg)
             return
         try:
-            reply = srv.dispatch(self.conn_id, msg)
+            reply = srv.dispatch(self.conn_id, msg, self.peer_uid)
         except Exception as exc:  # a bug must not take the broker down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
             reply = ErrorReply(ErrorCode.INTERNAL, f"internal broker error: {exc!r}")
@@ -286,7 +293,7 @@ class BrokerServer:
             for obs in self.observers:
                 obs(op, elapsed)
 
-    def admit(self, transport: asyncio.Transport) -> ErrorReply | None:
+    def admit(self, transport: asyncio.Transport, conn: Connection) -> ErrorReply | None:
         cfg = self.config
         if len(self.connections) >= cfg.max_connections:
             return ErrorReply(
@@ -306,6 +313,7 @@ class BrokerServer:
             return ErrorReply(
                 ErrorCode.PERMISSION_DENIED, f"cannot read the peer's credentials: {exc}"
             )
+        conn.peer_uid = uid
         # Root is admitted: it bypasses file permissions and can read any process's
         # memory anyway, so refusing it protects nothing.
         if uid in (self._uid, 0) or uid in cfg.allowed_uids:
@@ -318,9 +326,28 @@ class BrokerServer:
             "add it to allowed_uids or use socket_group",
         )
 
-    def dispatch(self, conn: int, msg: object) -> msgspec.Struct | Awaitable[msgspec.Struct]:
+    def dispatch(
+        self, conn: int, msg: object, peer_uid: int = -1
+    ) -> msgspec.Struct | Awaitable[msgspec.Struct]:
         store = self.store
         match msg:
+            case Lookup(keys=keys, lease_ms=lease_ms):
+                lease_ms = min(max(lease_ms, 0), MAX_LEASE_MS)
+                return LookupReply(self.lookup(conn, keys, lease_ms))
+            case Unlease(keys=keys):
+                store.unlease(conn, keys)
+                return OkReply()
+            case Shutdown():
+                if peer_uid not in (self._uid, 0):
+                    return ErrorReply(
+                        ErrorCode.PERMISSION_DENIED,
+                        f"only the broker's owner (uid {self._uid}) or root may stop it; "
+                        f"you are uid {peer_uid}",
+                    )
+                log.info("shutdown requested by a client (uid %d)", peer_uid)
+                if self.loop is not None:
+                    self.loop.call_soon(self.request_stop)
+                return OkReply()
             case Has(keys=keys, lease_ms=lease_ms):
                 lease_ms = min(max(lease_ms, 0), MAX_LEASE_MS)
                 hits = store.has(conn, keys, lease_ms)
@@ -356,6 +383,25 @@ class BrokerServer:
             case Hello():
                 return ErrorReply(ErrorCode.BAD_REQUEST, "hello was already received")
         return ErrorReply(ErrorCode.BAD_REQUEST, f"unsupported request {type(msg).__name__}")
+
+    def lookup(self, conn: int, keys: list[str], lease_ms: int) -> list[EntryInfo]:
+        store = self.store
+        hits = store.has(conn, keys, lease_ms)
+        out: list[EntryInfo] = []
+        for key, hit in zip(keys, hits, strict=True):
+            if hit:
+                e = store.entries[key]
+                out.append(EntryInfo(LookupState.READY, e.dtype, list(e.shape)))
+            else:
+                out.append(EntryInfo(LookupState.MISS))
+        if self.disk is not None:
+            disk_hits = self.disk.has(keys, hits, lease_ms)
+            for i, (key, hit) in enumerate(zip(keys, hits, strict=True)):
+                if disk_hits[i] and not hit:
+                    d = self.disk.index.get(key)
+                    if d is not None:
+                        out[i] = EntryInfo(LookupState.PENDING, d.dtype, list(d.shape))
+        return out
 
     def stats(self) -> dict[str, int | float | str]:
         out: dict[str, int | float | str] = dict(self.store.stats())

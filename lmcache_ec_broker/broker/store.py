@@ -418,6 +418,16 @@ class Store:
             self._unpin(pin_id)
         state.leases[entry.key] = self._pin(entry, conn, expires_at)
 
+    def unlease(self, conn: int, keys: list[str]) -> None:
+        """End ``conn``'s leases on ``keys``; keys it holds no lease on are ignored."""
+        state = self.conns.get(conn)
+        if state is None:
+            return
+        for key in keys:
+            pin_id = state.leases.get(key)
+            if pin_id is not None:
+                self._unpin(pin_id)
+
     def expire_leases(self) -> int:
         now = self._clock()
         expired = 0

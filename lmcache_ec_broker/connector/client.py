@@ -35,6 +35,7 @@ from ..protocol import (
     Commit,
     Delete,
     DeleteReply,
+    EntryInfo,
     ErrorReply,
     Get,
     GetReply,
@@ -43,6 +44,9 @@ from ..protocol import (
     Hello,
     HelloReply,
     Hit,
+    Lookup,
+    LookupReply,
+    LookupState,
     Ping,
     PongReply,
     Release,
@@ -50,8 +54,10 @@ from ..protocol import (
     Reserve,
     ReserveReply,
     ReserveStatus,
+    Shutdown,
     Stats,
     StatsReply,
+    Unlease,
     expected_nbytes,
 )
 from ..shm.filter import FilterReader
@@ -538,6 +544,47 @@ class BrokerClient:
             if mask is None or len(ask) == len(keys):
                 return reply.hits
             return _expand(mask, reply.hits, False)
+
+    def lookup(self, keys: list[str], lease_ms: int = 0) -> list[EntryInfo]:
+        """Per key: MISS, READY (in the slab) or PENDING (being promoted from a lower
+        tier: ask again shortly), with dtype and shape for the last two. Leases as
+        ``has`` does. An outage answers all MISS."""
+        miss = EntryInfo(LookupState.MISS)
+        with self._lock:
+            mask = self._maybe_mask(keys)
+            ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            self.local_misses += len(keys) - len(ask)
+            if not ask:
+                return [miss] * len(keys)
+            try:
+                reply: LookupReply = self._call(Lookup(ask, lease_ms))
+            except BrokerUnavailable:
+                return [miss] * len(keys)
+            if mask is None or len(ask) == len(keys):
+                return reply.items
+            return _expand(mask, reply.items, miss)
+
+    def unlease(self, keys: list[str]) -> None:
+        """End this client's leases on ``keys`` (sent without waiting for the reply)."""
+        if not keys:
+            return
+        with self._lock:
+            if self._sock is None:
+                return  # leases died with the connection
+            try:
+                self._post(Unlease(list(keys)))
+            except BrokerUnavailable:
+                pass
+
+    def shutdown(self) -> bool:
+        """Ask the broker to stop (its owner or root only). True if it accepted;
+        raises BrokerRefused if it refused."""
+        with self._lock:
+            try:
+                self._call(Shutdown())
+                return True
+            except BrokerUnavailable:
+                return False
 
     def _maybe_mask(self, keys: list[str]) -> list[bool] | None:
         """Per key, False where the filter proves a miss; None if the filter is not usable.
