@@ -1,0 +1,52 @@
+"""Lower tiers under the slab (see ``base.py`` for the contract) and their factory."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import (
+    EntryMeta,
+    LowerTier,
+    SlabAccess,
+    TierCorrupt,
+    TierError,
+    TierEvents,
+    TierMiss,
+    TierUnavailable,
+)
+
+if TYPE_CHECKING:
+    from ...config import BrokerConfig
+
+__all__ = [
+    "EntryMeta",
+    "LowerTier",
+    "SlabAccess",
+    "TierCorrupt",
+    "TierError",
+    "TierEvents",
+    "TierMiss",
+    "TierUnavailable",
+    "make_lower_tiers",
+]
+
+
+def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier]:
+    """The configured lower tiers, nearest first (lookup and promotion order).
+
+    A new backend adds one branch here; nothing else in the broker changes.
+    """
+    tiers: list[LowerTier] = []
+    if config.local_disk:
+        from .disk import DiskTier
+
+        tiers.append(
+            DiskTier(
+                config.local_disk,
+                config.max_local_disk_size,
+                file_mode=config.socket_mode,
+                max_pending_bytes=max(slab_capacity // 4, 1),
+            )
+        )
+    # remote tier (Redis/Valkey, Mooncake): appended here, after the disk tier.
+    return tiers
