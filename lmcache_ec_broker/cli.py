@@ -6,11 +6,17 @@ import argparse
 import json
 import logging
 import os
-import signal
+import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from .config import format_size, load_config, parse_size
+from .config import default_socket_path, format_size, load_config, parse_size
+
+if TYPE_CHECKING:
+    from .connector.client import BrokerClient
+
+METRICS_EXTRA = "pip install 'lmcache-ec-broker[metrics]'"
 
 
 def _size(value: str) -> int:
@@ -93,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     for name, text in (
-        ("stop", "stop the broker on the socket (SIGTERM) and wait for it to exit"),
+        ("stop", "ask the broker on the socket to stop and wait until it is gone"),
         ("stats", "print the broker's counters"),
         ("ping", "exit 0 if a broker answers on the socket, 1 otherwise"),
     ):
@@ -102,7 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "stats":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "stop":
-            sp.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+            sp.add_argument(
+                "--timeout",
+                type=float,
+                default=30.0,
+                help="seconds to wait for the broker to finish (its disk flush included)",
+            )
     return p
 
 
@@ -124,6 +135,22 @@ _START_KEYS = (
 )
 
 
+def _shown(name: str, value: object) -> str:
+    """A config value as --print-config shows it: permission modes in octal."""
+    if name.endswith("_mode") and isinstance(value, int):
+        return f"0o{value:03o}"
+    return str(value)
+
+
+def _metrics_missing() -> str | None:
+    """Why metrics cannot be served (prometheus_client absent), or None."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
 def _start(args: argparse.Namespace) -> int:
     from .broker.server import BrokerError, run_broker
     from .shm.segment import ShmError
@@ -138,8 +165,21 @@ def _start(args: argparse.Namespace) -> int:
         import msgspec
 
         for name, value in msgspec.structs.asdict(cfg).items():
-            print(f"{name:22} {value!s:40} ({sources.get(name, 'default')})")
+            print(f"{name:22} {_shown(name, value):40} ({sources.get(name, 'default')})")
         return 0
+    if cfg.metrics_port:
+        # Checked before anything exists: the broker would otherwise fail half-way
+        # through its start with the segment already made.
+        missing = _metrics_missing()
+        if missing is not None:
+            print(
+                f"lmcache-ec-broker: metrics_port {cfg.metrics_port} "
+                f"({sources.get('metrics_port', 'default')}) needs prometheus_client, which "
+                f"cannot be imported ({missing}); install the metrics extra: {METRICS_EXTRA}, "
+                "or leave metrics off (metrics_port 0)",
+                file=sys.stderr,
+            )
+            return 2
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -152,18 +192,84 @@ def _start(args: argparse.Namespace) -> int:
         return 1
 
 
-def _client(args: argparse.Namespace, timeout: float = 2.0):
-    from .connector.client import BrokerClient
+class _Held(logging.Handler):
+    """Keeps the client library's warnings instead of printing them: its wording
+    ("serving misses and retrying in the background") is for a long-lived process,
+    not for a one-shot command, which says what happened in its own words."""
 
-    return BrokerClient(args.socket_path, timeout_s=timeout, connect_timeout_s=timeout)
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def causes(self) -> list[BaseException]:
+        args = [r.args for r in self.records if isinstance(r.args, tuple)]
+        return [a for tup in args for a in tup if isinstance(a, BaseException)]
+
+
+def _start_hint(path: str) -> str:
+    flag = "" if path == default_socket_path() else f" --socket {path}"
+    return (
+        f"start one with `lmcache-ec-broker start{flag}` (it runs in the foreground: use "
+        "another terminal), or point --socket at a running one"
+    )
+
+
+def _no_broker(path: str, causes: list[BaseException]) -> str:
+    cause = causes[0] if causes else None
+    if isinstance(cause, FileNotFoundError) or (cause is None and not os.path.exists(path)):
+        why = "there is no socket there"
+    elif isinstance(cause, ConnectionRefusedError):
+        why = "the socket is left over from a broker that is no longer running"
+    elif isinstance(cause, PermissionError):
+        return (
+            f"lmcache-ec-broker: cannot connect to the broker at {path}: permission denied for "
+            f"uid {os.getuid()}; its socket_mode/socket_group or allowed_uids must admit you"
+        )
+    elif isinstance(cause, TimeoutError | socket.timeout):
+        why = "it did not answer in time"
+    elif cause is not None:
+        why = str(cause)
+    else:
+        why = "it did not answer"
+    return f"lmcache-ec-broker: no broker answers at {path}: {why}; {_start_hint(path)}"
+
+
+def _client(args: argparse.Namespace, timeout: float = 2.0) -> BrokerClient | None:
+    """A connected client, or None after saying on stderr why there is none."""
+    from .connector.client import BrokerClient, BrokerRefused
+
+    path = args.socket_path or default_socket_path()
+    held = _Held()
+    logger = logging.getLogger("lmcache_ec_broker")
+    logger.addHandler(held)
+    try:
+        try:
+            c = BrokerClient(path, timeout_s=timeout, connect_timeout_s=timeout)
+        except BrokerRefused as exc:
+            print(
+                f"lmcache-ec-broker: the broker at {path} refused: {exc.message}", file=sys.stderr
+            )
+            return None
+        if not c.connected:
+            c.close()
+            print(_no_broker(path, held.causes()), file=sys.stderr)
+            return None
+        return c
+    finally:
+        logger.removeHandler(held)
 
 
 def _stats(args: argparse.Namespace) -> int:
     c = _client(args)
+    if c is None:
+        return 1
     stats = c.stats()
     c.close()
     if not stats:
-        print(f"lmcache-ec-broker: no broker answers on {c.socket_path}", file=sys.stderr)
+        print(_no_broker(c.socket_path, []), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -177,38 +283,68 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _ping(args: argparse.Namespace) -> int:
     c = _client(args)
+    if c is None:
+        return 1
     ok = c.ping()
     epoch = c.epoch
     c.close()
     if ok:
         print(f"ok: broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})")
         return 0
-    print(f"lmcache-ec-broker: no broker answers on {c.socket_path}", file=sys.stderr)
+    print(_no_broker(c.socket_path, []), file=sys.stderr)
     return 1
 
 
+def _socket_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _stop(args: argparse.Namespace) -> int:
+    """Stop through the protocol, never by signalling a pid: the pid a broker reports
+    is in its own pid namespace, which may not be ours (a DaemonSet and its sidecars).
+    The broker removes its socket as the last step of its shutdown (after the disk
+    flush), so the socket being gone, or replaced by a new broker's, means done."""
+    from .connector.client import BrokerRefused
+
     c = _client(args)
-    stats = c.stats()
-    c.close()
-    if not stats:
-        print(f"lmcache-ec-broker: no broker answers on {c.socket_path}", file=sys.stderr)
+    if c is None:
         return 1
-    pid = int(stats["pid"])
-    os.kill(pid, signal.SIGTERM)
+    path = c.socket_path
+    before = _socket_id(path)
+    try:
+        accepted = c.shutdown()
+    except BrokerRefused as exc:
+        print(
+            f"lmcache-ec-broker: the broker at {path} refused to stop: {exc.message}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        c.close()
+    if not accepted:
+        print(
+            f"lmcache-ec-broker: the broker at {path} went away before it accepted the stop "
+            "request; run `lmcache-ec-broker ping` to see whether it still answers",
+            file=sys.stderr,
+        )
+        return 1
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            print(f"stopped broker pid {pid}")
-            return 0
-        if not os.path.exists(c.socket_path):
-            print(f"stopped broker pid {pid}")
+        now = _socket_id(path)
+        if now is None or now != before:
+            print(f"stopped the broker at {path}")
             return 0
         time.sleep(0.05)
     print(
-        f"lmcache-ec-broker: broker pid {pid} did not exit within {args.timeout}s", file=sys.stderr
+        f"lmcache-ec-broker: the broker at {path} accepted the stop request but has not "
+        f"removed its socket within {args.timeout:g}s; it may still be flushing its disk tier "
+        "(see shutdown_flush_s) or have died mid-shutdown: read its log, or wait longer "
+        "with --timeout",
+        file=sys.stderr,
     )
     return 1
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 from conftest import run_cli, shm_segments
@@ -99,3 +103,155 @@ def test_sigterm_exits_zero_and_cleans_up(broker) -> None:
     s.close()
     assert not os.path.exists(broker.socket_path)
     assert shm_segments(broker.socket_path, include_filter=True) == []
+
+
+# ------------------------------------------------------------ stop through the protocol
+
+# Runs as pid 1 of a new pid namespace: starts a sentinel whose pid there equals the
+# pid the broker reports (the broker's pid in *its* namespace), then runs `stop`.
+# A stop that signalled the reported pid would hit the sentinel.
+IN_NEW_PID_NS = """
+import json, subprocess, sys
+broker_pid, sock = int(sys.argv[1]), sys.argv[2]
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(broker_pid - 1))
+sentinel = subprocess.Popen(["sleep", "600"])
+r = subprocess.run([sys.executable, "-m", "lmcache_ec_broker.cli", "stop", "--socket", sock],
+                   capture_output=True, text=True, timeout=120)
+alive = sentinel.poll() is None
+sentinel.kill()
+sentinel.wait()
+print(json.dumps({"sentinel_pid": sentinel.pid, "alive": alive, "rc": r.returncode,
+                  "stdout": r.stdout, "stderr": r.stderr}))
+"""
+
+
+def _need_root_and_unshare() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to make a pid namespace")
+
+
+def test_stop_from_another_pid_namespace_signals_no_pid(broker) -> None:
+    _need_root_and_unshare()
+    reported = json.loads(cli("stats", "--json", "--socket", broker.socket_path).stdout)["pid"]
+    assert reported == broker.pid
+    r = subprocess.run(
+        ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", IN_NEW_PID_NS,
+         str(reported), broker.socket_path],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["sentinel_pid"] == reported  # the trap was set
+    assert out["alive"], "stop signalled the pid the broker reported"
+    assert out["rc"] == 0, out["stderr"]
+    assert "stopped the broker" in out["stdout"]
+    assert broker.proc.wait(30) == 0
+    assert not os.path.exists(broker.socket_path)
+    assert shm_segments(broker.socket_path, include_filter=True) == []
+
+
+# The interpreter lives where another uid may not read it: import, then drop to the uid.
+AS_UID = """
+import os, sys
+import lmcache_ec_broker.cli as cli
+import lmcache_ec_broker.connector.client  # noqa: F401
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+cli._parser().parse_args(sys.argv[3:])  # argparse imports some modules on first use
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+def _cli_as(uid: int, gid: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", AS_UID, str(uid), str(gid), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_stop_by_an_admitted_other_uid_is_refused(make_broker, sock_dir) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(sock_dir, 0o755)
+    b = make_broker(
+        "--shm-size", "16MiB", "--socket-mode", "0666", "--allowed-uids", str(nobody.pw_uid)
+    )
+    r = _cli_as(nobody.pw_uid, nobody.pw_gid, "stop", "--socket", b.socket_path)
+    assert r.returncode == 1
+    assert "refused to stop" in r.stderr and f"uid {nobody.pw_uid}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    # Admitted as a client, just not allowed to stop it: it still serves.
+    ping = _cli_as(nobody.pw_uid, nobody.pw_gid, "ping", "--socket", b.socket_path)
+    assert ping.returncode == 0, ping.stderr
+    assert b.proc.poll() is None
+
+
+# ------------------------------------------------------------ one-shot commands, no broker
+
+
+def _stale_socket(path: str) -> None:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)  # bound, never listening: what a kill -9'd broker leaves behind
+    s.close()
+
+
+@pytest.mark.parametrize("command", ["ping", "stats", "stop"])
+@pytest.mark.parametrize("leftover", [False, True], ids=["no-socket", "stale-socket"])
+def test_one_shot_command_without_a_broker_says_how_to_start_one(
+    sock_dir, command: str, leftover: bool
+) -> None:
+    path = os.path.join(sock_dir, "none.sock")
+    if leftover:
+        _stale_socket(path)
+    r = cli(command, "--socket", path)
+    assert r.returncode == 1
+    assert f"no broker answers at {path}" in r.stderr, r.stderr
+    assert f"lmcache-ec-broker start --socket {path}" in r.stderr
+    assert ("left over" in r.stderr) == leftover
+    assert "retrying in the background" not in r.stderr and "serving misses" not in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------ start: config and refusals
+
+
+def test_print_config_shows_modes_in_octal(sock_dir) -> None:
+    sock = os.path.join(sock_dir, "b.sock")
+    r = cli("start", "--print-config", "--socket", sock)
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["socket_mode"].split()[1] == "0o600", lines["socket_mode"]
+    r = cli("start", "--print-config", "--socket", sock, "--socket-mode", "0660")
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["socket_mode"].split()[1] == "0o660"
+    assert "432" not in lines["socket_mode"] and not os.path.exists(sock)
+
+
+def test_metrics_port_without_prometheus_client_is_refused(sock_dir, tmp_path) -> None:
+    # A module that shadows the installed prometheus_client: importing it fails as
+    # it does where the metrics extra is not installed.
+    fake = tmp_path / "no_prometheus"
+    fake.mkdir()
+    (fake / "prometheus_client.py").write_text(
+        "raise ImportError(\"No module named 'prometheus_client'\")\n"
+    )
+    sock = os.path.join(sock_dir, "m.sock")
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for how in (["--metrics-port", "9464"], []):
+        run_env = env if how else dict(env, LMCACHE_EC_METRICS_PORT="9464")
+        r = subprocess.run(
+            [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", sock,
+             "--shm-size", "16MiB", *how],
+            capture_output=True, text=True, timeout=60, env=run_env,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert "pip install 'lmcache-ec-broker[metrics]'" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not os.path.exists(sock)
+        assert shm_segments(sock, include_filter=True) == []
