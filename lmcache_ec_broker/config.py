@@ -70,8 +70,6 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     socket_mode: int = 0o600
     socket_group: str | None = None
     allowed_uids: list[int] = []
-    lease_ms: int = 30_000
-    prefault: bool = True
     local_disk: str | None = None
     max_local_disk_size: int = 0
     metrics_port: int = 0
@@ -105,8 +103,6 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"socket_mode must be an octal permission like 0o660, got {self.socket_mode}"
             )
-        if self.lease_ms < 0:
-            raise ValueError("lease_ms must not be negative")
         if self.max_local_disk_size < 0:
             raise ValueError("max_local_disk_size must not be negative")
         if self.local_disk is not None:
@@ -127,6 +123,13 @@ CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 _ALIASES = {"max_local_cpu_size": "shm_size"}
 # LMCache keys accepted so an existing LMCache file works; the encoder cache has no use for them.
 _IGNORED = frozenset({"chunk_size", "local_cpu"})
+# Keys earlier releases accepted but never used; old files and environments still
+# start, with a warning that says what to do instead.
+_RETIRED = {
+    "lease_ms": "the lease a vLLM instance takes on a hit is set per instance, in "
+    "ec_connector_extra_config's lease_ms",
+    "prefault": "the broker always pre-faults its slab at start",
+}
 # Plain numbers (YAML, environment) are GiB for capacities, as in LMCache, and bytes for the rest.
 _GIB_SIZES = frozenset({"shm_size", "max_local_disk_size"})
 _BYTE_SIZES = frozenset({"block_size", "max_entry_size", "max_frame_bytes"})
@@ -240,6 +243,9 @@ def _yaml_layers(
     unknown: list[str] = []
     for key, value in _read_yaml(path).items():
         layer, bare = (prefixed, key[3:]) if key.startswith("ec_") else (plain, key)
+        if bare in _RETIRED:
+            _warn_retired(bare, f"config {path}: {key}")
+            continue
         if bare in _IGNORED:
             if bare == "local_cpu" and value is False:
                 log.warning(
@@ -261,8 +267,21 @@ def _yaml_layers(
     return plain, prefixed, unknown
 
 
+def _warn_retired(name: str, where: str) -> None:
+    log.warning(
+        "%s is ignored: %s is no longer a broker setting (it never had an effect); %s. "
+        "Remove it.",
+        where,
+        name,
+        _RETIRED[name],
+    )
+
+
 def _env_layer(fields: dict[str, object]) -> dict[str, tuple[object, str]]:
     layer: dict[str, tuple[object, str]] = {}
+    for name in _RETIRED:
+        if ENV_PREFIX + name.upper() in os.environ:
+            _warn_retired(name, f"environment variable {ENV_PREFIX + name.upper()}")
     names = [(f, f) for f in fields] + [(a, f) for a, f in _ALIASES.items()]
     for key, name in names:
         var = ENV_PREFIX + key.upper()

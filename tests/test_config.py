@@ -68,11 +68,9 @@ def test_env_overrides_ec_prefixed_yaml(tmp_path, monkeypatch):
     path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\n")
     monkeypatch.setenv("LMCACHE_EC_MAX_LOCAL_DISK_SIZE", "128")
     monkeypatch.setenv("LMCACHE_EC_LOCAL_DISK", str(tmp_path / "d"))
-    monkeypatch.setenv("LMCACHE_EC_PREFAULT", "off")
     cfg, sources = load_config({}, path)
     assert cfg.max_local_disk_size == 128 * GiB
     assert cfg.local_disk == str(tmp_path / "d")
-    assert cfg.prefault is False
     assert sources["max_local_disk_size"] == "env LMCACHE_EC_MAX_LOCAL_DISK_SIZE"
 
 
@@ -95,12 +93,12 @@ def test_socket_env_variables(tmp_path, monkeypatch):
 
 
 def test_config_file_from_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMCACHE_CONFIG_FILE", write_yaml(tmp_path, "ec_lease_ms: 1234\n"))
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", write_yaml(tmp_path, "ec_max_key_length: 1234\n"))
     cfg, sources = load_config({})
-    assert cfg.lease_ms == 1234
-    explicit = write_yaml(tmp_path, "ec_lease_ms: 99\n", "other.yaml")
+    assert cfg.max_key_length == 1234
+    explicit = write_yaml(tmp_path, "ec_max_key_length: 99\n", "other.yaml")
     cfg, _ = load_config({}, explicit)  # --config wins over LMCACHE_CONFIG_FILE
-    assert cfg.lease_ms == 99
+    assert cfg.max_key_length == 99
 
 
 def test_env_empty_local_disk_turns_the_disk_tier_off(tmp_path, monkeypatch):
@@ -150,6 +148,23 @@ def test_lmcache_only_keys_are_quiet_unknown_keys_warn(tmp_path, caplog):
     assert "chunk_size," not in warnings[0].split("(known")[0]
 
 
+def test_retired_keys_warn_what_to_do_and_change_nothing(tmp_path, monkeypatch, caplog):
+    # lease_ms and prefault were accepted by earlier releases but never read.
+    path = write_yaml(tmp_path, "lease_ms: 5000\nec_prefault: false\nshm_size: 1\n")
+    monkeypatch.setenv("LMCACHE_EC_LEASE_MS", "500")
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
+        cfg, sources = load_config({}, path)
+    assert cfg.shm_size == GiB
+    assert "lease_ms" not in sources and "prefault" not in sources
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 3, warnings
+    lease = [w for w in warnings if "lease_ms is no longer a broker setting" in w]
+    assert len(lease) == 2 and all("ec_connector_extra_config" in w for w in lease)
+    assert any("LMCACHE_EC_LEASE_MS" in w for w in lease)
+    assert any("ec_prefault" in w and "prefault is no longer" in w for w in warnings)
+    assert not any("unknown" in w for w in warnings)
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "env", "expected"),
     [
@@ -159,7 +174,7 @@ def test_lmcache_only_keys_are_quiet_unknown_keys_warn(tmp_path, caplog):
         ('local_disk: "s3://bucket/ec"\nmax_local_disk_size: 1\n', {}, "unsupported URL scheme"),
         ('local_disk: "file://otherhost/x"\nmax_local_disk_size: 1\n', {}, "only local"),
         ('local_disk: "/tmp/x"\n', {}, "max_local_disk_size is 0"),
-        ("", {"LMCACHE_EC_PREFAULT": "maybe"}, "not a boolean"),
+        ("", {"LMCACHE_EC_MAX_CONNECTIONS": "many"}, "max_connections"),
         ("", {"LMCACHE_EC_METRICS_PORT": "99999"}, "metrics_port"),
         ("shm_size: 1\nmax_local_cpu_size: 2\n", {}, "sets shm_size twice"),
         ("- a\n- b\n", {}, "must be a mapping"),
@@ -209,12 +224,13 @@ def test_print_config_shows_each_layer(tmp_path):
     sock = str(tmp_path / "b.sock")
     r = _cli(
         "start", "--print-config", "--socket", sock, "--config", path,
-        env={"LMCACHE_EC_LEASE_MS": "500", "LMCACHE_EC_LOCAL_DISK": str(tmp_path / "disk")},
+        env={"LMCACHE_EC_MAX_CONNECTIONS": "500", "LMCACHE_EC_LOCAL_DISK": str(tmp_path / "disk")},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line for line in r.stdout.splitlines()}
     assert lines["socket_path"].endswith("(cli)")
-    assert "(env LMCACHE_EC_LEASE_MS)" in lines["lease_ms"]
+    assert "(env LMCACHE_EC_MAX_CONNECTIONS)" in lines["max_connections"]
+    assert "lease_ms" not in lines and "prefault" not in lines
     assert str(64 * GiB) in lines["max_local_disk_size"]
     assert "ec_max_local_disk_size" in lines["max_local_disk_size"]
     assert f"(yaml {path}: max_local_cpu_size)" in lines["shm_size"]
