@@ -16,7 +16,7 @@ from .config import default_socket_path, format_size, load_config, parse_size
 if TYPE_CHECKING:
     from .connector.client import BrokerClient
 
-METRICS_EXTRA = "pip install 'lmcache-ec-broker[metrics]'"
+METRICS_EXTRA = "pip install 'lmcache-ec-broker[metrics]' (from a clone: pip install '.[metrics]')"
 
 
 def _size(value: str) -> int:
