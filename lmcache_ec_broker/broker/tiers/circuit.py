@@ -1,0 +1,94 @@
+"""A circuit breaker for a remote store: stop calling a store that keeps failing, probe
+it again after a growing backoff, and close as soon as a probe succeeds.
+
+States: CLOSED (calls go through) -> after ``threshold`` consecutive failures OPEN
+(calls refused at once, no I/O) -> after the backoff HALF_OPEN (one probe call is
+let through; others are still refused) -> CLOSED on success, OPEN with a doubled
+backoff (capped) on failure. Thread-safe: the tier's threads report outcomes.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+
+class State(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        threshold: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[State], None] | None = None,
+    ) -> None:
+        if threshold < 1 or backoff_s <= 0 or max_backoff_s < backoff_s:
+            raise ValueError("threshold >= 1 and 0 < backoff_s <= max_backoff_s")
+        self.threshold = threshold
+        self.base_backoff = backoff_s
+        self.max_backoff = max_backoff_s
+        self._clock = clock
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self.state = State.CLOSED
+        self.failures = 0
+        self.backoff = backoff_s
+        self.retry_at = 0.0
+        self._probing = False
+        self.opened = 0  # how many times it opened (a counter for stats)
+
+    @property
+    def up(self) -> bool:
+        return self.state is State.CLOSED
+
+    def allow(self) -> bool:
+        """May a call go to the store now? In HALF_OPEN only one probe at a time."""
+        with self._lock:
+            if self.state is State.CLOSED:
+                return True
+            if self.state is State.OPEN:
+                if self._clock() < self.retry_at:
+                    return False
+                self._set(State.HALF_OPEN)
+            if self._probing:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures = 0
+            self._probing = False
+            self.backoff = self.base_backoff
+            if self.state is not State.CLOSED:
+                self._set(State.CLOSED)
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            was_probe = self._probing
+            self._probing = False
+            if self.state is State.HALF_OPEN or (was_probe and self.state is not State.CLOSED):
+                self.backoff = min(self.backoff * 2, self.max_backoff)
+                self._open()
+            elif self.state is State.CLOSED and self.failures >= self.threshold:
+                self._open()
+
+    def _open(self) -> None:
+        self.retry_at = self._clock() + self.backoff
+        if self.state is not State.OPEN:
+            self.opened += 1
+            self._set(State.OPEN)
+
+    def _set(self, state: State) -> None:
+        self.state = state
+        if self._on_change is not None:
+            self._on_change(state)
