@@ -1,0 +1,958 @@
+"""The remote tier on Mooncake Store: entries move between the broker's slab and
+the cluster's memory pool with no copy of ours in between.
+
+Enabled with ``remote_url: mooncakestore://<master host:port>`` (LMCache's scheme).
+The broker's whole slab is registered with the Mooncake client once; then
+
+- write-behind is ``batch_put_from_multi_buffers``: one Mooncake object per entry,
+  gathered from [header slot, slab extent 1, extent 2, ...] -- the transfer engine
+  reads the pinned extents itself;
+- promotion is ``batch_get_into_multi_buffers``: the object scattered into
+  [header slot, reserved extent 1, ...] -- the transfer engine writes the reserved
+  extents itself; the header and the checksum are checked before it counts;
+- lookup reads only the headers, for a whole batch in one ``get_into_ranges`` call.
+
+The object is exactly the remote value format of ``remote_value.py`` (header +
+payload), so a value is untrusted input here as it is in Redis: key, dtype, shape,
+length, checksum and (with ``remote_hmac_key_file``) the signature are checked;
+anything else is a miss plus ``remote_refused_values``.
+
+Header slots live in a small registered mapping of this module's own (never in the
+slab): a slot belongs to one Mooncake call and is freed by the thread that made the
+call when it returns -- not by a coroutine that stopped waiting -- so a call that
+outlives its deadline never writes into memory someone else was given.
+
+Mooncake semantics this tier relies on (0.3.13, see docs): ``put`` never overwrites
+(``-`` the same key always carries the same bytes here, so that is fine); every read
+grants the reader a lease (10 s) during which ``remove`` answers -706 (HAS_LEASE):
+deletes are retried after the lease; the objects live in the segments the clients
+(brokers) contribute, so a broker that stops takes its objects with it, and a master
+restart loses every object -- both cost only hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from ...protocol import Extent
+from .base import (
+    EntryMeta,
+    LowerTier,
+    SlabAccess,
+    TierCorrupt,
+    TierError,
+    TierEvents,
+    TierMiss,
+    TierUnavailable,
+)
+from .circuit import CircuitBreaker, State
+from .remote_value import (
+    FIXED,
+    BadValue,
+    Verifier,
+    checksum,
+    default_algo,
+    encode_header,
+    fixed_lengths,
+    parse_header,
+)
+
+log = logging.getLogger("lmcache_ec_broker.mooncake")
+
+SCHEME = "mooncakestore"
+EXTRA_HINT = "pip install 'lmcache-ec-broker[mooncake]'"
+
+# Mooncake error codes (mooncake-store/include/types.h)
+NO_SPACE = -200
+INVALID_PARAMS = -600
+NOT_FOUND = -704
+HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+
+SLOT = 8192  # one header slot: >= MAX_HEADER, page-friendly
+PROBE = 512  # header bytes read per key at lookup (a typical header is ~150-300 bytes)
+_BATCH_WRITES = 32
+_BATCH_WRITE_BYTES = 256 << 20
+_MAX_DELETE_TRIES = 6
+_REFUSED_TTL_S = 60.0
+
+COUNTERS = (
+    "remote_hits",
+    "remote_misses",
+    "remote_bytes_read",
+    "remote_bytes_written",
+    "remote_writes",
+    "remote_write_drops",
+    "remote_write_skips",
+    "remote_read_errors",
+    "remote_write_errors",
+    "remote_refused_values",
+    "remote_lease_conflicts",
+    "remote_circuit_opens",
+)
+
+
+def parse_mooncake_url(url: str) -> str:
+    """``mooncakestore://host:port`` -> ``host:port`` of the master; ValueError says why."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme.lower() != SCHEME:
+        raise ValueError(f"remote_url {url!r} is not a {SCHEME}://host:port URL")
+    rest = rest.rstrip("/")
+    if "@" in rest or "/" in rest or "?" in rest or "," in rest:
+        raise ValueError(
+            f"remote_url {url!r}: use {SCHEME}://<master host>:<port>; the master takes no "
+            "user, path or options (set the mooncake_* keys for the rest)"
+        )
+    host, _, port_text = rest.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(
+            f"remote_url {url!r} must name the master as host:port, e.g. {SCHEME}://127.0.0.1:50051"
+        )
+    return f"{host}:{int(port_text)}"
+
+
+def is_mooncake_url(url: str | None) -> bool:
+    return bool(url) and str(url).strip().lower().startswith(SCHEME + "://")
+
+
+def import_store_class() -> Any:
+    """Mooncake's client class, or TierError naming the extra to install."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise TierError(
+            f"remote_url {SCHEME}:// needs the Mooncake client, which is not installed "
+            f"({exc}); install it with: {EXTRA_HINT}"
+        ) from None
+    return MooncakeDistributedStore
+
+
+class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the tier needs, resolved from the broker's config."""
+
+    master: str  # host:port of mooncake_master's RPC service
+    local_hostname: str = "127.0.0.1"  # the address other nodes reach this broker's segment at
+    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata, etcd://...
+    protocol: str = "tcp"  # or "rdma"
+    device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; "" for tcp
+    global_segment_size: int = 1 << 30  # memory this broker contributes to the pool
+    local_buffer_size: int = 16 << 20  # Mooncake's own staging buffer (unused by our paths)
+    key_prefix: str = "ecb:"
+    timeout_s: float = 2.0  # bound on a lookup round trip; Mooncake's RPC timeout too
+    write_queue: int = 256  # queued write-behinds before new ones are dropped
+    max_entry_size: int = 0  # 0: no limit beyond the slab
+    hmac_key: bytes | None = None
+    admin_port: int = 9003  # the master's metrics/admin HTTP port (key listing)
+    key_poll_s: float = 5.0  # how often to fold the store's keys into the filter; 0: off
+    max_reported_keys: int = 1 << 20  # remote keys folded into the membership filter
+
+
+class _Slots:
+    """Fixed-size header slots in one registered anonymous mapping of our own."""
+
+    def __init__(self, count: int) -> None:
+        self.mm = mmap.mmap(-1, count * SLOT)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.size = count * SLOT
+        self._free = list(range(count))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            got, self._free[-n:] = self._free[-n:], []
+            return got
+
+    def give(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def ptr(self, slot: int) -> int:
+        return self.address + slot * SLOT
+
+    def read(self, slot: int, n: int) -> bytes:
+        return bytes(self.mm[slot * SLOT : slot * SLOT + n])
+
+    def write(self, slot: int, data: bytes) -> None:
+        self.mm[slot * SLOT : slot * SLOT + len(data)] = data
+
+
+class _Write(msgspec.Struct):
+    key: str
+    meta: EntryMeta
+    extents: list[Extent]
+    future: asyncio.Future[None]
+
+
+class _Delete(msgspec.Struct):
+    key: str
+    tries: int = 0
+    not_before: float = 0.0
+
+
+class _Clear(msgspec.Struct):
+    not_before: float = 0.0
+
+
+class MooncakeTier(LowerTier):
+    name = "remote"
+    counter_names = COUNTERS
+    remote = True
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self.s = settings
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._store: Any = None
+        self._store_cls: Any = None
+        self._slots: _Slots | None = None
+        self._slab: SlabAccess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: TierEvents | None = None
+        self._connected = threading.Event()
+        self._stopping = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # counters, queues and key sets shared with threads
+        self._queue: collections.deque[_Write | _Delete | _Clear] = collections.deque()
+        self._queued_writes = 0
+        self._deferred: list[Any] = []  # deletes waiting for a lease (or the store) to end
+        self._drain_until = 0.0
+        self._wake = threading.Condition(self._lock)
+        self._reads = ThreadPoolExecutor(4, thread_name_prefix="ecb-mooncake-read")
+        self._threads: list[threading.Thread] = []
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._header_sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._tombstones: set[str] = set()
+        self._refused: dict[str, float] = {}
+        self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.circuit = CircuitBreaker(threshold=3, backoff_s=0.5, max_backoff_s=30.0)
+        self._latency_ms: collections.deque[float] = collections.deque(maxlen=1024)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        self._store_cls = import_store_class()
+        if self.s.protocol not in ("tcp", "rdma"):
+            raise TierError(f"mooncake_protocol must be tcp or rdma, got {self.s.protocol!r}")
+        if self.s.protocol == "rdma" and not self.s.device_name:
+            raise TierError("mooncake_protocol rdma needs mooncake_device_name (e.g. mlx5_0)")
+        # Mooncake reads these at setup; bound its own waits by ours unless the operator chose.
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(int(self.s.timeout_s * 1000), 100)))
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(int(self.s.timeout_s * 4), 2)))
+        self._slots = _Slots(max(64, self.s.write_queue + 64))
+
+    def expected_keys(self, block_size: int) -> int:
+        return self.s.max_reported_keys
+
+    def start(self, loop: asyncio.AbstractEventLoop, slab: SlabAccess, events: TierEvents) -> None:
+        self._loop, self._slab, self._events = loop, slab, events
+        for target, name in (
+            (self._connect_loop, "ecb-mooncake-connect"),
+            (self._writer_loop, "ecb-mooncake-write"),
+        ):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self.s.key_poll_s > 0:
+            t = threading.Thread(target=self._poll_loop, name="ecb-mooncake-keys", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _connect_loop(self) -> None:
+        """Set up the client and register the slab once; the tier is down until then.
+        A master that is down at start only delays this (retried with backoff)."""
+        backoff = 0.5
+        while not self._stopping.is_set():
+            store = None
+            try:
+                store = self._store_cls()
+                rc = store.setup(
+                    self.s.local_hostname,
+                    self.s.metadata_server,
+                    self.s.global_segment_size,
+                    self.s.local_buffer_size,
+                    self.s.protocol,
+                    self.s.device_name,
+                    self.s.master,
+                )
+                if rc != 0:
+                    raise RuntimeError(f"setup returned {rc}")
+                assert self._slab is not None and self._slots is not None
+                for addr, size in (
+                    (self._slab.address, self._slab.size),
+                    (self._slots.address, self._slots.size),
+                ):
+                    rc = store.register_buffer(addr, size)
+                    if rc != 0:
+                        raise RuntimeError(f"register_buffer returned {rc}")
+            except Exception as exc:  # noqa: BLE001 - any failure here means "still down"
+                log.warning(
+                    "Mooncake master %s not reachable (%s); retrying in %.1fs",
+                    self.s.master,
+                    exc,
+                    backoff,
+                )
+                if store is not None:
+                    with contextlib.suppress(Exception):
+                        store.close()
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self._store = store
+            self._connected.set()
+            log.info("Mooncake remote tier connected to %s (%s)", self.s.master, self.s.protocol)
+            return
+
+    async def shutdown(self, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        with self._lock:
+            # the writer keeps draining queued writes until half the deadline
+            self._drain_until = time.monotonic() + deadline_s / 2
+            self._deferred.clear()
+            self._stopping.set()
+            self._wake.notify_all()
+        for t in self._threads:
+            await asyncio.to_thread(t.join, max(0.0, end - time.monotonic()))
+        # Writes still queued are abandoned (their futures end; the coordinator unpins).
+        with self._lock:
+            left = [op for op in self._queue if isinstance(op, _Write)]
+            self._queue.clear()
+            self._queued_writes = 0
+        for op in left:
+            self._finish(op.future, None)
+        pending = [f for f in self._inflight if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()))
+        still = [f for f in self._inflight if not f.done()]
+        if still:
+            log.error("Mooncake tier: %d transfers still running at shutdown", len(still))
+        self._reads.shutdown(wait=False)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        store, self._store = self._store, None
+        self._connected.clear()
+        if store is not None:
+            try:
+                if self._slab is not None:
+                    store.unregister_buffer(self._slab.address)
+                if self._slots is not None:
+                    store.unregister_buffer(self._slots.address)
+                store.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("Mooncake client close: %s", exc)
+        self._reads.shutdown(wait=False)
+
+    # ------------------------------------------------------------ helpers
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _mkey(self, key: str) -> str:
+        return self.s.key_prefix + key
+
+    def _available(self) -> Any:
+        store = self._store
+        if store is None or not self._connected.is_set():
+            raise TierUnavailable(f"Mooncake master {self.s.master} not connected")
+        if not self.circuit.allow():
+            raise TierUnavailable("Mooncake circuit open (recent failures)")
+        return store
+
+    def _failure(self) -> None:
+        was_open = self.circuit.state is State.OPEN
+        self.circuit.failure()
+        if not was_open and self.circuit.state is State.OPEN:
+            self._count("remote_circuit_opens")
+
+    def _report_added(self, key: str) -> None:
+        """Loop thread only."""
+        if self._events is None or key in self._reported:
+            if key in self._reported:
+                self._reported.move_to_end(key)
+            return
+        self._events.added(self, key)
+        self._reported[key] = None
+        while len(self._reported) > self.s.max_reported_keys:
+            old, _ = self._reported.popitem(last=False)
+            self._events.removed(self, old)
+
+    def _report_removed(self, key: str) -> None:
+        """Loop thread only."""
+        if key in self._reported:
+            del self._reported[key]
+            if self._events is not None:
+                self._events.removed(self, key)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # loop closed in between
+                pass
+
+    def _finish(self, fut: asyncio.Future[Any], exc: BaseException | None) -> None:
+        def done() -> None:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+        self._call_soon(done)
+
+    def _remember(
+        self, od: collections.OrderedDict[str, Any], key: str, value: Any, cap: int = 65536
+    ) -> None:
+        od[key] = value
+        od.move_to_end(key)
+        while len(od) > cap:
+            od.popitem(last=False)
+
+    def _refuse(self, key: str, why: str) -> None:
+        with self._lock:
+            self.counters["remote_refused_values"] += 1
+            self._refused[key] = time.monotonic() + _REFUSED_TTL_S
+            self._header_sizes.pop(key, None)
+            self._known.pop(key, None)
+        log.warning("Mooncake value for key %r refused: %s", key[:200], why)
+        self._call_soon(self._report_removed, key)
+
+    def _is_refused(self, key: str, now: float) -> bool:
+        until = self._refused.get(key)
+        if until is None:
+            return False
+        if now >= until:
+            del self._refused[key]
+            return False
+        return True
+
+    def _limit(self) -> int:
+        limit = self.s.max_entry_size or (self._slab.size if self._slab else 1 << 62)
+        return limit
+
+    # ------------------------------------------------------------ lookups
+
+    async def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None]:
+        store = self._available()
+        keys = list(keys)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._reads, self._lookup_sync, store, keys
+        )
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        try:
+            metas = await asyncio.wait_for(asyncio.shield(fut), self.s.timeout_s)
+        except asyncio.TimeoutError:
+            self._failure()
+            raise TierUnavailable(f"Mooncake lookup took longer than {self.s.timeout_s}s") from None
+        for key, meta in zip(keys, metas, strict=True):
+            if meta is None:
+                with self._lock:
+                    self._known.pop(key, None)
+                self._report_removed(key)
+            else:
+                self._report_added(key)
+        return metas
+
+    def _lookup_sync(self, store: Any, keys: list[str]) -> list[EntryMeta | None]:
+        """Read every key's header in one batched ranged read (a second one for the
+        few whose object or header does not fit the probe). Runs on a read thread."""
+        out: list[EntryMeta | None] = [None] * len(keys)
+        now = time.monotonic()
+        with self._lock:
+            ask = [
+                i
+                for i, k in enumerate(keys)
+                if k not in self._tombstones and not self._is_refused(k, now)
+            ]
+        if not ask:
+            return out
+        assert self._slots is not None
+        slots = self._slots.take(len(ask))
+        if slots is None:
+            raise TierUnavailable("Mooncake tier busy (no free header slots)")
+        t0 = time.perf_counter()
+        try:
+            first = self._ranged(store, [keys[i] for i in ask], slots, [PROBE] * len(ask))
+            again: list[tuple[int, int, int]] = []  # (index in ask, slot, length to read)
+            for j, rc in enumerate(first):
+                key = keys[ask[j]]
+                if rc == INVALID_PARAMS:  # object shorter than the probe: read its fixed part
+                    again.append((j, slots[j], FIXED.size))
+                    continue
+                if rc < 0:
+                    self._lookup_error(key, rc)
+                    continue
+                data = self._slots.read(slots[j], PROBE)
+                try:
+                    hsize, _ = fixed_lengths(data)
+                except BadValue as exc:
+                    self._refuse(key, str(exc))
+                    continue
+                if hsize > PROBE:
+                    again.append((j, slots[j], hsize))
+                    continue
+                out[ask[j]] = self._meta_from(key, data)
+            if again:
+                got = self._ranged(
+                    store,
+                    [keys[ask[j]] for j, _, _ in again],
+                    [s for _, s, _ in again],
+                    [n for _, _, n in again],
+                )
+                for (j, slot, n), rc in zip(again, got, strict=True):
+                    key = keys[ask[j]]
+                    if rc < 0:
+                        if rc == INVALID_PARAMS:
+                            self._refuse(key, "object is shorter than a value header")
+                        else:
+                            self._lookup_error(key, rc)
+                        continue
+                    data = self._slots.read(slot, n)
+                    try:
+                        hsize, _ = fixed_lengths(data)
+                    except BadValue as exc:
+                        self._refuse(key, str(exc))
+                        continue
+                    if hsize > n:  # only the fixed part was read: now the whole header
+                        rc2 = self._ranged(store, [key], [slot], [hsize])[0]
+                        if rc2 < 0:
+                            self._lookup_error(key, rc2)
+                            continue
+                        data = self._slots.read(slot, hsize)
+                    out[ask[j]] = self._meta_from(key, data)
+        finally:
+            self._slots.give(slots)
+        self._latency_ms.append((time.perf_counter() - t0) * 1000)
+        self.circuit.success()
+        hits = sum(m is not None for m in out)
+        with self._lock:
+            self.counters["remote_hits"] += hits
+            self.counters["remote_misses"] += len(keys) - hits
+        return out
+
+    def _ranged(self, store: Any, keys: list[str], slots: list[int], sizes: list[int]) -> list[int]:
+        assert self._slots is not None
+        res = store.get_into_ranges(
+            [self._slots.ptr(s) for s in slots],
+            [[self._mkey(k)] for k in keys],
+            [[[0]] for _ in keys],
+            [[[0]] for _ in keys],
+            [[[n]] for n in sizes],
+        )
+        out = [int(r[0][0]) if r and r[0] else RPC_FAIL for r in res]
+        if any(rc == RPC_FAIL for rc in out):
+            self._failure()
+            raise TierUnavailable(f"Mooncake master {self.s.master} RPC failed")
+        return out
+
+    def _lookup_error(self, key: str, rc: int) -> None:
+        if rc == NOT_FOUND:
+            return
+        self._count("remote_read_errors")
+        log.debug("Mooncake header read of %r failed: %d", key[:200], rc)
+
+    def _meta_from(self, key: str, data: bytes) -> EntryMeta | None:
+        try:
+            h = parse_header(data, key, self._limit(), self.s.hmac_key)
+        except BadValue as exc:
+            self._refuse(key, str(exc))
+            return None
+        with self._lock:
+            self._remember(self._header_sizes, key, h.size)
+            self._remember(self._known, key, None)
+        return EntryMeta(h.nbytes, h.dtype, h.shape)
+
+    # ------------------------------------------------------------ data
+
+    def read_into(self, key: str, meta: EntryMeta, extents: list[Extent]) -> Awaitable[None]:
+        return self._read_into(key, meta, list(extents))
+
+    async def _read_into(self, key: str, meta: EntryMeta, extents: list[Extent]) -> None:
+        store = self._available()
+        assert self._slots is not None
+        slots = self._slots.take(1)
+        if slots is None:
+            raise TierUnavailable("Mooncake tier busy (no free header slots)")
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._reads, self._read_sync, store, key, meta, extents, slots[0]
+        )
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        # No deadline of ours here: the transfer engine writes into the reserved
+        # extents until the call returns, so this must not end before it does.
+        # Mooncake bounds the call itself (MC_TRANSFER_TIMEOUT / MC_RPC_TIMEOUT_MS).
+        try:
+            await asyncio.shield(fut)
+        except TierMiss:
+            with self._lock:
+                self._known.pop(key, None)
+            self._report_removed(key)
+            raise
+
+    def _read_sync(
+        self, store: Any, key: str, meta: EntryMeta, extents: list[Extent], slot: int
+    ) -> None:
+        assert self._slots is not None and self._slab is not None
+        try:
+            with self._lock:
+                hsize = self._header_sizes.get(key)
+            if hsize is None:
+                hsize = len(self._expected_header(key, meta))
+            ptrs = [self._slots.ptr(slot)] + [self._slab.address + start for start, _ in extents]
+            sizes = [hsize] + [n for _, n in extents]
+            total = sum(sizes)
+            t0 = time.perf_counter()
+            rc = int(store.batch_get_into_multi_buffers([self._mkey(key)], [ptrs], [sizes])[0])
+            if rc == RPC_FAIL:
+                self._failure()
+                raise TierUnavailable(f"Mooncake master {self.s.master} RPC failed")
+            if rc == NOT_FOUND:
+                raise TierMiss(key)
+            if rc == INVALID_PARAMS:
+                size = int(store.get_size(self._mkey(key)))
+                if size == NOT_FOUND:
+                    raise TierMiss(key)
+                if size >= 0:
+                    self._refuse(key, f"object is {size} bytes, its header implies {total}")
+                    raise TierCorrupt(key)
+                self._count("remote_read_errors")
+                raise TierUnavailable(f"Mooncake get_size of {key!r} failed: {size}")
+            if rc < 0:
+                self._count("remote_read_errors")
+                raise TierMiss(f"{key}: Mooncake read failed ({rc})")
+            if rc != total:
+                self._refuse(key, f"read {rc} bytes, expected {total}")
+                raise TierCorrupt(key)
+            try:
+                h = parse_header(
+                    self._slots.read(slot, hsize), key, self._limit(), self.s.hmac_key, total
+                )
+                if (h.nbytes, h.dtype, h.shape) != (meta.nbytes, meta.dtype, tuple(meta.shape)):
+                    raise BadValue(
+                        f"header says {h.dtype}{list(h.shape)}, lookup said {meta.dtype}{list(meta.shape)}"
+                    )
+                v = Verifier(h)
+                with self._slab.views(extents) as views:
+                    for view in views:
+                        v.update(view)
+                v.finish()
+            except BadValue as exc:
+                self._refuse(key, str(exc))
+                raise TierCorrupt(key) from None
+            self.circuit.success()
+            self._latency_ms.append((time.perf_counter() - t0) * 1000)
+            self._count("remote_bytes_read", meta.nbytes)
+        finally:
+            self._slots.give([slot])
+
+    def _expected_header(self, key: str, meta: EntryMeta) -> bytes:
+        algo = default_algo()
+        return encode_header(
+            key, meta.dtype, list(meta.shape), bytes(32), meta.nbytes, algo, self.s.hmac_key
+        )
+
+    def write(self, key: str, meta: EntryMeta, extents: list[Extent]) -> Awaitable[None] | None:
+        if self._stopping.is_set() or self._store is None:
+            return None
+        if self.s.max_entry_size and meta.nbytes > self.s.max_entry_size:
+            return None
+        with self._lock:
+            if key in self._known:
+                self.counters["remote_write_skips"] += 1
+                return None
+            if self._queued_writes >= self.s.write_queue or self.circuit.state is State.OPEN:
+                self.counters["remote_write_drops"] += 1
+                return None
+            assert self._loop is not None
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._tombstones.discard(key)
+            self._queue.append(_Write(key, meta, list(extents), fut))
+            self._queued_writes += 1
+            self._wake.notify()
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return fut
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        out = []
+        with self._lock:
+            for key in keys:
+                held = key in self._known or key in self._reported
+                self._known.pop(key, None)
+                self._header_sizes.pop(key, None)
+                self._tombstones.add(key)
+                self._queue.append(_Delete(key))
+                out.append(held)
+            self._wake.notify()
+        for key in keys:
+            self._report_removed(key)
+        return out
+
+    def clear(self) -> int:
+        """Removes this broker's namespace (``remote_key_prefix``) from the shared store:
+        every broker using the same prefix loses those entries too."""
+        with self._lock:
+            n = len(self._known | self._reported.keys())
+            self._known.clear()
+            self._header_sizes.clear()
+            self._queue.append(_Clear())
+            self._wake.notify()
+        for key in list(self._reported):
+            self._report_removed(key)
+        return n
+
+    # ------------------------------------------------------------ writer thread
+
+    def _next_ops(self) -> list[_Write | _Delete | _Clear] | None:
+        """The next run of queued operations, in queue order: consecutive writes as
+        one batch, or one delete/clear. None: stop. Called with the lock held."""
+        while True:
+            now = time.monotonic()
+            due = [d for d in self._deferred if d.not_before <= now]
+            if due:
+                self._deferred = [d for d in self._deferred if d.not_before > now]
+                self._queue.extend(due)
+            if self._queue:
+                break
+            if self._stopping.is_set():
+                return None
+            wait = min([d.not_before - now for d in self._deferred] + [1.0])
+            self._wake.wait(max(wait, 0.01))
+        if self._stopping.is_set() and time.monotonic() > self._drain_until:
+            return None
+        first = self._queue.popleft()
+        if not isinstance(first, _Write):
+            return [first]
+        ops: list[_Write | _Delete | _Clear] = [first]
+        self._queued_writes -= 1
+        nbytes = first.meta.nbytes
+        while (
+            self._queue
+            and isinstance(self._queue[0], _Write)
+            and len(ops) < _BATCH_WRITES
+            and nbytes < _BATCH_WRITE_BYTES
+        ):
+            op = self._queue.popleft()
+            assert isinstance(op, _Write)
+            ops.append(op)
+            nbytes += op.meta.nbytes
+            self._queued_writes -= 1
+        return ops
+
+    def _writer_loop(self) -> None:
+        """One thread applies queued writes, deletes and clears in order, so a delete
+        is never overtaken by an earlier write of the same key."""
+        while True:
+            with self._lock:
+                ops = self._next_ops()
+            if ops is None:
+                return
+            store = self._store
+            if store is None or not self._connected.is_set():
+                for op in ops:
+                    if isinstance(op, _Write):
+                        self._count("remote_write_drops")
+                        self._finish(op.future, None)
+                    else:  # keep it for when the store is back
+                        with self._lock:
+                            self._deferred.append(
+                                _Delete(op.key, op.tries, time.monotonic() + 1.0)
+                                if isinstance(op, _Delete)
+                                else op
+                            )
+                continue
+            if isinstance(ops[0], _Write):
+                self._write_batch(store, [op for op in ops if isinstance(op, _Write)])
+            else:
+                try:
+                    self._apply(store, ops[0])  # type: ignore[arg-type]
+                except Exception as exc:  # noqa: BLE001 - never kill the writer thread
+                    log.warning("Mooncake remove failed: %s", exc)
+
+    def _write_batch(self, store: Any, batch: list[_Write]) -> None:
+        assert self._slots is not None and self._slab is not None
+        slots = self._slots.take(len(batch)) or []
+        if len(slots) < len(batch):
+            self._slots.give(slots)
+            for op in batch:
+                self._count("remote_write_drops")
+                self._finish(op.future, None)
+            return
+        done: list[tuple[_Write, BaseException | None]] = []
+        try:
+            mkeys = [self._mkey(op.key) for op in batch]
+            exist = store.batch_is_exist(mkeys)
+            todo: list[tuple[_Write, int, int]] = []  # (write, header slot, header length)
+            for op, slot, ex in zip(batch, slots, exist, strict=True):
+                if int(ex) == 1:  # another broker (or an earlier run) stored it
+                    self._count("remote_write_skips")
+                    with self._lock:
+                        self._remember(self._known, op.key, None)
+                    self._call_soon(self._report_added, op.key)
+                    done.append((op, None))
+                    continue
+                algo = default_algo()
+                with self._slab.views(op.extents) as views:
+                    digest = checksum(views, algo)
+                header = encode_header(
+                    op.key,
+                    op.meta.dtype,
+                    list(op.meta.shape),
+                    digest,
+                    op.meta.nbytes,
+                    algo,
+                    self.s.hmac_key,
+                )
+                self._slots.write(slot, header)
+                todo.append((op, slot, len(header)))
+            if todo:
+                t0 = time.perf_counter()
+                res = store.batch_put_from_multi_buffers(
+                    [self._mkey(op.key) for op, _, _ in todo],
+                    [
+                        [self._slots.ptr(s)] + [self._slab.address + a for a, _ in op.extents]
+                        for op, s, _ in todo
+                    ],
+                    [[hl] + [n for _, n in op.extents] for op, _, hl in todo],
+                )
+                self._latency_ms.append((time.perf_counter() - t0) * 1000)
+                failed_rpc = False
+                for (op, _, _), rc in zip(todo, res, strict=True):
+                    rc = int(rc)
+                    if rc == 0:
+                        with self._lock:
+                            self.counters["remote_writes"] += 1
+                            self.counters["remote_bytes_written"] += op.meta.nbytes
+                            self._remember(self._known, op.key, None)
+                        self._call_soon(self._report_added, op.key)
+                        done.append((op, None))
+                    else:
+                        failed_rpc |= rc == RPC_FAIL
+                        self._count("remote_write_errors")
+                        log.debug("Mooncake put of %r failed: %d", op.key[:200], rc)
+                        done.append((op, None))
+                if failed_rpc:
+                    self._failure()
+                else:
+                    self.circuit.success()
+        except Exception as exc:  # noqa: BLE001 - count, never kill the writer thread
+            log.warning("Mooncake write-behind batch failed: %s", exc)
+            self._count("remote_write_errors", len(batch) - len(done))
+            finished = {id(op) for op, _ in done}
+            done += [(op, None) for op in batch if id(op) not in finished]
+        finally:
+            self._slots.give(slots)
+            for op, exc in done:
+                self._finish(op.future, exc)
+
+    def _apply(self, store: Any, op: _Delete | _Clear) -> None:
+        if isinstance(op, _Clear):
+            rc = store.remove_by_regex("^" + re.escape(self.s.key_prefix), False)
+            log.info("Mooncake clear of prefix %r: %s", self.s.key_prefix, rc)
+            with self._lock:
+                self._tombstones.clear()
+            return
+        rc = int(store.remove(self._mkey(op.key), False))
+        if rc == HAS_LEASE and op.tries + 1 < _MAX_DELETE_TRIES:
+            # Someone read it within the lease TTL: the master keeps it until the
+            # lease ends. Lookups from here miss (tombstone); retry after the lease.
+            self._count("remote_lease_conflicts")
+            with self._lock:
+                self._deferred.append(
+                    _Delete(op.key, op.tries + 1, time.monotonic() + 2.0 * (op.tries + 1))
+                )
+            return
+        if rc not in (0, NOT_FOUND):
+            self._count("remote_write_errors")
+            log.warning("Mooncake remove of %r failed: %d", op.key[:200], rc)
+        with self._lock:
+            if not any(isinstance(q, _Write) and q.key == op.key for q in self._queue) and not any(
+                d.key == op.key for d in self._deferred if isinstance(d, _Delete)
+            ):
+                self._tombstones.discard(op.key)
+
+    # ------------------------------------------------------------ key listing
+
+    def _poll_loop(self) -> None:
+        """Fold the keys the store holds under our prefix into the membership filter
+        (so this node's clients ask for what other nodes wrote). A key missed here
+        costs only a hit; one listed but gone costs one lookup round trip."""
+        host = self.s.master.rpartition(":")[0]
+        url = f"http://{host}:{self.s.admin_port}/get_all_keys"
+        while not self._stopping.wait(self.s.key_poll_s if self._connected.is_set() else 0.5):
+            if not self._connected.is_set():
+                continue
+            try:
+                with urllib.request.urlopen(url, timeout=self.s.timeout_s) as resp:
+                    body = resp.read(256 << 20)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("Mooncake key listing failed: %s", exc)
+                continue
+            prefix = self.s.key_prefix
+            keys = {
+                line[len(prefix) :]
+                for line in body.decode("utf-8", "replace").split("\n")
+                if line.startswith(prefix) and len(line) > len(prefix)
+            }
+            self._call_soon(self._fold_keys, keys)
+
+    def _fold_keys(self, keys: set[str]) -> None:
+        with self._lock:
+            skip = set(self._tombstones)
+            for key in [k for k in self._known if k not in keys]:
+                del self._known[key]  # gone from the store (evicted, master restarted)
+        for key in list(self._reported):
+            if key not in keys:
+                self._report_removed(key)
+        for key in keys:
+            if key not in skip:
+                self._report_added(key)
+
+    # ------------------------------------------------------------ inspection
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            out: dict[str, int | float] = dict(self.counters)
+            out["remote_write_queue"] = self._queued_writes
+        out["remote_up"] = int(self._connected.is_set() and self.circuit.up)
+        out["remote_reported_keys"] = len(self._reported)
+        lat = sorted(self._latency_ms)
+        out["remote_latency_p50_ms"] = lat[len(lat) // 2] if lat else 0.0
+        out["remote_latency_p99_ms"] = lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0
+        return out
+
+    @classmethod
+    def empty_stats(cls) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict.fromkeys(COUNTERS, 0)
+        out.update(
+            remote_write_queue=0,
+            remote_up=0,
+            remote_reported_keys=0,
+            remote_latency_p50_ms=0.0,
+            remote_latency_p99_ms=0.0,
+        )
+        return out
