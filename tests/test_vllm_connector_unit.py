@@ -4,11 +4,16 @@ scheduler-side and worker-side hooks in the order vLLM calls them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,14 +48,16 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     return ModelConfig(model=str(path), dtype="bfloat16", max_model_len=512)
 
 
-def make_config(model_config: ModelConfig, role: str, socket_path: str) -> VllmConfig:
+def make_config(
+    model_config: ModelConfig, role: str, socket_path: str, **extra: object
+) -> VllmConfig:
     return VllmConfig(
         model_config=model_config,
         ec_transfer_config=ECTransferConfig(
             ec_connector="ECBrokerConnector",
             ec_role=role,
             ec_connector_module_path="lmcache_ec_broker.connector.vllm",
-            ec_connector_extra_config={"socket_path": socket_path, "timeout_s": 2.0},
+            ec_connector_extra_config={"socket_path": socket_path, "timeout_s": 2.0, **extra},
         ),
     )
 
@@ -66,9 +73,15 @@ class Pair:
         self.sched.shutdown()
         self.worker.shutdown()
 
-    def step(self, encoder_cache: dict, allocs: list[tuple[Request, int]]) -> None:
-        """One engine step: has_cache_item per item, alloc, meta, worker load."""
+    def step(self, encoder_cache: dict, allocs: list[tuple[Request, int]]) -> set[str]:
+        """One engine step in vLLM 0.32's order: ensure_cache_available per request
+        (False: deferred to a later step), has_cache_item per item, alloc, meta,
+        worker load, worker output back to the scheduler. Returns the deferred ids."""
+        deferred: set[str] = set()
         for request, index in allocs:
+            if request.request_id in deferred or not self.sched.ensure_cache_available(request, 0):
+                deferred.add(request.request_id)
+                continue
             self.sched.has_cache_item(request.mm_features[index].identifier)
             self.sched.update_state_after_alloc(request, index)
         meta = self.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
@@ -78,15 +91,24 @@ class Pair:
             self.worker.start_load_caches(encoder_cache)
         out = ECConnectorOutput(ec_connector_worker_meta=self.worker.build_connector_worker_meta())
         self.worker.clear_connector_metadata()
-        self.sched.update_connector_output(out)
+        self.sched.update_connector_output(pickle.loads(pickle.dumps(out)))
+        return deferred
 
 
 @pytest.fixture
 def pairs(model_config: ModelConfig, broker) -> Iterator:
     made: list[Pair] = []
 
-    def factory(role: str = "ec_both", socket_path: str | None = None) -> Pair:
-        p = Pair(make_config(model_config, role, socket_path or broker.socket_path))
+    def factory(
+        role: str = "ec_both",
+        socket_path: str | None = None,
+        model: ModelConfig | None = None,
+        **extra: object,
+    ) -> Pair:
+        config = make_config(
+            model or model_config, role, socket_path or broker.socket_path, **extra
+        )
+        p = Pair(config)
         made.append(p)
         return p
 
@@ -147,7 +169,8 @@ def test_is_a_real_vllm_ec_connector(model_config, broker):
     try:
         assert type(conn) is ECBrokerConnector
         assert conn.is_producer and conn.is_consumer
-        assert conn.key("abc") == f"{model_config.model}@1@0@abc@bfloat16"
+        assert conn.model_id.startswith(f"{model_config.model}#")
+        assert conn.key("abc") == f"{conn.model_id}@1@0@abc@bfloat16"
     finally:
         conn.shutdown()
 
@@ -294,11 +317,9 @@ def test_broker_down_means_misses_not_crashes(pairs, sock_dir, connector_log):
     missing = os.path.join(sock_dir, "nobody.sock")
     p = pairs(socket_path=missing)
     h = "7" * 64
-    t0 = time.monotonic()
     p.worker.save_caches({h: embedding(7)}, h)
     assert p.worker.puts_stored == 0
     assert not p.sched.has_cache_item(h)
-    assert time.monotonic() - t0 < 5
     assert any("not reachable" in line for line in connector_log.lines)
 
 
@@ -385,3 +406,376 @@ def test_outputs_encoded_during_an_outage_are_published_after_it(pairs, make_bro
         assert c.has([p.sched.key(kept), p.sched.key(dropped)]) == [True, False]
     p.worker.start_save_caches(encoder_cache=cache)
     assert p.worker.puts_stored == 1  # nothing left to retry
+
+
+# ------------------------------------------------- leases (issue 10 item 10)
+
+
+def broker_stats(socket_path: str, *settle: Pair) -> dict:
+    """The broker's stats once the posted messages (Release, Unlease) of ``settle``'s
+    connections are processed: a round trip on a connection follows everything that
+    connection sent before."""
+    for p in settle:
+        for conn in (p.sched, p.worker):
+            if conn._client is not None:
+                assert conn._client.ping()
+    with BrokerClient(socket_path) as c:
+        return c.stats()
+
+
+def load_cycle(p: Pair, request: Request) -> dict[str, torch.Tensor]:
+    cache: dict[str, torch.Tensor] = {}
+    assert p.step(cache, [(request, 0)]) == set()
+    return cache
+
+
+def test_leases_end_once_the_load_is_done(pairs, make_broker):
+    """A stream of has+load cycles through a slab of 16 blocks: every lease ends after
+    its load, so eviction keeps working and no put is refused. (Before: each hit held
+    a 30 s lease, the slab filled with leased entries and puts got NO_SPACE.)"""
+    b = make_broker("--shm-size", "1MiB", "--block-size", "64KiB")
+    a, reader = pairs(socket_path=b.socket_path), pairs(socket_path=b.socket_path)
+    for i in range(48):
+        h = f"{i:064x}"
+        tensor = embedding(100 + i)
+        a.worker.save_caches({h: tensor}, h)
+        cache = load_cycle(reader, make_request(f"r{i}", h))
+        assert torch.equal(cache[h], tensor), i
+    assert a.worker.put_errors == 0 and a.worker.puts_stored == 48
+    assert reader.worker.loads == 48 and reader.sched.ec_hits == 48
+    s = broker_stats(b.socket_path, a, reader)
+    assert s["no_space"] == 0 and s["evictions"] >= 48 - 16
+    assert s["pins"] == 0, "leases still held after their loads"
+
+
+def test_hits_not_loaded_this_step_release_their_lease(pairs, broker):
+    """has_cache_item said True but the request was not scheduled after all (no
+    update_state_after_alloc): the lease ends with the step."""
+    p = pairs()
+    h = "ab" * 32
+    p.worker.save_caches({h: embedding(20)}, h)
+    assert p.sched.ensure_cache_available(make_request("r", h), 0)
+    assert p.sched.has_cache_item(h)
+    assert broker_stats(broker.socket_path, p)["pins"] == 1
+    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
+
+
+def test_a_lease_still_needed_by_a_later_step_is_kept(pairs, broker):
+    """Async scheduling: step 2 leases the hash again before step 1's load is
+    reported; step 1's report must not end step 2's lease."""
+    p = pairs()
+    h = "cd" * 32
+    p.worker.save_caches({h: embedding(21)}, h)
+    first, second = make_request("r1", h), make_request("r2", h)
+    metas = []
+    for request in (first, second):
+        assert p.sched.ensure_cache_available(request, 0)
+        assert p.sched.has_cache_item(h)
+        p.sched.update_state_after_alloc(request, 0)
+        metas.append(p.sched.build_connector_meta(scheduler_output=None))  # type: ignore[arg-type]
+    for n, meta in enumerate(metas):
+        cache: dict[str, torch.Tensor] = {}
+        p.worker.bind_connector_metadata(meta)
+        p.worker.start_load_caches(cache)
+        out = ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
+        p.worker.clear_connector_metadata()
+        assert h in cache
+        assert broker_stats(broker.socket_path, p)["pins"] == 1, "lease ended before a load"
+        p.sched.update_connector_output(out)
+        assert broker_stats(broker.socket_path, p)["pins"] == (1 if n == 0 else 0)
+
+
+# --------------------------------- lower tiers: defer, never wait (item 9)
+
+
+def disk_broker(make_broker, sock_dir: str, socket_path: str | None = None):
+    disk = os.path.join(sock_dir, "disk")
+    return make_broker(
+        "--shm-size", "8MiB", "--local-disk", disk, "--max-local-disk-size", "64MiB",
+        socket_path=socket_path,
+    )  # fmt: skip
+
+
+def wait_written(socket_path: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    with BrokerClient(socket_path) as c:
+        while True:
+            s = c.stats()
+            if s["disk_writes"] >= n and s["disk_pending_writes"] == 0:
+                return
+            assert time.monotonic() < deadline, f"disk writes did not finish: {s}"
+            time.sleep(0.02)
+
+
+def restarted_with_disk_only(make_broker, sock_dir: str, entries: dict[str, torch.Tensor], pairs):
+    """A broker whose disk tier holds ``entries`` (stored through a connector) and
+    whose slab is empty: the broker is stopped and started again on the same disk."""
+    b = disk_broker(make_broker, sock_dir)
+    writer = pairs(socket_path=b.socket_path)
+    for h, tensor in entries.items():
+        writer.worker.save_caches({h: tensor}, h)
+    assert writer.worker.puts_stored == len(entries)
+    wait_written(b.socket_path, len(entries))
+    writer.close()
+    b.stop()
+    b2 = disk_broker(make_broker, sock_dir, socket_path=b.socket_path)
+    with BrokerClient(b2.socket_path) as c:
+        s = c.stats()
+    assert s["entries"] == 0 and s["disk_entries"] == len(entries)
+    return b2
+
+
+def test_disk_hit_defers_the_request_until_promoted(pairs, make_broker, sock_dir):
+    h = "d1" * 32
+    tensor = embedding(30)
+    b = restarted_with_disk_only(make_broker, sock_dir, {h: tensor}, pairs)
+    p = pairs(socket_path=b.socket_path)
+    request = make_request("r", h)
+    cache: dict[str, torch.Tensor] = {}
+    # The first lookup finds the entry on disk only: the request waits (the worker's
+    # load must never wait on a promotion).
+    assert p.step(cache, [(request, 0)]) == {"r"}
+    assert p.sched.ec_deferred == 1 and p.sched.ec_hits == 0 and p.sched.ec_misses == 0
+    assert p.worker.loads == 0 and cache == {}
+    deadline = time.monotonic() + 30
+    while p.step(cache, [(request, 0)]) == {"r"}:
+        assert time.monotonic() < deadline, "never promoted"
+        time.sleep(0.01)
+    assert torch.equal(cache[h], tensor)
+    assert p.sched.ec_hits == 1 and p.sched.ec_misses == 0 and p.sched.promotion_failures == 0
+    s = broker_stats(b.socket_path, p)
+    assert s["promotions"] == 1 and s["pins"] == 0
+
+
+def test_a_promotion_not_waited_for_is_encoded(pairs, make_broker, sock_dir):
+    """max_defer_s=0: an entry still on a lower tier is encoded at once (counted)."""
+    h = "d2" * 32
+    b = restarted_with_disk_only(make_broker, sock_dir, {h: embedding(31)}, pairs)
+    p = pairs(socket_path=b.socket_path, max_defer_s=0)
+    cache: dict[str, torch.Tensor] = {}
+    assert p.step(cache, [(make_request("r", h), 0)]) == set()
+    assert p.sched.promotion_failures == 1 and p.sched.ec_misses == 1 and p.sched.ec_hits == 0
+    assert cache == {} and p.worker.loads == 0
+    assert broker_stats(b.socket_path, p)["pins"] == 0
+
+
+def test_a_request_aborted_while_waiting_releases_its_lease(pairs, make_broker, sock_dir):
+    h = "d3" * 32
+    b = restarted_with_disk_only(make_broker, sock_dir, {h: embedding(32)}, pairs)
+    p = pairs(socket_path=b.socket_path)
+    request = make_request("r", h)
+    assert not p.sched.ensure_cache_available(request, 0)
+    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 30
+    while broker_stats(b.socket_path)["entries"] == 0:  # promoted: the lease pins it
+        assert time.monotonic() < deadline, "never promoted"
+        time.sleep(0.01)
+    assert broker_stats(b.socket_path, p)["pins"] == 1
+    p.sched.request_finished(request)
+    assert broker_stats(b.socket_path, p)["pins"] == 0
+
+
+# ----------------------------- entries of the wrong shape or dtype (item 11)
+
+
+WRONG = {
+    "rows": torch.zeros(NUM_EMBEDS + 1, HIDDEN, dtype=torch.bfloat16),
+    "width": torch.zeros(NUM_EMBEDS, HIDDEN * 2, dtype=torch.bfloat16),
+    "dtype": torch.zeros(NUM_EMBEDS, HIDDEN, dtype=torch.float16),
+    "rank": torch.zeros(1, NUM_EMBEDS, HIDDEN, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("what", sorted(WRONG))
+def test_wrong_entry_is_deleted_and_the_request_encodes(pairs, broker, connector_log, what):
+    p = pairs()
+    # vLLM measures the encoder's output width on producers; the width check uses it.
+    p.sched._widths = {"image": HIDDEN}
+    h = f"e{what}".ljust(64, "0")
+    key = p.sched.key(h)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put(key, WRONG[what])  # under the real key
+    cache: dict[str, torch.Tensor] = {}
+    assert p.step(cache, [(make_request("r", h), 0)]) == set()
+    assert p.sched.invalid_deleted == 1 and p.sched.ec_misses == 1 and p.sched.ec_hits == 0
+    assert cache == {}, "a wrong entry was loaded"
+    assert any("is invalid for this model" in line for line in connector_log.lines)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.has([key]) == [False], "the wrong entry is still served"
+    # The request encodes the item; the right output is stored and served from then on.
+    right = embedding(40)
+    p.worker.save_caches({h: right}, h)
+    assert p.worker.puts_stored == 1
+    cache = load_cycle(p, make_request("r2", h))
+    assert torch.equal(cache[h], right)
+
+
+def test_wrong_entry_on_disk_is_deleted_from_every_tier(pairs, make_broker, sock_dir):
+    b = disk_broker(make_broker, sock_dir)
+    probe = pairs(socket_path=b.socket_path)
+    h = "e5" * 32
+    key = probe.sched.key(h)
+    with BrokerClient(b.socket_path) as c:
+        assert c.put(key, WRONG["rows"])
+    wait_written(b.socket_path, 1)
+    probe.close()
+    b.stop()
+    b2 = disk_broker(make_broker, sock_dir, socket_path=b.socket_path)
+    p = pairs(socket_path=b2.socket_path)
+    assert p.step({}, [(make_request("r", h), 0)]) == set()  # checked while PENDING
+    assert p.sched.invalid_deleted == 1 and p.sched.ec_deferred == 0
+    with BrokerClient(b2.socket_path) as c:
+        assert c.has([key]) == [False]
+        assert c.stats()["disk_entries"] == 0
+
+
+def test_wrong_entry_at_load_time_fails_the_request_and_is_deleted(pairs, broker):
+    """The scheduler saw a good entry; by the worker's load it was replaced by a wrong
+    one: the worker deletes it and the request fails (never runs on a wrong tensor)."""
+    p = pairs()
+    h = "e6" * 32
+    p.worker.save_caches({h: embedding(41)}, h)
+    request = make_request("doomed", h)
+    assert p.sched.ensure_cache_available(request, 0)
+    assert p.sched.has_cache_item(h)
+    p.sched.update_state_after_alloc(request, 0)
+    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    key = p.sched.key(h)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.delete(key)
+        assert c.put(key, WRONG["rows"])
+    cache: dict[str, torch.Tensor] = {}
+    p.worker.bind_connector_metadata(meta)
+    p.worker.start_load_caches(cache)
+    assert p.worker.load_failures == 1 and p.worker.invalid_deleted == 1
+    assert cache[h].shape == (NUM_EMBEDS, HIDDEN)  # a placeholder keeps the step alive
+    p.sched.update_connector_output(
+        ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
+    )
+    p.worker.clear_connector_metadata()
+    assert not p.sched.ensure_cache_available(request, 0)
+    assert p.sched.take_unavailable_requests() == {"doomed"}
+    with BrokerClient(broker.socket_path) as c:
+        assert c.has([key]) == [False]
+
+
+# ---------------------------------- keys follow the weights (item 12)
+
+
+def copy_model(model_config: ModelConfig, dest: Path) -> ModelConfig:
+    shutil.copytree(model_config.model, dest)
+    return ModelConfig(model=str(dest), dtype="bfloat16", max_model_len=512)
+
+
+def replace_weights(model_dir: Path) -> None:
+    """Overwrite the weights in place: same file, names, shapes and size; new values
+    in the vision tower only (an encoder update)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    name = next(n for n in sorted(tensors) if "visual" in n and n.endswith("weight"))
+    tensors[name] = tensors[name] + 1
+    size = path.stat().st_size
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def test_weights_replaced_in_place_change_the_key(pairs, model_config, tmp_path):
+    mc = copy_model(model_config, tmp_path / "m")
+    old = pairs(model=mc)
+    h = "f1" * 32
+    old.worker.save_caches({h: embedding(50)}, h)
+    assert old.sched.model_id == old.worker.model_id  # scheduler and every rank agree
+    assert load_cycle(old, make_request("r", h))  # the old instance hits
+
+    replace_weights(Path(mc.model))
+    from lmcache_ec_broker.connector.model_id import fingerprint
+
+    fingerprint.cache_clear()  # a new vLLM process computes it afresh
+    new = pairs(model=mc)
+    assert new.sched.model_id != old.sched.model_id
+    assert new.sched.model_id.startswith(f"{mc.model}#")
+    cache: dict[str, torch.Tensor] = {}
+    assert new.step(cache, [(make_request("r2", h), 0)]) == set()
+    assert new.sched.ec_misses == 1 and new.sched.ec_hits == 0 and cache == {}, "stale hit"
+
+
+def test_encoder_config_change_changes_the_key(model_config, tmp_path):
+    from lmcache_ec_broker.connector.model_id import fingerprint, model_id
+
+    mc = copy_model(model_config, tmp_path / "m")
+    before = model_id(mc.model)
+    proc = Path(mc.model) / "processor_config.json"
+    cfg = json.loads(proc.read_text())
+    cfg["image_mean"] = [0.25, 0.25, 0.25]
+    proc.write_text(json.dumps(cfg))
+    fingerprint.cache_clear()
+    assert model_id(mc.model) != before
+    # Files that do not change the encoder's output do not change the key.
+    after = model_id(mc.model)
+    (Path(mc.model) / "README.md").write_text("notes")
+    os.utime(Path(mc.model) / "model.safetensors", (1, 1))
+    fingerprint.cache_clear()
+    assert model_id(mc.model) == after
+
+
+def test_copies_of_one_model_agree_on_the_fingerprint(model_config, tmp_path):
+    """What a fleet needs: the same files at another path, time or host hash alike."""
+    from lmcache_ec_broker.connector.model_id import fingerprint
+
+    a = copy_model(model_config, tmp_path / "a")
+    b = copy_model(model_config, tmp_path / "b")
+    os.utime(Path(b.model) / "model.safetensors", (1, 1))
+    assert fingerprint(a.model) == fingerprint(b.model) == fingerprint(model_config.model)
+    assert fingerprint(a.model, "v2") != fingerprint(a.model)
+
+
+def test_explicit_model_name(pairs, model_config, tmp_path):
+    p = pairs(model_name="qwen2-vl-tiny:2026-11")
+    assert p.sched.key("x") == "qwen2-vl-tiny:2026-11@1@0@x@bfloat16"
+    assert p.worker.key("x") == p.sched.key("x")
+    with pytest.raises(ValueError, match="model_name .* contains '@'"):
+        pairs(model_name="a@b")
+    with pytest.raises(ValueError, match="model_name must be a non-empty string"):
+        pairs(model_name="")
+
+
+# ------------------------------------------------ the vLLM plugin (issue 13)
+
+
+def test_plugin_entry_point_registers_the_short_name(model_config, broker):
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from lmcache_ec_broker.connector import plugin
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lmcache_ec_broker"]
+    assert ep.value == "lmcache_ec_broker.connector.plugin:register"
+    register = ep.load()
+    assert register is plugin.register
+    register()
+    register()  # idempotent: vLLM loads plugins in every process, tests call it again
+    config = VllmConfig(
+        model_config=model_config,
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="ECBrokerConnector",
+            ec_role="ec_both",
+            ec_connector_extra_config={"socket_path": broker.socket_path},
+        ),
+    )
+    conn = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    try:
+        assert type(conn) is ECBrokerConnector
+    finally:
+        conn.shutdown()
+
+
+def test_plugin_import_does_not_import_torch():
+    code = (
+        "import sys; import lmcache_ec_broker.connector.plugin; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,37 +1,56 @@
 """vLLM encoder-cache connector backed by the node-local broker.
 
-Enable with::
+Enable with (the package registers the name as a vLLM plugin)::
 
     vllm serve MODEL --ec-transfer-config '{"ec_connector": "ECBrokerConnector",
-      "ec_role": "ec_both", "ec_connector_module_path": "lmcache_ec_broker.connector.vllm",
+      "ec_role": "ec_both",
       "ec_connector_extra_config": {"socket_path": "/run/lmcache-ec/broker.sock"}}'
+
+(``"ec_connector_module_path": "lmcache_ec_broker.connector.vllm"`` works too, and
+is needed where vLLM plugins are disabled through ``VLLM_PLUGINS``.)
 
 Extra config keys: ``socket_path`` (default: $LMCACHE_EC_BROKER_SOCKET, then the
 broker's default), ``timeout_s`` (5.0), ``lease_ms`` (30000: how long a hit the
-scheduler saw is protected from eviction until the worker loads it).
+scheduler saw is protected from eviction if nothing releases it earlier),
+``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
+from a lower tier before they are encoded instead), ``model_name`` (the model field
+of the keys; default: the model path plus a fingerprint of its weights and
+configuration, see :mod:`lmcache_ec_broker.connector.model_id`).
 
-Flow per engine step (vLLM >= 0.15):
+Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
 
-- scheduler ``has_cache_item``: one ``has`` with a lease; answers are memoised for
-  the step so ``update_state_after_alloc`` queues exactly the items the scheduler
-  decided to load (re-asking the broker could disagree with that decision).
-- ``build_connector_meta`` ships ``(req_id, mm_hash, num_embeds)`` loads to workers.
-- worker ``start_load_caches``: one ``get_many`` onto the runner's device.
+- scheduler ``ensure_cache_available`` (per multimodal request): one ``lookup``
+  with a lease for the request's items still ahead of its computed tokens.
+  READY with the expected dtype and shape: a hit. PENDING (being promoted from
+  the disk tier): the request waits for a later step, so the worker's load never
+  waits on a promotion. A wrong dtype or shape: the entry is deleted from every
+  tier, counted, and this request encodes the item. Answers are memoised for the
+  step.
+- scheduler ``has_cache_item`` answers from that memo (asking the broker itself
+  only if vLLM did not call the hook above); ``update_state_after_alloc`` queues
+  exactly the items answered True.
+- ``build_connector_meta`` ships ``(req_id, mm_hash, num_embeds)`` loads to workers
+  and ends the leases that protect nothing any more (hits not loaded this step).
+- worker ``start_load_caches``: one ``get_many`` onto the runner's device; the
+  worker reports the hashes it handled, and ``update_connector_output`` ends their
+  leases (``start_load_caches`` is synchronous in the step). ``request_finished``
+  ends the leases of a request that stops while it waits.
 - worker ``save_caches``: ``put`` from every TP rank; the broker's two-phase put lets
   exactly one of them copy.
 
-If an entry the scheduler saw is gone when the worker loads it (broker restarted
-or cleared in between), vLLM would raise on the missing embedding and kill the
-engine. The worker instead inserts a zero placeholder so the step can run and
-reports the request; the scheduler fails it via ``take_unavailable_requests``
-(vLLM >= 0.31) and refuses, through ``ensure_cache_available``, to run any request
-against that placeholder until the worker has repaired or dropped it.
+If an entry the scheduler counted as a hit is gone (or wrong) when the worker
+loads it, vLLM would raise on the missing embedding and kill the engine. The worker
+instead inserts a zero placeholder so the step can run and reports the request;
+the scheduler fails it via ``take_unavailable_requests`` (vLLM >= 0.31) and refuses,
+through ``ensure_cache_available``, to run any request against that placeholder
+until the worker has repaired or dropped it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +76,8 @@ except ImportError:  # pragma: no cover - older vLLM
     ECConnectorStats = None  # type: ignore[assignment,misc]
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
+from lmcache_ec_broker.connector.model_id import model_id
+from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,7 +88,9 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 DEFAULT_LEASE_MS = 30_000
+DEFAULT_MAX_DEFER_S = 10.0
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
+_MISS = EntryInfo(LookupState.MISS)
 
 
 def dtype_short_name(dtype: Any) -> str:
@@ -85,6 +108,7 @@ class LoadSpec:
     req_id: str
     mm_hash: str
     num_embeds: int
+    width: int | None = None  # the encoder's output width when vLLM measured it
 
 
 @dataclass
@@ -98,16 +122,30 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     failed: dict[str, set[str]] = field(default_factory=dict)
     # placeholders that are no longer in the worker's encoder cache (repaired or freed)
     cleared: set[str] = field(default_factory=set)
+    # every mm_hash of the step's loads, loaded or not: their leases can end
+    done: set[str] = field(default_factory=set)
 
     def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
+        # TP ranks load the same hashes in the same step: a union, not a sum.
         if isinstance(other, ECBrokerWorkerMetadata):
             for mm_hash, reqs in other.failed.items():
                 self.failed.setdefault(mm_hash, set()).update(reqs)
             self.cleared |= other.cleared
+            self.done |= other.done
         return self
 
 
-STAT_FIELDS = ("ec_hits", "ec_misses", "loads", "load_failures", "puts_stored", "put_errors")
+STAT_FIELDS = (
+    "ec_hits",
+    "ec_misses",
+    "ec_deferred",
+    "promotion_failures",
+    "invalid_deleted",
+    "loads",
+    "load_failures",
+    "puts_stored",
+    "put_errors",
+)
 
 if ECConnectorStats is not None:
 
@@ -130,35 +168,66 @@ if ECConnectorStats is not None:
             return not any(self.data.values())
 
 
+@dataclass
+class _Waiting:
+    """A request deferred until its entries are promoted into the slab."""
+
+    since: float
+    hashes: set[str]
+
+
 class ECBrokerConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
         assert ec_config is not None  # the base class already raised otherwise
-        self._socket_path: str | None = ec_config.get_from_extra_config("socket_path", None)
-        self._timeout_s = float(ec_config.get_from_extra_config("timeout_s", 5.0))
-        self._lease_ms = int(ec_config.get_from_extra_config("lease_ms", DEFAULT_LEASE_MS))
+        extra = ec_config.get_from_extra_config
+        self._socket_path: str | None = extra("socket_path", None)
+        self._timeout_s = float(extra("timeout_s", 5.0))
+        self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
+        self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
+        if self._lease_ms <= 0 or self._max_defer_s < 0:
+            raise ValueError(
+                "ec_connector_extra_config: lease_ms must be > 0 and max_defer_s >= 0 "
+                f"(got lease_ms={self._lease_ms}, max_defer_s={self._max_defer_s})"
+            )
         model_config = vllm_config.model_config
-        self._model = str(model_config.model)
+        self._model = model_id(
+            str(model_config.model),
+            getattr(model_config, "revision", None),
+            extra("model_name", None),
+        )
         self._dtype = model_config.dtype
+        self._dtype_name = dtype_short_name(self._dtype)
         self._embed_width = _embed_width(model_config)
         self._client: BrokerClient | None = None
         self._client_pid = -1
         self._client_lock = threading.Lock()
         self._broker_up = True
 
-        # Counters (scheduler side: has_cache_item answers; worker side: loads, puts).
+        # Counters (scheduler side: lookups and their answers; worker side: loads, puts).
         self.ec_hits = 0
         self.ec_misses = 0
+        self.ec_deferred = 0  # steps a request waited for a promotion
+        self.promotion_failures = 0  # waited for a promotion that did not come: encoded
+        self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
         self.loads = 0
         self.load_failures = 0
         self.puts_stored = 0
         self.put_errors = 0
         self._reported: dict[str, int] = {}
 
-        # Scheduler state.
-        self._step_answers: dict[str, bool] = {}
+        # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
+        # every hook of the step sees one decision), which answers were counted, and the
+        # hashes leased. Across steps: requests waiting for promotions and loads the
+        # worker has not reported yet; both keep their leases.
+        self._step_state: dict[str, int] = {}
+        self._counted: set[str] = set()
+        self._step_leased: set[str] = set()
+        self._waiting: dict[str, _Waiting] = {}
+        self._inflight: dict[str, int] = {}  # mm_hash -> shipped steps not reported done
         self._pending_loads: list[LoadSpec] = []
+        self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
         self._unavailable: set[str] = set()
         self._poisoned: set[str] = set()
 
@@ -167,8 +236,14 @@ class ECBrokerConnector(ECConnectorBase):
         self._unsaved: set[str] = set()
         self._failed_this_step: dict[str, set[str]] = {}
         self._cleared_this_step: set[str] = set()
+        self._done_this_step: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def model_id(self) -> str:
+        """The model field of this instance's keys."""
+        return self._model
 
     def key(self, mm_hash: str) -> str:
         return make_key(self._model, mm_hash, self._dtype)
@@ -227,21 +302,124 @@ class ECBrokerConnector(ECConnectorBase):
                 self._client.close()
             self._client = None
 
+    def _mismatch(
+        self, dtype: str, shape: list[int], num_embeds: int | None, width: int | None
+    ) -> str:
+        """Why an entry cannot be this model's output for the item; "" if it can."""
+        if dtype != self._dtype_name:
+            return f"dtype {dtype}, the model's is {self._dtype_name}"
+        if len(shape) != 2:
+            return f"shape {list(shape)} is not [num_embeds, width]"
+        if num_embeds is not None and shape[0] != num_embeds:
+            return f"shape {list(shape)}, the item has {num_embeds} embeddings"
+        if width is not None and shape[1] != width:
+            return f"shape {list(shape)}, the encoder's output width is {width}"
+        return ""
+
+    def _delete_invalid(self, bad: list[tuple[str, str]]) -> None:
+        """Delete wrong entries from every tier of the broker, so no later request
+        trips over them either; the item is then encoded and stored again."""
+        for mm_hash, why in bad:
+            logger.warning(
+                "EC broker entry for mm_hash=%s is invalid for this model (%s): deleted",
+                mm_hash,
+                why,
+            )
+        try:
+            self.client.delete_many([self.key(h) for h, _ in bad])
+        except Exception as exc:  # never take the engine down
+            logger.warning("EC broker delete failed: %s", exc)
+        self.invalid_deleted += len(bad)
+
     # ---------------------------------------------------------------- scheduler
+
+    def ensure_cache_available(
+        self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any
+    ) -> bool:
+        """vLLM >= 0.24, every step before a multimodal request is scheduled: False
+        defers the request to a later step."""
+        if self._poisoned and any(f.identifier in self._poisoned for f in request.mm_features):
+            # Never run a request against a placeholder embedding; fail it (retryable).
+            self._unavailable.add(request.request_id)
+            return False
+        if not self.is_consumer:
+            return True
+        expected: dict[str, tuple[int, int | None]] = {}
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # already in the KV cache: no encoder output needed
+            if feature.identifier not in expected:
+                width = self._widths.get(feature.modality)
+                expected[feature.identifier] = (_num_embeds(request, index), width)
+        ask = [h for h in expected if h not in self._step_state]
+        if ask:
+            self._lookup(ask, expected)
+        req_id = request.request_id
+        waiting = self._waiting.get(req_id)
+        if waiting is not None:
+            # Waited for these; the broker now says MISS: the promotion failed.
+            self.promotion_failures += sum(
+                1 for h in waiting.hashes if self._step_state.get(h) == LookupState.MISS
+            )
+        pending = {h for h in expected if self._step_state.get(h) == LookupState.PENDING}
+        if not pending:
+            self._waiting.pop(req_id, None)
+            return True
+        now = time.monotonic()
+        since = waiting.since if waiting is not None else now
+        if now - since >= self._max_defer_s:
+            logger.warning(
+                "EC broker: %d entr%s of request %s not promoted within %.1f s; encoding instead",
+                len(pending),
+                "y" if len(pending) == 1 else "ies",
+                req_id,
+                self._max_defer_s,
+            )
+            self.promotion_failures += len(pending)
+            for h in pending:
+                self._step_state[h] = LookupState.MISS
+            self._waiting.pop(req_id, None)
+            return True
+        self._waiting[req_id] = _Waiting(since, pending)
+        self.ec_deferred += 1
+        return False
+
+    def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
+        """One batched lookup with a lease; memoises a state per hash for the step."""
+        try:
+            client = self.client
+            infos = client.lookup([self.key(h) for h in hashes], lease_ms=self._lease_ms)
+            self._note_health(client)
+        except Exception as exc:  # never take the scheduler down
+            logger.warning("EC broker lookup failed: %s", exc)
+            infos = [_MISS] * len(hashes)
+        bad: list[tuple[str, str]] = []
+        for mm_hash, info in zip(hashes, infos, strict=True):
+            state = info.state
+            if state in (LookupState.READY, LookupState.PENDING):
+                self._step_leased.add(mm_hash)
+                num_embeds, width = expected.get(mm_hash, (None, None))
+                why = self._mismatch(info.dtype, info.shape, num_embeds, width)
+                if why:
+                    bad.append((mm_hash, why))
+                    state = LookupState.MISS
+            else:
+                state = LookupState.MISS  # including states a newer broker may invent
+            self._step_state[mm_hash] = state
+        if bad:
+            self._delete_invalid(bad)
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self.is_consumer:
             return False
-        answer = self._step_answers.get(identifier)
-        if answer is None:
-            try:
-                client = self.client
-                answer = client.has([self.key(identifier)], lease_ms=self._lease_ms)[0]
-                self._note_health(client)
-            except Exception as exc:  # never take the scheduler down
-                logger.warning("EC broker has() failed: %s", exc)
-                answer = False
-            self._step_answers[identifier] = answer
+        if identifier not in self._step_state:
+            # vLLM did not call ensure_cache_available (older than 0.24) for this item:
+            # without a way to defer, an entry still on a lower tier is encoded instead.
+            self._lookup([identifier], {})
+        answer = self._step_state[identifier] == LookupState.READY
+        if identifier not in self._counted:
+            self._counted.add(identifier)
             if answer:
                 self.ec_hits += 1
             else:
@@ -252,17 +430,46 @@ class ECBrokerConnector(ECConnectorBase):
         # Also called for items the scheduler chose to encode locally: only the
         # ones has_cache_item answered True for this step are external loads.
         mm_hash = request.mm_features[index].identifier
-        if not self.is_consumer or not self._step_answers.get(mm_hash, False):
+        if not self.is_consumer or self._step_state.get(mm_hash) != LookupState.READY:
             return
+        modality = request.mm_features[index].modality
         self._pending_loads.append(
-            LoadSpec(request.request_id, mm_hash, _num_embeds(request, index))
+            LoadSpec(
+                request.request_id,
+                mm_hash,
+                _num_embeds(request, index),
+                self._widths.get(modality),
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         meta = ECBrokerConnectorMetadata(loads=self._pending_loads)
+        for mm_hash in {spec.mm_hash for spec in self._pending_loads}:
+            self._inflight[mm_hash] = self._inflight.get(mm_hash, 0) + 1
+        leased = self._step_leased
         self._pending_loads = []
-        self._step_answers.clear()
+        self._step_state = {}
+        self._counted = set()
+        self._step_leased = set()
+        # Hits not loaded this step (the request was not scheduled after all, the item
+        # was in vLLM's own encoder cache, a wrong entry) protect nothing any more.
+        self._unlease(leased)
         return meta
+
+    def _needed(self) -> set[str]:
+        needed = set(self._inflight) | self._step_leased
+        for waiting in self._waiting.values():
+            needed |= waiting.hashes
+        return needed
+
+    def _unlease(self, hashes: set[str]) -> None:
+        done = hashes - self._needed()
+        if not done or self._client is None or self._client_pid != os.getpid():
+            return
+        try:
+            self._client.unlease([self.key(h) for h in done])
+        except Exception as exc:  # leases also end on their own (lease_ms)
+            logger.warning("EC broker unlease failed: %s", exc)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
@@ -272,17 +479,14 @@ class ECBrokerConnector(ECConnectorBase):
             self._poisoned.add(mm_hash)
             self._unavailable.update(req_ids)
         self._poisoned -= meta.cleared
-
-    def ensure_cache_available(
-        self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any
-    ) -> bool:
-        if not self._poisoned:
-            return True
-        if any(f.identifier in self._poisoned for f in request.mm_features):
-            # Never run a request against a placeholder embedding; fail it (retryable).
-            self._unavailable.add(request.request_id)
-            return False
-        return True
+        ended = set()
+        for mm_hash in meta.done:
+            left = self._inflight.get(mm_hash, 0) - 1
+            if left > 0:
+                self._inflight[mm_hash] = left
+            elif self._inflight.pop(mm_hash, None) is not None:
+                ended.add(mm_hash)
+        self._unlease(ended)
 
     def take_unavailable_requests(self) -> set[str]:
         taken, self._unavailable = self._unavailable, set()
@@ -293,6 +497,9 @@ class ECBrokerConnector(ECConnectorBase):
         return taken
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        waiting = self._waiting.pop(request.request_id, None)
+        if waiting is not None:  # aborted or failed while waiting for a promotion
+            self._unlease(waiting.hashes)
         return False, None
 
     # ------------------------------------------------------------------- worker
@@ -303,6 +510,7 @@ class ECBrokerConnector(ECConnectorBase):
         assert isinstance(metadata, ECBrokerConnectorMetadata)
         todo: dict[str, list[LoadSpec]] = {}
         for spec in metadata.loads:
+            self._done_this_step.add(spec.mm_hash)
             if spec.mm_hash not in encoder_cache:
                 todo.setdefault(spec.mm_hash, []).append(spec)
         if not todo:
@@ -316,29 +524,34 @@ class ECBrokerConnector(ECConnectorBase):
         except Exception as exc:
             logger.warning("EC broker get failed: %s", exc)
             tensors = [None] * len(hashes)
+        invalid: list[tuple[str, str]] = []
         for mm_hash, tensor in zip(hashes, tensors, strict=True):
-            expected = todo[mm_hash][0].num_embeds
-            if tensor is not None and tensor.dim() == 2 and tensor.shape[0] == expected:
-                encoder_cache[mm_hash] = tensor
-                self.loads += 1
-                nbytes = tensor.numel() * tensor.element_size()
-                logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
-                continue
+            spec = todo[mm_hash][0]
+            why = "entry gone"
+            if tensor is not None:
+                why = self._mismatch(
+                    dtype_short_name(tensor.dtype), list(tensor.shape), spec.num_embeds, spec.width
+                )
+                if not why:
+                    encoder_cache[mm_hash] = tensor
+                    self.loads += 1
+                    nbytes = tensor.numel() * tensor.element_size()
+                    logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
+                    continue
+                invalid.append((mm_hash, why))
             self.load_failures += 1
             logger.error(
-                "EC load failed for mm_hash=%s (%s); its request(s) will be failed",
-                mm_hash,
-                "entry gone"
-                if tensor is None
-                else f"shape {tuple(tensor.shape)} != ({expected}, *)",
+                "EC load failed for mm_hash=%s (%s); its request(s) will be failed", mm_hash, why
             )
             encoder_cache[mm_hash] = torch.zeros(
-                expected, self._embed_width, dtype=self._dtype, device=device
+                spec.num_embeds, spec.width or self._embed_width, dtype=self._dtype, device=device
             )
             self._placeholders.add(mm_hash)
             self._failed_this_step.setdefault(mm_hash, set()).update(
                 s.req_id for s in todo[mm_hash]
             )
+        if invalid:
+            self._delete_invalid(invalid)
 
     def _check_placeholders(self, encoder_cache: dict[str, torch.Tensor]) -> None:
         """Repair placeholders from the broker when possible; forget freed ones."""
@@ -349,11 +562,16 @@ class ECBrokerConnector(ECConnectorBase):
                 self._placeholders.discard(mm_hash)
                 self._cleared_this_step.add(mm_hash)
                 continue
+            placeholder = encoder_cache[mm_hash]
             try:
-                tensor = self.client.get(self.key(mm_hash), device=encoder_cache[mm_hash].device)
+                tensor = self.client.get(self.key(mm_hash), device=placeholder.device)
             except Exception:
                 tensor = None
-            if tensor is not None and tensor.shape == encoder_cache[mm_hash].shape:
+            if (
+                tensor is not None
+                and tensor.shape == placeholder.shape
+                and tensor.dtype == placeholder.dtype
+            ):
                 encoder_cache[mm_hash] = tensor
                 self._placeholders.discard(mm_hash)
                 self._cleared_this_step.add(mm_hash)
@@ -410,12 +628,14 @@ class ECBrokerConnector(ECConnectorBase):
         return None, None
 
     def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
-        if not self._failed_this_step and not self._cleared_this_step:
+        if not (self._failed_this_step or self._cleared_this_step or self._done_this_step):
             return None
         meta = ECBrokerWorkerMetadata(
-            failed=self._failed_this_step, cleared=self._cleared_this_step
+            failed=self._failed_this_step,
+            cleared=self._cleared_this_step,
+            done=self._done_this_step,
         )
-        self._failed_this_step, self._cleared_this_step = {}, set()
+        self._failed_this_step, self._cleared_this_step, self._done_this_step = {}, set(), set()
         return meta
 
 

@@ -1,0 +1,165 @@
+"""The model field of the connector's keys: which weights produced an entry.
+
+A key is ``<model id>@1@0@<mm_hash>@<dtype>``. The disk and remote tiers keep
+entries across restarts, and weights are often replaced in place at the same path,
+so the model id must change whenever the encoder's output can: by default it is
+``<model>#<fingerprint>``, where the fingerprint is the first 16 hex digits of a
+SHA-256 over
+
+- the configured HF ``revision``, if any;
+- the bytes of ``config.json`` and of every ``*processor*config*.json`` /
+  ``preprocessor_config.json`` at the top of the model directory (architecture,
+  vision tower, image/video/audio preprocessing);
+- for each weight file at the top of the directory (``*.safetensors``, ``*.bin``,
+  ``*.pt``, ``*.pth``, ``*.gguf``), sorted by name: its name and size, and
+
+  - safetensors: its JSON header (every tensor's name, dtype, shape, offsets) and
+    64 bytes at the start and 64 at the middle of every tensor's data;
+  - other formats: 16 evenly spaced samples of 4 KiB.
+
+So a fingerprint reads a few bytes per tensor, never the whole multi-GB weights
+(milliseconds per shard). Paths, mtimes and owners are not hashed: copies of one
+model on several hosts, every TP rank and every instance agree on the id, and a
+fleet sharing a remote tier shares entries.
+
+For a hub model id (not a local directory) the snapshot in the local HF cache is
+fingerprinted; if none can be found only the revision is used, and a warning
+says that the key does not follow weight updates.
+
+``model_name`` in the connector's extra config replaces all of this: the string is
+used verbatim (a fleet that names its model versions itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+log = logging.getLogger("vllm.lmcache_ec_broker.connector")
+
+FINGERPRINT_HEX = 16
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TENSOR_SAMPLE = 64
+FILE_SAMPLES = 16
+FILE_SAMPLE_BYTES = 4096
+# A safetensors header larger than this is not a header we should trust (the format's
+# own reference reader refuses headers over 100 MB).
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def check_model_name(name: object) -> str:
+    """An explicit ``model_name``: a non-empty string without ``@`` (the key's separator)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(
+            f"ec_connector_extra_config model_name must be a non-empty string, got {name!r}"
+        )
+    if "@" in name:
+        raise ValueError(
+            f"ec_connector_extra_config model_name {name!r} contains '@', which separates "
+            "the fields of a cache key; choose a name without '@'"
+        )
+    return name
+
+
+def model_id(model: str, revision: str | None = None, explicit: str | None = None) -> str:
+    """The model field of every key this instance reads and writes."""
+    if explicit is not None:
+        return check_model_name(explicit)
+    directory = _model_dir(model, revision)
+    if directory is None:
+        log.warning(
+            "EC broker: cannot find the files of model %r locally; its cache keys will not "
+            "change when its weights do (set ec_connector_extra_config model_name to a "
+            "name that changes with them)",
+            model,
+        )
+        return f"{model}#rev={revision}" if revision else model
+    return f"{model}#{fingerprint(directory, revision)}"
+
+
+def _model_dir(model: str, revision: str | None) -> Path | None:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json", revision=revision)
+    except Exception:  # an id that is no repository name, a broken cache
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+@functools.lru_cache(maxsize=16)
+def fingerprint(directory: str | Path, revision: str | None = None) -> str:
+    """Short hex digest of what determines the encoder's output (see the module doc)."""
+    root = Path(directory)
+    h = hashlib.sha256()
+    h.update(b"lmcache-ec-model-v1\0")
+    h.update(f"revision={revision or ''}\0".encode())
+    names = sorted(os.listdir(root))
+    for name in names:
+        if _is_config(name) and (root / name).is_file():
+            data = (root / name).read_bytes()
+            h.update(f"config {name} {len(data)}\0".encode())
+            h.update(data)
+    for name in names:
+        if name.endswith(WEIGHT_SUFFIXES) and (root / name).is_file():
+            _hash_weights(h, root / name)
+    return h.hexdigest()[:FINGERPRINT_HEX]
+
+
+def _is_config(name: str) -> bool:
+    return name == "config.json" or (
+        name.endswith(".json") and "processor" in name and "config" in name
+    )
+
+
+def _hash_weights(h: hashlib._Hash, path: Path) -> None:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(f"weights {path.name} {size}\0".encode())
+        if path.name.endswith(".safetensors") and _hash_safetensors(h, f.fileno(), size):
+            return
+        for i in range(FILE_SAMPLES):
+            off = (size - FILE_SAMPLE_BYTES) * i // max(FILE_SAMPLES - 1, 1)
+            h.update(os.pread(f.fileno(), FILE_SAMPLE_BYTES, max(off, 0)))
+
+
+def _hash_safetensors(h: hashlib._Hash, fd: int, size: int) -> bool:
+    """Header plus a sample of every tensor; False if the file is not valid safetensors
+    (then it is sampled like any other file)."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return False
+    (n,) = struct.unpack("<Q", head)
+    if n > min(MAX_SAFETENSORS_HEADER, size - 8):
+        return False
+    raw = os.pread(fd, n, 8)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        return False
+    if not isinstance(header, dict):
+        return False
+    h.update(raw)
+    base = 8 + n
+    for name in sorted(k for k in header if k != "__metadata__"):
+        offsets = header[name].get("data_offsets") if isinstance(header[name], dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+        ):
+            return False
+        start, end = offsets
+        for off in (start, start + (end - start) // 2):
+            h.update(os.pread(fd, min(TENSOR_SAMPLE, max(end - off, 0)), base + off))
+    return True
