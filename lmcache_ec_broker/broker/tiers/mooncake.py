@@ -61,6 +61,7 @@ from .base import (
     TierUnavailable,
 )
 from .circuit import CircuitBreaker, State
+from .mooncake_config import EXTRA_HINT, SCHEME, MooncakeSettings
 from .remote_value import (
     FIXED,
     BadValue,
@@ -74,8 +75,6 @@ from .remote_value import (
 
 log = logging.getLogger("lmcache_ec_broker.mooncake")
 
-SCHEME = "mooncakestore"
-EXTRA_HINT = "pip install 'lmcache-ec-broker[mooncake]'"
 
 # Mooncake error codes (mooncake-store/include/types.h)
 NO_SPACE = -200
@@ -92,6 +91,12 @@ _BATCH_WRITE_BYTES = 256 << 20
 _MAX_DELETE_TRIES = 6
 _REFUSED_TTL_S = 60.0
 
+# The same stats names as the Redis backend (tests/test_remote_mooncake.py checks it),
+# plus remote_lease_conflicts (deletes deferred by a reader's Mooncake lease).
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+LATENCY_KEYS = tuple(f"remote_latency_ms_le_{b}" for b in LATENCY_BUCKETS_MS) + (
+    "remote_latency_ms_le_inf",
+)
 COUNTERS = (
     "remote_hits",
     "remote_misses",
@@ -99,36 +104,16 @@ COUNTERS = (
     "remote_bytes_written",
     "remote_writes",
     "remote_write_drops",
-    "remote_write_skips",
+    "remote_writes_skipped",
     "remote_read_errors",
     "remote_write_errors",
     "remote_refused_values",
-    "remote_lease_conflicts",
+    "remote_announcements",  # keys learned from the master's key listing
     "remote_circuit_opens",
+    "remote_lease_conflicts",
+    *LATENCY_KEYS,
 )
-
-
-def parse_mooncake_url(url: str) -> str:
-    """``mooncakestore://host:port`` -> ``host:port`` of the master; ValueError says why."""
-    scheme, sep, rest = url.strip().partition("://")
-    if not sep or scheme.lower() != SCHEME:
-        raise ValueError(f"remote_url {url!r} is not a {SCHEME}://host:port URL")
-    rest = rest.rstrip("/")
-    if "@" in rest or "/" in rest or "?" in rest or "," in rest:
-        raise ValueError(
-            f"remote_url {url!r}: use {SCHEME}://<master host>:<port>; the master takes no "
-            "user, path or options (set the mooncake_* keys for the rest)"
-        )
-    host, _, port_text = rest.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(
-            f"remote_url {url!r} must name the master as host:port, e.g. {SCHEME}://127.0.0.1:50051"
-        )
-    return f"{host}:{int(port_text)}"
-
-
-def is_mooncake_url(url: str | None) -> bool:
-    return bool(url) and str(url).strip().lower().startswith(SCHEME + "://")
+GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
 
 
 def import_store_class() -> Any:
@@ -141,26 +126,6 @@ def import_store_class() -> Any:
             f"({exc}); install it with: {EXTRA_HINT}"
         ) from None
     return MooncakeDistributedStore
-
-
-class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the tier needs, resolved from the broker's config."""
-
-    master: str  # host:port of mooncake_master's RPC service
-    local_hostname: str = "127.0.0.1"  # the address other nodes reach this broker's segment at
-    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata, etcd://...
-    protocol: str = "tcp"  # or "rdma"
-    device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; "" for tcp
-    global_segment_size: int = 1 << 30  # memory this broker contributes to the pool
-    local_buffer_size: int = 16 << 20  # Mooncake's own staging buffer (unused by our paths)
-    key_prefix: str = "ecb:"
-    timeout_s: float = 2.0  # bound on a lookup round trip; Mooncake's RPC timeout too
-    write_queue: int = 256  # queued write-behinds before new ones are dropped
-    max_entry_size: int = 0  # 0: no limit beyond the slab
-    hmac_key: bytes | None = None
-    admin_port: int = 9003  # the master's metrics/admin HTTP port (key listing)
-    key_poll_s: float = 5.0  # how often to fold the store's keys into the filter; 0: off
-    max_reported_keys: int = 1 << 20  # remote keys folded into the membership filter
 
 
 class _Slots:
@@ -243,7 +208,6 @@ class MooncakeTier(LowerTier):
         self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.circuit = CircuitBreaker(threshold=3, backoff_s=0.5, max_backoff_s=30.0)
-        self._latency_ms: collections.deque[float] = collections.deque(maxlen=1024)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -365,6 +329,14 @@ class MooncakeTier(LowerTier):
 
     # ------------------------------------------------------------ helpers
 
+    def _observe(self, seconds: float) -> None:
+        ms = seconds * 1000.0
+        with self._lock:
+            for b, k in zip(LATENCY_BUCKETS_MS, LATENCY_KEYS, strict=False):
+                if ms <= b:
+                    self.counters[k] += 1
+            self.counters["remote_latency_ms_le_inf"] += 1
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -388,6 +360,8 @@ class MooncakeTier(LowerTier):
 
     def _report_added(self, key: str) -> None:
         """Loop thread only."""
+        if self.s.max_reported_keys <= 0:
+            return
         if self._events is None or key in self._reported:
             if key in self._reported:
                 self._reported.move_to_end(key)
@@ -546,7 +520,7 @@ class MooncakeTier(LowerTier):
                     out[ask[j]] = self._meta_from(key, data)
         finally:
             self._slots.give(slots)
-        self._latency_ms.append((time.perf_counter() - t0) * 1000)
+        self._observe(time.perf_counter() - t0)
         self.circuit.success()
         hits = sum(m is not None for m in out)
         with self._lock:
@@ -632,15 +606,15 @@ class MooncakeTier(LowerTier):
                 raise TierUnavailable(f"Mooncake master {self.s.master} RPC failed")
             if rc == NOT_FOUND:
                 raise TierMiss(key)
-            if rc == INVALID_PARAMS:
+            if rc in (INVALID_PARAMS, TRANSFER_FAIL):
+                # Sizes that do not add up to the object fail the transfer too
+                # (-600 short, -800 long): tell a bad value from a dead peer.
                 size = int(store.get_size(self._mkey(key)))
                 if size == NOT_FOUND:
                     raise TierMiss(key)
-                if size >= 0:
+                if size >= 0 and size != total:
                     self._refuse(key, f"object is {size} bytes, its header implies {total}")
                     raise TierCorrupt(key)
-                self._count("remote_read_errors")
-                raise TierUnavailable(f"Mooncake get_size of {key!r} failed: {size}")
             if rc < 0:
                 self._count("remote_read_errors")
                 raise TierMiss(f"{key}: Mooncake read failed ({rc})")
@@ -664,7 +638,7 @@ class MooncakeTier(LowerTier):
                 self._refuse(key, str(exc))
                 raise TierCorrupt(key) from None
             self.circuit.success()
-            self._latency_ms.append((time.perf_counter() - t0) * 1000)
+            self._observe(time.perf_counter() - t0)
             self._count("remote_bytes_read", meta.nbytes)
         finally:
             self._slots.give([slot])
@@ -682,7 +656,7 @@ class MooncakeTier(LowerTier):
             return None
         with self._lock:
             if key in self._known:
-                self.counters["remote_write_skips"] += 1
+                self.counters["remote_writes_skipped"] += 1
                 return None
             if self._queued_writes >= self.s.write_queue or self.circuit.state is State.OPEN:
                 self.counters["remote_write_drops"] += 1
@@ -809,7 +783,7 @@ class MooncakeTier(LowerTier):
             todo: list[tuple[_Write, int, int]] = []  # (write, header slot, header length)
             for op, slot, ex in zip(batch, slots, exist, strict=True):
                 if int(ex) == 1:  # another broker (or an earlier run) stored it
-                    self._count("remote_write_skips")
+                    self._count("remote_writes_skipped")
                     with self._lock:
                         self._remember(self._known, op.key, None)
                     self._call_soon(self._report_added, op.key)
@@ -839,7 +813,7 @@ class MooncakeTier(LowerTier):
                     ],
                     [[hl] + [n for _, n in op.extents] for op, _, hl in todo],
                 )
-                self._latency_ms.append((time.perf_counter() - t0) * 1000)
+                self._observe(time.perf_counter() - t0)
                 failed_rpc = False
                 for (op, _, _), rc in zip(todo, res, strict=True):
                     rc = int(rc)
@@ -928,31 +902,24 @@ class MooncakeTier(LowerTier):
         for key in list(self._reported):
             if key not in keys:
                 self._report_removed(key)
+        learned = 0
         for key in keys:
-            if key not in skip:
+            if key not in skip and key not in self._reported:
                 self._report_added(key)
+                learned += 1
+        if learned:
+            self._count("remote_announcements", learned)
 
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             out: dict[str, int | float] = dict(self.counters)
-            out["remote_write_queue"] = self._queued_writes
+            out["remote_pending_writes"] = self._queued_writes
         out["remote_up"] = int(self._connected.is_set() and self.circuit.up)
-        out["remote_reported_keys"] = len(self._reported)
-        lat = sorted(self._latency_ms)
-        out["remote_latency_p50_ms"] = lat[len(lat) // 2] if lat else 0.0
-        out["remote_latency_p99_ms"] = lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0
+        out["remote_known_keys"] = len(self._reported)
         return out
 
     @classmethod
     def empty_stats(cls) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict.fromkeys(COUNTERS, 0)
-        out.update(
-            remote_write_queue=0,
-            remote_up=0,
-            remote_reported_keys=0,
-            remote_latency_p50_ms=0.0,
-            remote_latency_p99_ms=0.0,
-        )
-        return out
+        return dict.fromkeys((*COUNTERS, *GAUGES), 0)

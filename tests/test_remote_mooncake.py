@@ -1,0 +1,318 @@
+"""The Mooncake Store remote tier against a real ``mooncake_master``.
+
+Everything Mooncake runs inside a private network namespace with only ``lo``
+(tests/mooncake_env.py); the test process stays outside and talks to the tier
+drivers over pipes and to the brokers over their Unix sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from mooncake_env import (
+    MooncakeMaster,
+    MooncakeNetns,
+    TierDriver,
+    payload,
+    unavailable_reason,
+)
+
+from lmcache_ec_broker.broker.tiers.mooncake_config import parse_mooncake_url
+from lmcache_ec_broker.broker.tiers.remote_value import encode_value
+from lmcache_ec_broker.protocol import DTYPE_ITEMSIZE, QUANTIZED_DTYPES, expected_nbytes
+
+REASON = unavailable_reason()
+needs_mooncake = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+class Env:
+    def __init__(self, ns: MooncakeNetns, master: MooncakeMaster, log_dir: str) -> None:
+        self.ns, self.master, self.log_dir = ns, master, log_dir
+        self.drivers: list[TierDriver] = []
+
+    def driver(self, **overrides: object) -> TierDriver:
+        settings: dict[str, object] = dict(
+            master=self.master.address,
+            local_hostname="127.0.0.1",
+            global_segment_size=64 << 20,
+            key_prefix="t:",
+            timeout_s=1.0,
+            key_poll_s=0.0,
+        )
+        settings.update(overrides)
+        d = TierDriver(self.ns, self.log_dir, settings)
+        self.drivers.append(d)
+        assert d.call("wait_up")["up"], d.read_log()
+        return d
+
+
+@pytest.fixture
+def mc(tmp_path) -> Iterator[Env]:
+    ns = MooncakeNetns()
+    try:
+        master = MooncakeMaster(ns, str(tmp_path), lease_ttl_ms=1500)
+        env = Env(ns, master, str(tmp_path))
+        yield env
+        for d in env.drivers:
+            d.stop()
+    finally:
+        ns.close()
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert ns.name not in out, "the test's network namespace was left behind"
+
+
+def sha(nbytes: int, seed: int) -> str:
+    return hashlib.sha256(payload(nbytes, seed)).hexdigest()
+
+
+def until(fn, tries: int = 200, pause: float = 0.1):
+    """Call ``fn`` until it returns something truthy (a bounded number of tries)."""
+    for _ in range(tries):
+        got = fn()
+        if got:
+            return got
+        time.sleep(pause)
+    raise AssertionError(f"condition never held: {fn}")
+
+
+# ---------------------------------------------------------------- config / packaging
+
+
+def test_url_parsing() -> None:
+    assert parse_mooncake_url("mooncakestore://127.0.0.1:50051") == "127.0.0.1:50051"
+    assert parse_mooncake_url("MooncakeStore://master.svc:7000/") == "master.svc:7000"
+    for bad in (
+        "mooncakestore://127.0.0.1",
+        "mooncakestore://:50051",
+        "mooncakestore://u:p@h:1",
+        "mooncakestore://h:1/x",
+        "redis://h:1",
+        "mooncakestore://h:99999",
+    ):
+        with pytest.raises(ValueError, match="remote_url"):
+            parse_mooncake_url(bad)
+
+
+def test_config_layers_and_refusals(tmp_path, monkeypatch) -> None:
+    from lmcache_ec_broker.config import load_config
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(
+        "remote_url: mooncakestore://10.0.0.5:50051\n"
+        "mooncake_protocol: tcp\n"
+        "mooncake_global_segment_size: 2GiB\n"
+        "ec_mooncake_local_buffer_size: 32MiB\n"
+        "mooncake_metadata_server: P2PHANDSHAKE\n"
+    )
+    monkeypatch.setenv("LMCACHE_EC_MOONCAKE_LOCAL_HOSTNAME", "10.0.0.7")
+    cfg, sources = load_config(config_file=str(yaml))
+    assert cfg.mooncake_global_segment_size == 2 << 30
+    assert cfg.mooncake_local_buffer_size == 32 << 20
+    assert cfg.mooncake_local_hostname == "10.0.0.7"
+    assert sources["mooncake_local_hostname"] == "env LMCACHE_EC_MOONCAKE_LOCAL_HOSTNAME"
+
+    from lmcache_ec_broker.broker.tiers.mooncake_config import settings_from_config
+
+    s = settings_from_config(cfg)
+    assert (s.master, s.local_hostname, s.global_segment_size) == (
+        "10.0.0.5:50051",
+        "10.0.0.7",
+        2 << 30,
+    )
+
+    monkeypatch.setenv("LMCACHE_EC_MOONCAKE_PROTOCOL", "rdma")
+    with pytest.raises(ValueError, match="mooncake_device_name"):
+        load_config(config_file=str(yaml))
+    monkeypatch.setenv("LMCACHE_EC_MOONCAKE_PROTOCOL", "udp")
+    with pytest.raises(ValueError, match="mooncake_protocol"):
+        load_config(config_file=str(yaml))
+
+
+def test_stats_names_match_the_redis_backend() -> None:
+    from lmcache_ec_broker.broker.tiers.mooncake import MooncakeTier
+    from lmcache_ec_broker.broker.tiers.redis import RedisTier
+
+    assert set(RedisTier.empty_stats()) <= set(MooncakeTier.empty_stats())
+    assert set(RedisTier.counter_names) <= set(MooncakeTier.counter_names)
+
+
+def test_broker_without_the_package_refuses_the_url(tmp_path) -> None:
+    """A broker without Mooncake installed refuses mooncakestore:// with one line
+    naming the extra, and leaves nothing behind."""
+    sock = str(tmp_path / "b.sock")
+    code = (
+        "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.store'] = None\n"
+        "from lmcache_ec_broker.cli import main\n"
+        f"sys.exit(main(['start', '--socket', {sock!r}, '--shm-size', '64MiB', "
+        "'--remote-url', 'mooncakestore://127.0.0.1:50051']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if "lmcache-ec-broker[mooncake]" in ln]
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert not os.path.exists(sock)
+    from conftest import shm_segments
+
+    assert shm_segments(sock, include_filter=True) == []
+
+
+# ---------------------------------------------------------------- the tier against a real master
+
+
+@needs_mooncake
+def test_confined_to_loopback(mc: Env) -> None:
+    assert mc.ns.interfaces() == ["lo"]
+    a, b = mc.driver(), mc.driver()
+    assert a.call("put", key="k", dtype="uint8", shape=[1 << 16], seed=1)["started"]
+    meta = b.call("lookup", keys=["k"])["metas"][0]
+    assert b.call("read", key="k", meta=meta)["sha256"] == sha(1 << 16, 1)
+    inside = mc.ns.listeners()
+    assert "127.0.0.1:50051" in inside and "127.0.0.1:9003" in inside
+    pids = {str(p.pid) for p in mc.ns.procs}
+    host = mc.ns.host_listeners()
+    leaked = [ln for ln in host.splitlines() if any(f"pid={p}," in ln for p in pids)]
+    assert not leaked, f"Mooncake listens outside its namespace: {leaked}"
+    assert ":50051 " not in host and "mooncake" not in host
+
+
+@needs_mooncake
+def test_every_dtype_bit_identical_between_two_tiers(mc: Env) -> None:
+    a, b = mc.driver(), mc.driver()
+    cases = []
+    for i, dtype in enumerate(sorted(set(DTYPE_ITEMSIZE) - QUANTIZED_DTYPES)):
+        cases.append((f"dtype-{dtype}", dtype, [7, 33, 5], 100 + i))
+    cases.append(("big", "float32", [2, 1 << 20], 7))  # 8 MiB across 3 extents
+    cases.append(("tiny", "uint8", [3], 8))  # object shorter than the header probe
+    cases.append(("long-" + "k" * 900, "bfloat16", [4, 4], 9))  # header longer than the probe
+    for key, dtype, shape, seed in cases:
+        assert a.call("put", key=key, dtype=dtype, shape=shape, seed=seed, pieces=3)["started"]
+    keys = [c[0] for c in cases]
+    metas = b.call("lookup", keys=[*keys, "absent"])["metas"]
+    assert metas[-1] is None
+    for (key, dtype, shape, seed), meta in zip(cases, metas, strict=False):
+        n = expected_nbytes(dtype, shape)
+        assert meta == [n, dtype, shape], key
+        got = b.call("read", key=key, meta=meta, pieces=2)
+        assert got.get("sha256") == sha(n, seed), (key, got)
+    st = a.call("stats")["stats"]
+    assert st["remote_writes"] == len(cases)
+    st = b.call("stats")["stats"]
+    assert st["remote_hits"] == len(cases) and st["remote_misses"] == 1
+    assert st["remote_refused_values"] == 0
+    # A second write of a key the store holds is skipped, not re-sent.
+    assert a.call("put", key="big", dtype="float32", shape=[2, 1 << 20], seed=7)["started"] is False
+
+
+@needs_mooncake
+def test_poisoned_values_are_refused_never_served(mc: Env) -> None:
+    a, b = mc.driver(), mc.driver()
+    good = encode_value("x", "float32", [4, 64], payload(1024, 3))
+    flipped = bytearray(encode_value("flip", "float32", [4, 64], payload(1024, 3)))
+    flipped[-5] ^= 0xFF
+    poison = {
+        "garbage": os.urandom(3000),
+        "short": b"ECRV" + b"\0" * 6,
+        "moved": good,  # a valid value stored under another key
+        "truncated": encode_value("truncated", "float32", [4, 64], payload(1024, 3))[:-10],
+        "trailing": encode_value("trailing", "float32", [4, 64], payload(1024, 3)) + b"\0" * 8,
+        "flip": bytes(flipped),
+        "liar": encode_value("liar", "float32", [4, 64], payload(1024, 3)).replace(
+            b"\x00\x04\x00\x00\x00\x00\x00\x00", b"\x00\x00\x10\x00\x00\x00\x00\x00", 1
+        ),
+    }
+    for key, data in poison.items():
+        assert a.call("raw_put", key=key, data=base64.b64encode(data).decode())["rc"] == 0
+    metas = dict(zip(poison, b.call("lookup", keys=list(poison))["metas"], strict=True))
+    served = []
+    for key, meta in metas.items():
+        if meta is None:
+            continue
+        got = b.call("read", key=key, meta=meta)
+        assert "sha256" not in got, f"{key} was served: {got}"
+        assert got["failed"] in ("TierCorrupt", "TierMiss"), got
+        served.append(key)
+    # Header-level poison never even looks like a hit.
+    for key in ("garbage", "short", "moved", "liar"):
+        assert metas[key] is None, key
+    st = b.call("stats")["stats"]
+    assert st["remote_refused_values"] == len(poison)  # each counted once, then not asked again
+    # Refused values are not offered again.
+    assert b.call("lookup", keys=list(poison))["metas"] == [None] * len(poison)
+
+
+@needs_mooncake
+def test_hmac_refuses_unsigned_values(mc: Env) -> None:
+    key = "k" * 32
+    a, b = mc.driver(), mc.driver(hmac_key=key)
+    signer = mc.driver(hmac_key=key)
+    assert a.call("put", key="unsigned", dtype="int16", shape=[100], seed=1)["started"]
+    assert signer.call("put", key="signed", dtype="int16", shape=[100], seed=2)["started"]
+    metas = b.call("lookup", keys=["unsigned", "signed"])["metas"]
+    assert metas[0] is None
+    assert b.call("read", key="signed", meta=metas[1])["sha256"] == sha(200, 2)
+    assert b.call("stats")["stats"]["remote_refused_values"] == 1
+
+
+@needs_mooncake
+def test_master_killed_and_restarted(mc: Env) -> None:
+    a, b = mc.driver(), mc.driver()
+    assert a.call("put", key="before", dtype="float16", shape=[512], seed=1)["started"]
+    assert b.call("lookup", keys=["before"])["metas"][0] is not None
+    mc.master.kill()
+    # Down: every answer comes back (a miss for the coordinator), the circuit opens.
+    answers = [b.call("lookup", keys=["before"]) for _ in range(5)]
+    assert all("unavailable" in r for r in answers), answers
+    st = b.call("stats")["stats"]
+    assert st["remote_up"] == 0 and st["remote_circuit_opens"] >= 1
+    # A write while the store is down is dropped (counted), never blocks.
+    started = a.call("put", key="during", dtype="float16", shape=[512], seed=2)
+    st = a.call("stats")["stats"]
+    assert not started["started"] or st["remote_write_errors"] + st["remote_write_drops"] >= 1
+    mc.master.start()
+    # Back: the restarted master lost everything (a miss, not an error) ...
+    until(lambda: "metas" in b.call("lookup", keys=["before"]))
+    assert b.call("lookup", keys=["before"])["metas"] == [None]
+
+    # ... and new entries flow again once the clients re-registered their segments.
+    def written() -> bool:
+        a.call("put", key="after", dtype="float16", shape=[512], seed=3)
+        return b.call("lookup", keys=["after"]).get("metas", [None])[0] is not None
+
+    until(written)
+    meta = b.call("lookup", keys=["after"])["metas"][0]
+    assert b.call("read", key="after", meta=meta)["sha256"] == sha(1024, 3)
+    assert b.call("stats")["stats"]["remote_up"] == 1
+
+
+@needs_mooncake
+def test_delete_waits_out_a_readers_lease(mc: Env) -> None:
+    """Mooncake refuses to remove an object read within its lease TTL (-706): the
+    tier stops answering hits at once and removes it when the lease ends."""
+    a, b = mc.driver(), mc.driver()
+    assert a.call("put", key="k", dtype="uint8", shape=[4096], seed=1)["started"]
+    assert b.call("lookup", keys=["k"])["metas"][0] is not None  # B's read: a lease
+    assert a.call("delete", keys=["k"])["held"] == [True]
+    assert a.call("lookup", keys=["k"])["metas"] == [None]
+    until(lambda: a.call("stats")["stats"]["remote_lease_conflicts"] >= 1)
+    until(lambda: "t:k" not in mc.master.keys())
+    assert b.call("lookup", keys=["k"])["metas"] == [None]
+
+
+@needs_mooncake
+def test_key_listing_feeds_the_membership_filter(mc: Env) -> None:
+    """Keys another node wrote reach this node's filter without a lookup; keys that
+    leave the store leave the filter."""
+    a, b = mc.driver(), mc.driver(key_poll_s=0.2)
+    assert a.call("put", key="from-a", dtype="uint8", shape=[100], seed=1)["started"]
+    until(lambda: ["added", "from-a"] in b.call("stats")["events"])
+    assert b.call("stats")["stats"]["remote_announcements"] >= 1
+    a.call("raw_remove", key="from-a")
+    until(lambda: ["removed", "from-a"] in b.call("stats")["events"])
