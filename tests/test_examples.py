@@ -3,13 +3,18 @@ stop, and that the broker accepts the flags they pass."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 
+import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, shm_segments
 
-from lmcache_ec_broker.config import BrokerConfig
+from lmcache_ec_broker.config import BrokerConfig, MiB
 
 EXAMPLES = REPO / "examples"
 SYSTEMD = EXAMPLES / "systemd" / "lmcache-ec-broker.service"
@@ -92,3 +97,77 @@ def test_the_broker_accepts_every_flag_the_examples_pass() -> None:
     for args in (_systemd_start_args(), _daemonset_start_args()):
         r = run_cli("start", *args, "--print-config")
         assert r.returncode == 0, (args, r.stderr)
+
+
+# ------------------------------------------------------------ two_instances.sh fails fast
+
+TWO_INSTANCES = EXAMPLES / "two_instances.sh"
+
+
+def _run_demo(tmpdir: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The demo script with PYTHON set to this interpreter; a hang is a failure
+    (subprocess.TimeoutExpired), not a slow pass."""
+    return subprocess.run(
+        ["bash", str(TWO_INSTANCES), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHON=sys.executable, TMPDIR=tmpdir, **env),
+    )
+
+
+def _left_behind(r: subprocess.CompletedProcess[str]) -> list[str]:
+    (work,) = re.findall(r"^logs in (\S+)$", r.stdout, flags=re.MULTILINE)
+    sock = os.path.join(work, "broker.sock")
+    return ([sock] if os.path.exists(sock) else []) + shm_segments(sock, include_filter=True)
+
+
+def _unused_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_two_instances_refuses_a_taken_port_before_starting_anything(sock_dir) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # something else serves there: waiting for /health would never end
+    try:
+        (free,) = _unused_ports(1)
+        port = taken.getsockname()[1]
+        r = _run_demo(sock_dir, "/no/model", PORT_A=str(port), PORT_B=str(free))
+    finally:
+        taken.close()
+    assert r.returncode == 1
+    assert f"port {port} on 127.0.0.1 is in use" in r.stderr and "PORT_A" in r.stderr
+    assert os.listdir(sock_dir) == []  # nothing started, no work directory
+
+
+def test_two_instances_stops_when_the_broker_cannot_start(sock_dir) -> None:
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    a, b = _unused_ports(2)
+    r = _run_demo(
+        sock_dir, "/no/model", SHM_SIZE=f"{free // MiB + 1024}MiB", PORT_A=str(a), PORT_B=str(b)
+    )
+    assert r.returncode == 1
+    (log,) = re.findall(r"read (\S+/broker\.log)", r.stderr)
+    assert "the broker exited before it was ready" in r.stderr
+    assert "/dev/shm has" in r.stderr  # the end of the log is shown too
+    assert os.path.exists(log)
+    assert _left_behind(r) == []
+
+
+@pytest.mark.vllm
+def test_two_instances_stops_when_a_vllm_instance_exits(sock_dir) -> None:
+    a, b = _unused_ports(2)
+    r = _run_demo(sock_dir, "/no/such/model", PORT_A=str(a), PORT_B=str(b))
+    assert r.returncode == 1
+    assert "broker answering" in r.stdout
+    assert f"vLLM on :{a} exited before it was ready" in r.stderr
+    (log,) = re.findall(rf"read (\S+/vllm-{a}\.log)", r.stderr)
+    assert "/no/such/model" in open(log).read()
+    assert _left_behind(r) == []  # the broker it started was stopped and cleaned up
