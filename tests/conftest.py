@@ -103,22 +103,14 @@ class BrokerProcess:
             self.log.close()
 
 
-# Shared memory that vLLM (multiprocessing.shared_memory "psm_*", semaphores
-# "sem.mp-*", its CPU TP buffers "vllm_dist_*") leaves behind when its servers
-# are stopped; 150-250 MiB each, so a CI machine would fill /dev/shm over runs.
-_VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _remove_shm_left_by_vllm() -> Iterator[None]:
-    before = set(os.listdir("/dev/shm"))
-    yield
-    for name in set(os.listdir("/dev/shm")) - before:
-        if name.startswith(_VLLM_SHM_PREFIXES):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    # VllmServer.stop() removes what its own servers left (150-250 MiB each); this
+    # catches the rest without touching segments other live processes still use.
+    from lmcache_ec_broker.testing.shm_cleanup import removing_new_vllm_shm
+
+    with removing_new_vllm_shm():
+        yield
 
 
 @pytest.fixture

