@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: off)")
     start.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     start.add_argument(
+        "--remote-url",
+        help="shared remote tier: redis://host:port[/db], rediss://, unix:///path.sock, "
+        "redis://h1:p1,h2:p2 (Cluster); password via remote_password_file, not here",
+    )
+    start.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"
     )
 
@@ -132,6 +137,7 @@ _START_KEYS = (
     "max_local_disk_size",
     "metrics_port",
     "log_level",
+    "remote_url",
 )
 
 
@@ -139,6 +145,10 @@ def _shown(name: str, value: object) -> str:
     """A config value as --print-config shows it: permission modes in octal."""
     if name.endswith("_mode") and isinstance(value, int):
         return f"0o{value:03o}"
+    if name == "remote_url" and isinstance(value, str):
+        from .broker.tiers.remote_url import mask_url
+
+        return mask_url(value)
     return str(value)
 
 

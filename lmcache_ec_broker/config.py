@@ -74,6 +74,16 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_local_disk_size: int = 0
     metrics_port: int = 0
     log_level: str = "INFO"
+    # Remote tier (Redis/Valkey; off unless remote_url is set). See docs/scaling.md.
+    remote_url: str | None = None
+    remote_key_prefix: str = "lmcache-ec:"
+    remote_ttl_s: int = 0  # 0: no expiry (the store's maxmemory-policy evicts)
+    remote_timeout_s: float = 1.0
+    remote_write_queue: int = 64  # queued write-behinds; more are dropped (counted)
+    remote_filter_keys: int = 100_000  # remote keys folded into the membership filter
+    remote_password_file: str | None = None
+    remote_hmac_key_file: str | None = None
+    remote_tls_ca_file: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid value."""
@@ -115,6 +125,40 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+        self._validate_remote()
+
+    def _validate_remote(self) -> None:
+        if not self.remote_url:
+            return
+        if self.remote_url.strip().lower().startswith("mooncakestore://"):
+            from .broker.tiers.mooncake_config import validate_mooncake
+
+            validate_mooncake(self)  # the Mooncake backend checks its own settings
+            return
+        from .broker.tiers.remote_url import parse_remote_url, read_hmac_key, resolve_password
+
+        target = parse_remote_url(self.remote_url)
+        resolve_password(target, self.remote_password_file)
+        if self.remote_hmac_key_file:
+            read_hmac_key(self.remote_hmac_key_file)
+        if self.remote_tls_ca_file and not os.path.isfile(self.remote_tls_ca_file):
+            raise ValueError(f"remote_tls_ca_file {self.remote_tls_ca_file} is not a file")
+        if not 0 < self.remote_timeout_s <= 600:
+            raise ValueError(f"remote_timeout_s must be in (0, 600], got {self.remote_timeout_s}")
+        if self.remote_ttl_s < 0:
+            raise ValueError("remote_ttl_s must not be negative (0: no expiry)")
+        if self.remote_write_queue < 1:
+            raise ValueError("remote_write_queue must be at least 1")
+        if self.remote_filter_keys < 0:
+            raise ValueError("remote_filter_keys must not be negative (0: fold none)")
+        if not 0 < len(self.remote_key_prefix) <= 256 or any(
+            c.isspace() for c in self.remote_key_prefix
+        ):
+            raise ValueError(
+                f"remote_key_prefix must be 1-256 characters without spaces, "
+                f"got {self.remote_key_prefix!r}"
+            )
+
 
 
 ENV_PREFIX = "LMCACHE_EC_"
@@ -334,7 +378,8 @@ def load_config(
             try:
                 values[name] = _coerce(name, raw, fields[name], source.startswith("env "))
             except ValueError as exc:
-                raise ValueError(f"{name} = {raw!r} from {source}: {exc}") from None
+                shown = _mask(raw) if name == "remote_url" else raw
+                raise ValueError(f"{name} = {shown!r} from {source}: {exc}") from None
             sources[name] = source
     for name, value in (cli or {}).items():
         if value is None:
@@ -356,4 +401,15 @@ def load_config(
             check_local_disk(cfg.local_disk)
     except ValueError as exc:
         raise _with_source(exc, sources) from None
+    if sources.get("remote_url") == "cli" and cfg.remote_url and _mask(cfg.remote_url) != cfg.remote_url:
+        raise ValueError(
+            "--remote-url carries a password, which every user can read in the process list; "
+            "put it in remote_password_file, $LMCACHE_EC_REMOTE_PASSWORD, or the YAML/env URL"
+        )
     return cfg, sources
+
+
+def _mask(raw: object) -> object:
+    from .broker.tiers.remote_url import mask_url
+
+    return mask_url(raw) if isinstance(raw, str) else raw

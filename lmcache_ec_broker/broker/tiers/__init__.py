@@ -49,4 +49,14 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
             )
         )
     # remote tier (Redis/Valkey, Mooncake): appended here, after the disk tier.
+    if config.remote_url and not config.remote_url.lower().startswith("mooncakestore://"):
+        from .redis import RedisTier
+
+        tiers.append(
+            RedisTier(
+                config,
+                max_entry_bytes=config.max_entry_size or slab_capacity,
+                max_pending_bytes=max(slab_capacity // 4, 1),
+            )
+        )
     return tiers

@@ -1,0 +1,466 @@
+"""The Redis/Valkey remote tier with real servers: two brokers ("two nodes": separate
+sockets, slabs, disk directories) share one redis-server started by the test.
+
+All traffic stays on 127.0.0.1 or Unix sockets in private directories.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from redis_servers import REDIS_SERVER, RedisCluster, RedisServer
+
+from lmcache_ec_broker.broker.tiers import remote_value as rv
+
+torch = pytest.importorskip("torch")
+from lmcache_ec_broker import BrokerClient  # noqa: E402
+
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+
+PREFIX = "lmcache-ec:"
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+]
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or pred}")
+
+
+def tensor_of(dtype: torch.dtype, shape: tuple[int, ...] = (37, 64), seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(
+        0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8, generator=g
+    )
+    return raw.view(dtype).reshape(shape)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+    )
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def node(make_broker, tmp_path) -> Callable[..., tuple[object, BrokerClient]]:
+    """node(url, **extra_config) -> (broker process, connected client). Each node has its
+    own socket, slab, disk directory and YAML config."""
+    clients: list[BrokerClient] = []
+    counter = [0]
+
+    def make(url: str, disk: bool = False, **extra: object) -> tuple[object, BrokerClient]:
+        counter[0] += 1
+        cfg = tmp_path / f"node{counter[0]}.yaml"
+        lines = [f"remote_url: '{url}'", "remote_timeout_s: 1.0"]
+        if disk:
+            lines += [f"local_disk: {tmp_path / f'disk{counter[0]}'}", "max_local_disk_size: 64MiB"]
+        lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
+        cfg.write_text("\n".join(lines) + "\n")
+        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
+        c = BrokerClient(b.socket_path, timeout_s=5.0)
+        clients.append(c)
+        return b, c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def remote_stats(c: BrokerClient) -> dict[str, int]:
+    return {k: v for k, v in c.stats().items() if k.startswith("remote_")}
+
+
+def written(c: BrokerClient, n: int) -> Callable[[], bool]:
+    return lambda: remote_stats(c)["remote_writes"] + remote_stats(c)["remote_writes_skipped"] >= n
+
+
+# ---------------------------------------------------------------- two nodes share one store
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_b_hits_what_a_stored_every_dtype(redis_server, node, transport) -> None:
+    url = redis_server.url(transport)
+    _, a = node(url)
+    _, b = node(url)
+    tensors = {f"m@1@0@h{i}@{dt}": tensor_of(dt, seed=i) for i, dt in enumerate(DTYPES)}
+    for key, t in tensors.items():
+        assert a.put(key, t) is True
+    wait_for(lambda: remote_stats(a)["remote_writes"] == len(tensors), what="write-behind")
+    assert b.has(list(tensors)) == [True] * len(tensors)
+    for key, t in tensors.items():
+        got = b.get(key)
+        assert got is not None and same(got, t), key
+    st = remote_stats(b)
+    assert st["remote_hits"] >= len(tensors)
+    assert st["remote_bytes_read"] >= sum(t.numel() * t.element_size() for t in tensors.values())
+    assert st["remote_refused_values"] == 0 and st["remote_up"] == 1
+    # The promoted entries are local now: a second get needs no remote read.
+    before = remote_stats(b)["remote_bytes_read"]
+    assert same(b.get(next(iter(tensors))), next(iter(tensors.values())))
+    assert remote_stats(b)["remote_bytes_read"] == before
+    # B does not write back what it read from the store.
+    assert remote_stats(b)["remote_writes"] == 0
+
+
+def test_large_entry_in_several_extents(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url)
+    # Fragment B's slab so the promoted entry needs several extents.
+    fillers = [f"f{i}" for i in range(40)]
+    for i, k in enumerate(fillers):
+        b.put(k, tensor_of(torch.uint8, (1024 * 1024,), seed=i))
+    for k in fillers[::2]:
+        b.delete(k)
+    big = tensor_of(torch.bfloat16, (4096, 1024), seed=99)  # 8 MiB
+    assert a.put("big", big)
+    wait_for(written(a, 1), what="write-behind")
+    got = b.get("big")
+    assert got is not None and same(got, big)
+
+
+def test_write_behind_skips_what_the_store_has(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url)
+    t = tensor_of(torch.float16, seed=5)
+    assert a.put("k", t)
+    wait_for(written(a, 1), what="A's write")
+    assert b.put("k", t)  # B encoded the same thing itself
+    wait_for(written(b, 1), what="B's write decision")
+    assert remote_stats(b)["remote_writes"] == 0
+    assert remote_stats(b)["remote_writes_skipped"] >= 1
+
+
+def test_write_behind_races_promotion(redis_server, node) -> None:
+    """B asks for keys while A's write-behind of them is in flight: every answer is a
+    miss or the bit-identical tensor, never a partial value."""
+    url = redis_server.url("tcp")
+    _, a = node(url)
+    _, b = node(url)
+    tensors = {f"r{i}": tensor_of(torch.bfloat16, (1024, 512), seed=i) for i in range(24)}
+    for key, t in tensors.items():
+        a.put(key, t)
+        got = b.get(key)
+        assert got is None or same(got, t)
+    wait_for(written(a, len(tensors)), what="A's writes")
+    for key, t in tensors.items():
+        got = b.get(key)
+        assert got is not None and same(got, t)
+    assert remote_stats(b)["remote_refused_values"] == 0
+
+
+def test_filter_learns_announced_keys(redis_server, node) -> None:
+    """A key A writes is announced; B folds it into its membership filter, so B's
+    clients' local check says "maybe" (not a definite miss) without asking."""
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url)
+    t = tensor_of(torch.float32, seed=3)
+    a.put("announced", t)
+    wait_for(lambda: remote_stats(b)["remote_known_keys"] >= 1, what="announcement")
+    assert b.has(["announced"]) == [True]
+
+
+def test_bootstrap_scan_folds_existing_keys(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url)
+    for i in range(5):
+        a.put(f"s{i}", tensor_of(torch.int32, seed=i))
+    wait_for(written(a, 5), what="writes")
+    _, b = node(url)  # starts after the announcements: learns by SCAN
+    wait_for(lambda: remote_stats(b)["remote_known_keys"] == 5, what="scan")
+    assert b.has([f"s{i}" for i in range(5)]) == [True] * 5
+
+
+def test_delete_removes_from_the_store(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url)
+    a.put("gone", tensor_of(torch.int8))
+    wait_for(written(a, 1), what="write")
+    assert a.delete("gone")
+    wait_for(lambda: redis_server.cli("exists", PREFIX + "gone") == "0", what="DEL")
+    assert b.get("gone") is None
+
+
+def test_key_prefix_separates_fleets(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url, remote_key_prefix="fleet-a:")
+    _, b = node(url, remote_key_prefix="fleet-b:")
+    a.put("k", tensor_of(torch.float32))
+    wait_for(written(a, 1), what="write")
+    assert redis_server.cli("exists", "fleet-a:k") == "1"
+    assert b.get("k") is None
+
+
+def test_ttl_sets_expiry(redis_server, node) -> None:
+    _, a = node(redis_server.url("unix"), remote_ttl_s=3600)
+    a.put("k", tensor_of(torch.float32))
+    wait_for(written(a, 1), what="write")
+    assert 0 < int(redis_server.cli("ttl", PREFIX + "k")) <= 3600
+
+
+# ---------------------------------------------------------------- untrusted values
+
+
+def _raw_set(srv: RedisServer, key: str, value: bytes, announce: bool = True) -> None:
+    """Write straight into Redis, as a hostile or broken writer would, and announce the
+    key like a broker does (so the brokers' filters let clients ask for it)."""
+    import redis
+
+    r = redis.Redis(unix_socket_path=srv.unix_path, password=srv.password)
+    r.set(key, value)
+    if announce:
+        r.publish(PREFIX + "announce", key.removeprefix(PREFIX))
+    r.close()
+
+
+def test_poisoned_and_truncated_values_are_misses(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    good = tensor_of(torch.float32, (16, 16), seed=1)
+    payload = good.numpy().tobytes()
+    value = rv.encode_value("good", "float32", [16, 16], payload)
+    flipped = bytearray(value)
+    flipped[-3] ^= 0xFF
+    poisons = {
+        "garbage": os.urandom(300),
+        "truncated": value[:-10],
+        "trailing": value + b"xx",
+        "flipped": bytes(flipped),
+        "otherkey": value,  # stored under a key it does not name
+        "lying": rv.encode_header("lying", "float32", [1 << 40], b"\0" * 32, 4 << 40, 1)
+        + b"\0" * 64,
+        "empty": b"",
+    }
+    late = {"late-garbage": os.urandom(100), "late-flipped": bytes(flipped)}
+    _raw_set(redis_server, PREFIX + "good", value, announce=False)
+    for k, v in poisons.items():
+        _raw_set(redis_server, PREFIX + k, v, announce=False)
+    _, b = node(url)  # learns the planted keys by its start-up SCAN
+    wait_for(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 1, what="scan")
+    for k, v in late.items():  # and these from announcements
+        _raw_set(redis_server, PREFIX + k, v)
+    wait_for(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 3, what="announce")
+    poisons.update(late)
+    for k in poisons:
+        assert b.get(k) is None, k
+        assert b.has([k]) == [False], k
+    got = b.get("good")
+    assert got is not None and same(got, good)
+    st = remote_stats(b)
+    # Every poisoned value was looked at and refused ("empty" reads as absent).
+    assert st["remote_refused_values"] >= len(poisons) - 1
+    assert b.ping()
+
+
+def test_hmac_refuses_unsigned_and_foreign_values(redis_server, node, tmp_path) -> None:
+    keyfile = tmp_path / "hmac.key"
+    keyfile.write_bytes(os.urandom(32).hex().encode())
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32).hex().encode())
+    url = redis_server.url("unix")
+    _, a = node(url, remote_hmac_key_file=str(keyfile))
+    _, b = node(url, remote_hmac_key_file=str(keyfile))
+    _, c = node(url, remote_hmac_key_file=str(other))
+    t = tensor_of(torch.bfloat16, seed=8)
+    a.put("signed", t)
+    wait_for(written(a, 1), what="write")
+    got = b.get("signed")
+    assert got is not None and same(got, t)
+    assert c.get("signed") is None  # signed with another key
+    assert remote_stats(c)["remote_refused_values"] >= 1
+    # An unsigned value, well-formed and correctly checksummed, planted by someone else.
+    _raw_set(
+        redis_server, PREFIX + "planted", rv.encode_value("planted", "uint8", [8], b"12345678")
+    )
+    wait_for(lambda: remote_stats(b)["remote_known_keys"] >= 2, what="announcement")
+    refused = remote_stats(b)["remote_refused_values"]
+    assert b.get("planted") is None
+    assert remote_stats(b)["remote_refused_values"] > refused
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_remote_down_at_start_then_up(node, tmp_path) -> None:
+    srv = RedisServer()
+    url = srv.url("tcp")
+    srv.kill()  # its address is known, nothing listens there
+    try:
+        _, a = node(url)
+        t = tensor_of(torch.float32)
+        assert a.put("k", t)  # the local tiers serve
+        assert same(a.get("k"), t)
+        assert a.has(["nothing"]) == [False]
+        wait_for(lambda: remote_stats(a)["remote_up"] == 0, what="circuit open")
+        assert a.put("dropped", t)  # never blocks: the write-behind is dropped and counted
+        assert remote_stats(a)["remote_write_drops"] >= 1
+        srv.start()
+        # The breaker probes again and closes; new writes reach the store.
+        t2 = tensor_of(torch.float32, seed=2)
+
+        def recovered() -> bool:
+            a.has(["probe-" + str(time.monotonic())])
+            return remote_stats(a)["remote_up"] == 1
+
+        wait_for(recovered, what="recovery")
+        a.put("k2", t2)
+        wait_for(lambda: srv.cli("exists", PREFIX + "k2") == "1", what="write after recovery")
+    finally:
+        srv.stop()
+
+
+def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
+    url = redis_server.url("tcp")
+    _, a = node(url)
+    _, b = node(url)
+    t = tensor_of(torch.float16, seed=4)
+    a.put("before", t)
+    wait_for(written(a, 1), what="write")
+    redis_server.kill()
+    # Local tiers keep serving; remote lookups fail fast as misses.
+    assert same(a.get("before"), t)
+    assert b.get("before") is None  # the store is gone: a miss, not an error
+    wait_for(lambda: remote_stats(b)["remote_up"] == 0, what="circuit opens")
+    assert b.ping()
+    redis_server.start()  # empty: the data is lost
+
+    def recovered() -> bool:
+        b.has(["probe-" + str(time.monotonic())])
+        return remote_stats(b)["remote_up"] == 1
+
+    wait_for(recovered, what="recovery")
+    assert b.get("before") is None  # lost data costs only the hit
+    t2 = tensor_of(torch.float16, seed=5)
+    a.put("after", t2)
+
+    def a_recovered_and_wrote() -> bool:
+        a.has(["probe-" + str(time.monotonic())])
+        if (
+            remote_stats(a)["remote_up"] == 1
+            and redis_server.cli("exists", PREFIX + "after") == "0"
+        ):
+            a.delete("after")
+            a.put("after", t2)
+        return redis_server.cli("exists", PREFIX + "after") == "1"
+
+    wait_for(a_recovered_and_wrote, what="A writes again")
+    got = b.get("after")
+    assert got is not None and same(got, t2)
+
+
+# ---------------------------------------------------------------- AUTH, TLS, Cluster
+
+
+def test_auth_password_from_file(node, tmp_path) -> None:
+    with RedisServer(password="s3cret-pw") as srv:
+        pwfile = tmp_path / "pw"
+        pwfile.write_text("s3cret-pw\n")
+        url = srv.url("tcp", with_password=False)
+        b1, a = node(url, remote_password_file=str(pwfile))
+        _, b = node(url, remote_password_file=str(pwfile))
+        t = tensor_of(torch.bfloat16, seed=6)
+        a.put("k", t)
+        wait_for(written(a, 1), what="write")
+        assert same(b.get("k"), t)
+        assert "s3cret-pw" not in b1.read_log()
+        # Without the password: refused by the server, so the tier is down, not crashing.
+        bare, c = node(url)
+        assert c.get("k") is None
+        assert c.ping()
+
+
+def test_password_in_url_is_masked_and_refused_on_the_command_line(tmp_path) -> None:
+    from conftest import run_cli
+
+    out = run_cli(
+        "start",
+        "--socket",
+        str(tmp_path / "s.sock"),
+        "--remote-url",
+        "redis://:pw123@127.0.0.1:1/0",
+        "--print-config",
+    )
+    assert out.returncode == 2 and "pw123" not in out.stderr and "process list" in out.stderr
+    env_out = subprocess.run(
+        [
+            os.sys.executable,
+            "-m",
+            "lmcache_ec_broker.cli",
+            "start",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--print-config",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, LMCACHE_EC_REMOTE_URL="redis://:pw123@127.0.0.1:1/0"),
+    )
+    assert env_out.returncode == 0 and "pw123" not in env_out.stdout and ":***@" in env_out.stdout
+
+
+def test_tls(node, tmp_path) -> None:
+    with RedisServer(tls=True, unix=False) as srv:
+        url = srv.url("tcp")
+        assert url.startswith("rediss://")
+        _, a = node(url, remote_tls_ca_file=srv.cert)
+        _, b = node(url, remote_tls_ca_file=srv.cert)
+        t = tensor_of(torch.float32, (300, 100), seed=7)
+        a.put("k", t)
+        wait_for(written(a, 1), what="write over TLS")
+        assert same(b.get("k"), t)
+        # A broker that does not trust the certificate cannot connect: misses, no crash.
+        _, c = node(url)
+        assert c.get("k") is None and c.ping()
+
+
+def test_cluster_values_spread_across_slots(node) -> None:
+    from lmcache_ec_broker.broker.tiers.resp import key_slot
+
+    with RedisCluster(3) as cluster:
+        url = cluster.url()
+        _, a = node(url)
+        _, b = node(url)
+        tensors = {f"c{i}": tensor_of(torch.bfloat16, (64, 32), seed=i) for i in range(30)}
+        for k, t in tensors.items():
+            a.put(k, t)
+        wait_for(written(a, len(tensors)), what="writes")
+        owners = set()
+        for n in cluster.nodes:
+            keys = n.cli("--scan", "--pattern", PREFIX + "*").split()
+            owners |= {n.port} if keys else set()
+        assert len(owners) == 3, "values did not spread over the three masters"
+        assert len({key_slot((PREFIX + k).encode()) for k in tensors}) == len(tensors)
+        assert b.has(list(tensors)) == [True] * len(tensors)
+        for k, t in tensors.items():
+            assert same(b.get(k), t), k
