@@ -72,6 +72,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_uids: list[int] = []
     local_disk: str | None = None
     max_local_disk_size: int = 0
+    # Seconds a stopping broker spends flushing write-behinds to its lower tiers;
+    # keep it below the supervisor's stop timeout (systemd/Kubernetes: 30 s).
+    shutdown_flush_s: float = 20.0
     metrics_port: int = 0
     log_level: str = "INFO"
     # Remote tier (Redis/Valkey; off unless remote_url is set). See docs/scaling.md.
@@ -115,6 +118,10 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.max_local_disk_size < 0:
             raise ValueError("max_local_disk_size must not be negative")
+        if not 0 <= self.shutdown_flush_s <= 3600:
+            raise ValueError(
+                f"shutdown_flush_s must be between 0 and 3600 seconds, got {self.shutdown_flush_s}"
+            )
         if self.local_disk is not None:
             if not os.path.isabs(self.local_disk):
                 raise ValueError(f"local_disk must be an absolute path, got {self.local_disk!r}")

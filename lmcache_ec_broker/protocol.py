@@ -271,6 +271,45 @@ def encode_frame(encoder: msgspec.msgpack.Encoder, msg: msgspec.Struct) -> bytes
     return FRAME_HEADER.pack(len(body)) + body
 
 
+def frame_length(header: bytes | bytearray | memoryview, max_frame: int, offset: int = 0) -> int:
+    """Body length from the 4-byte header at ``offset``; ProtocolError if over ``max_frame``."""
+    (length,) = FRAME_HEADER.unpack_from(header, offset)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the maximum of {max_frame} bytes")
+    return length
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies (the one parser both sides use).
+
+    An oversized length raises ProtocolError as soon as its header arrives, before
+    any of its body is buffered; the stream cannot be resynchronised after that.
+    """
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buf += data
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def next_frame(self) -> bytes | None:
+        """The next complete body, or None until more bytes arrive."""
+        buf = self._buf
+        if len(buf) < FRAME_HEADER.size:
+            return None
+        length = frame_length(buf, self.max_frame)
+        end = FRAME_HEADER.size + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[FRAME_HEADER.size : end])
+        del buf[:end]
+        return body
+
+
 def expected_nbytes(dtype: str, shape: list[int]) -> int:
     """nbytes implied by dtype and shape; ValueError names what is wrong."""
     itemsize = DTYPE_ITEMSIZE.get(dtype)

@@ -310,7 +310,8 @@ def test_hostile_keys_cannot_escape_the_directory(make_broker, sock_dir):
         everything += [os.path.join(root, n) for n in files + dirs]
     outside = {p for p in everything if p != disk and not p.startswith(disk + os.sep)}
     # Only what the test itself made; the stale socket stays until the restart.
-    assert outside == {os.path.join(sock_dir, "d"), b.socket_path, b.log_path}
+    lock = b.socket_path + ".lock"  # a killed broker leaves its lock file, unlocked
+    assert outside == {os.path.join(sock_dir, "d"), b.socket_path, lock, b.log_path}
     assert len(entry_files(disk)) == len(data)
     assert all(os.path.dirname(p) == disk for p in everything if p.endswith(".safetensors"))
     b2 = start(make_broker, disk, socket_path=b.socket_path, env=env)
@@ -384,8 +385,7 @@ def test_one_directory_serves_one_broker(make_broker, sock_dir):
 def test_start_up_scan_logs_progress_and_rebuilds_lru_order(tmp_path, monkeypatch, caplog):
     import logging
 
-    from lmcache_ec_broker.broker import disk as disk_mod
-    from lmcache_ec_broker.broker.store import Store
+    from lmcache_ec_broker.broker.tiers import disk as disk_mod
 
     d = str(tmp_path)
     dir_fd = os.open(d, os.O_RDONLY)
@@ -401,7 +401,7 @@ def test_start_up_scan_logs_progress_and_rebuilds_lru_order(tmp_path, monkeypatc
     open(os.path.join(d, ".tmp-123-abc"), "wb").close()  # a write cut short by a crash
     monkeypatch.setattr(disk_mod, "_PROGRESS_EVERY_S", 0.0)
     size = os.path.getsize(os.path.join(d, key_to_filename("k0")))
-    tier = disk_mod.DiskTier(d, 4 * size, Store(1 << 20, 4096))
+    tier = disk_mod.DiskTier(d, 4 * size)
     with caplog.at_level(logging.INFO, logger="lmcache_ec_broker.disk"):
         tier.open()
     try:
@@ -409,6 +409,7 @@ def test_start_up_scan_logs_progress_and_rebuilds_lru_order(tmp_path, monkeypatc
         assert "scanned 1 files" in text and "scanned 5 files" in text
         assert "removed 1 oldest entries" in text and "unfinished temp files" in text
         assert list(tier.index) == ["k1", "k2", "k3", "k4"]  # oldest mtime first
+        assert [m is not None for m in tier.peek(["k0", "k1", "k4"])] == [False, True, True]
         assert not os.path.exists(os.path.join(d, ".tmp-123-abc"))
         assert tier.used_bytes == 4 * size
     finally:

@@ -5,7 +5,8 @@ File format (readable by any safetensors reader, e.g. ``safetensors.safe_open``)
 multiple of 8 bytes, then the raw tensor bytes. The header holds one tensor,
 ``encoder_output``, and string metadata: ``format``, ``version``, the full
 original ``key``, our ``dtype`` and ``shape`` and a ``checksum`` of the data
-(``blake3:<hex>``, or ``blake2b:<hex>`` where blake3 is not installed). The
+(``blake3:<hex>``, or ``blake2b:<hex>`` where blake3 is not installed; a reader
+without blake3 leaves blake3 files alone rather than calling them corrupt). The
 format is written here directly rather than through the safetensors package so
 the data goes from the slab to the file (and back) with no intermediate copy.
 
@@ -81,6 +82,11 @@ class CorruptFile(Exception):
     """A file that must not be served; the message says what is wrong with it."""
 
 
+class UnverifiableFile(Exception):
+    """A well-formed file whose checksum algorithm this install lacks (blake3 not
+    installed): not served, but not corrupt either -- it must not be quarantined."""
+
+
 def key_to_filename(key: str) -> str:
     raw = key.encode("utf-8", "surrogatepass")
     out = []
@@ -113,7 +119,12 @@ def _verifier(checksum: str) -> Any:
     algo, _, digest = checksum.partition(":")
     if len(digest) != 64:
         raise CorruptFile(f"malformed checksum {checksum[:80]!r}")
-    if algo == "blake3" and _blake3 is not None:
+    if algo == "blake3":
+        if _blake3 is None:
+            raise UnverifiableFile(
+                "the file's checksum is blake3 but the blake3 package is not installed "
+                "(pip install blake3)"
+            )
         return _blake3.blake3()
     if algo == "blake2b":
         return hashlib.blake2b(digest_size=32)
@@ -210,11 +221,11 @@ def read_meta(fd: int) -> FileMeta:
         nbytes,
     ):
         raise CorruptFile("tensor description disagrees with the metadata")
-    _verifier(checksum)
     expected = 8 + hlen + nbytes
     if size != expected:
         kind = "truncated" if size < expected else "trailing bytes"
         raise CorruptFile(f"{kind}: {size} bytes, expected {expected}")
+    _verifier(checksum)  # last: a damaged file is corrupt even where blake3 is missing
     return FileMeta(key, dtype, shape, nbytes, checksum, 8 + hlen, size)
 
 

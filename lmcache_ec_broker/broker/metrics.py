@@ -27,8 +27,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .disk import DISK_COUNTERS
+from .coordinator import COORDINATOR_COUNTERS
 from .store import STORE_COUNTERS
+from .tiers import tier_counter_names
 
 if TYPE_CHECKING:
     from .server import BrokerServer
@@ -44,7 +45,7 @@ BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # Monotonic counters among the stats keys (the rest are gauges or labels).
-COUNTERS = frozenset(STORE_COUNTERS + DISK_COUNTERS)
+COUNTERS = frozenset(STORE_COUNTERS + COORDINATOR_COUNTERS + tier_counter_names())
 
 _HELP = {
     "hits": "get() keys served from the broker (hit-ratio numerator)",
@@ -54,7 +55,8 @@ _HELP = {
     "bytes_stored": "bytes committed into the slab",
     "bytes_loaded": "bytes handed out to readers by get()",
     "evictions": "entries evicted from the slab by LRU",
-    "promotions": "disk-tier entries promoted back into the slab",
+    "promotions": "entries promoted from a lower tier (disk, remote) into the slab",
+    "promotion_failures": "promotions that failed (no space, corrupt or vanished copy, tier down)",
     "entries": "ready entries in the slab",
     "used_bytes": "slab bytes held by ready entries",
     "capacity_bytes": "slab capacity",

@@ -98,14 +98,6 @@ class Membership(Protocol):
     def remove(self, key: str) -> None: ...
 
 
-class StoreListener:
-    """Hooks for the disk tier and metrics; every method is optional."""
-
-    def on_ready(self, entry: Entry) -> None: ...
-    def on_evicted(self, entry: Entry) -> None: ...
-    def on_deleted(self, key: str) -> None: ...
-
-
 class Store:
     def __init__(
         self,
@@ -128,7 +120,6 @@ class Store:
         self.reservations: dict[int, Entry] = {}
         self.pins: dict[int, Pin] = {}
         self.conns: dict[int, ConnState] = {}
-        self.listener: StoreListener = StoreListener()
         # The published membership filter (shm/filter.py); None when not published.
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
@@ -238,7 +229,6 @@ class Store:
         for entry in victims:
             self._drop_ready(entry)
             self.counters["evictions"] += 1
-            self.listener.on_evicted(entry)
         return True
 
     def validate_key(self, key: str) -> ErrorReply | None:
@@ -339,7 +329,6 @@ class Store:
         self.counters["bytes_stored"] += entry.nbytes
         if self.membership is not None:
             self.membership.add(entry.key)
-        self.listener.on_ready(entry)
         return None
 
     def abort(self, conn: int, token: int) -> ErrorReply | None:
@@ -356,12 +345,15 @@ class Store:
         self._free_blocks(entry)
         self.counters["aborts"] += 1
 
-    def get(self, conn: int, keys: list[str]) -> list[Hit | None]:
+    def get(self, conn: int, keys: list[str], count_misses: bool = True) -> list[Hit | None]:
+        """Pin and return each READY key. ``count_misses=False``: the caller (the tier
+        coordinator, which may still promote a missing key) counts the misses itself."""
         out: list[Hit | None] = []
         for key in keys:
             entry = self.entries.get(key)
             if entry is None or entry.state is not State.READY:
-                self.counters["misses"] += 1
+                if count_misses:
+                    self.counters["misses"] += 1
                 out.append(None)
                 continue
             self.counters["hits"] += 1
@@ -372,10 +364,30 @@ class Store:
         return out
 
     def pin_entry(self, conn: int, entry: Entry) -> int:
-        """Pin a READY entry for a broker-internal reader (the disk tier) without
-        counting a hit; undone by ``release(conn, [pin])`` or ``close_connection``."""
+        """Pin a READY entry for a broker-internal reader (a tier's write-behind)
+        without counting a hit; undone by ``release(conn, [pin])`` or ``close_connection``."""
         assert entry.state is State.READY and not entry.doomed
         return self._pin(entry, conn)
+
+    def ready(self, key: str) -> Entry | None:
+        entry = self.entries.get(key)
+        return entry if entry is not None and entry.state is State.READY else None
+
+    def lease_entry(self, conn: int, key: str, expires_at: float) -> bool:
+        """Lease the READY ``key`` to ``conn`` until ``expires_at`` (clock time) without
+        counting a hit: a promoted entry landing for a connection that leased it on a
+        lower tier. False if the key is not READY or the connection is gone."""
+        entry = self.ready(key)
+        if entry is None or conn not in self.conns:
+            return False
+        self._lease(conn, entry, expires_at)
+        return True
+
+    def count(self, counter: str, n: int = 1) -> None:
+        self.counters[counter] += n
+
+    def now(self) -> float:
+        return self._clock()
 
     def release(self, conn: int, pins: list[int]) -> ErrorReply | None:
         state = self.conns[conn]
@@ -390,7 +402,9 @@ class Store:
             )
         return None
 
-    def has(self, conn: int, keys: list[str], lease_ms: int = 0) -> list[bool]:
+    def has(
+        self, conn: int, keys: list[str], lease_ms: int = 0, count_misses: bool = True
+    ) -> list[bool]:
         hits: list[bool] = []
         now = self._clock() if lease_ms > 0 else 0.0
         for key in keys:
@@ -398,7 +412,8 @@ class Store:
             hit = entry is not None and entry.state is State.READY
             hits.append(hit)
             if not hit:
-                self.counters["has_misses"] += 1
+                if count_misses:
+                    self.counters["has_misses"] += 1
                 continue
             self.counters["has_hits"] += 1
             if lease_ms > 0:
@@ -450,7 +465,6 @@ class Store:
                 continue
             self._drop_ready(entry)
             self.counters["deletes"] += 1
-            self.listener.on_deleted(key)
             out.append(True)
         return out
 
@@ -458,7 +472,6 @@ class Store:
         ready = [e for e in self.entries.values() if e.state is State.READY]
         for entry in ready:
             self._drop_ready(entry)
-            self.listener.on_deleted(entry.key)
         return len(ready)
 
     # ------------------------------------------------------------ inspection

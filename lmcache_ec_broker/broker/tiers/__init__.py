@@ -27,7 +27,9 @@ __all__ = [
     "TierEvents",
     "TierMiss",
     "TierUnavailable",
+    "all_empty_stats",
     "make_lower_tiers",
+    "tier_counter_names",
 ]
 
 
@@ -59,4 +61,30 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
                 max_pending_bytes=max(slab_capacity // 4, 1),
             )
         )
+    if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
+        from .mooncake import MooncakeTier
+        from .mooncake_config import settings_from_config
+
+        tiers.append(MooncakeTier(settings_from_config(config)))
     return tiers
+
+
+def _tier_classes() -> list[type[LowerTier]]:
+    """Every tier implementation (configured or not): stats keys stay stable."""
+    from .disk import DiskTier
+    from .mooncake import MooncakeTier  # imports Mooncake's client only when it opens
+    from .redis import RedisTier
+
+    # remote tier classes: appended here (import them lazily if they need extras).
+    return [DiskTier, RedisTier, MooncakeTier]
+
+
+def all_empty_stats() -> dict[str, int | float]:
+    out: dict[str, int | float] = {}
+    for cls in _tier_classes():
+        out.update(cls.empty_stats())
+    return out
+
+
+def tier_counter_names() -> tuple[str, ...]:
+    return tuple(name for cls in _tier_classes() for name in cls.counter_names)

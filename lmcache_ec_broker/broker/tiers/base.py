@@ -153,6 +153,11 @@ class LowerTier(ABC):
         """Release files/sockets/locks (sync, idempotent, safe after a failed open)."""
         return None
 
+    def expected_keys(self, block_size: int) -> int:
+        """How many keys this tier may report through ``TierEvents`` at most (sizes
+        the shared membership filter; 0 if it reports none)."""
+        return 0
+
     # ---------------------------------------------------------------- lookups
 
     def peek(self, keys: Sequence[str]) -> list[EntryMeta | None] | None:
