@@ -357,6 +357,27 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir, connector_lo
     assert any("reachable again" in line for line in connector_log.lines)
 
 
+def test_first_hit_after_a_broker_restart_loads(pairs, make_broker, sock_dir):
+    """Connections idle across a broker restart are found dead only when used: the
+    scheduler's lookup and the worker's get retry once on a fresh connection, so the
+    first hit after a restart loads. (Before: the lookup answered a miss, and a worker
+    whose scheduler had already reconnected failed the request.)"""
+    path = os.path.join(sock_dir, "rs.sock")
+    first = make_broker("--shm-size", "64MiB", socket_path=path)
+    p = pairs(socket_path=path)
+    h0, h = "a0" * 32, "a1" * 32
+    p.worker.save_caches({h0: embedding(60)}, h0)
+    load_cycle(p, make_request("r0", h0))  # both connections in use
+    first.stop()
+    make_broker("--shm-size", "64MiB", socket_path=path)
+    tensor = embedding(61)
+    with BrokerClient(path) as c:
+        assert c.put(p.sched.key(h), tensor)
+    cache = load_cycle(p, make_request("r1", h))
+    assert torch.equal(cache[h], tensor)
+    assert p.sched.ec_hits == 2 and p.worker.loads == 2 and p.worker.load_failures == 0
+
+
 def test_counters_reach_vllm_stats(pairs):
     from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
 

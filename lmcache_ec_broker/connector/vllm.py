@@ -51,8 +51,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -91,6 +92,7 @@ DEFAULT_LEASE_MS = 30_000
 DEFAULT_MAX_DEFER_S = 10.0
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 _MISS = EntryInfo(LookupState.MISS)
+_T = TypeVar("_T")
 
 
 def dtype_short_name(dtype: Any) -> str:
@@ -274,6 +276,18 @@ class ECBrokerConnector(ECConnectorBase):
                 client.socket_path,
             )
 
+    def _on_live_connection(self, call: Callable[[BrokerClient], _T]) -> _T:
+        """``call(client)``, once more if the connection died under it. A connection
+        idle across a broker restart is found dead only when used; the retry connects
+        to the new broker at once (no backoff is pending), so the first load after a
+        restart does not fail its request. Only for reads: they are safe to repeat."""
+        client = self.client
+        result = call(client)
+        if not client.connected:
+            result = call(client)
+        self._note_health(client)
+        return result
+
     def stats(self) -> dict[str, int]:
         """Cumulative counters of this connector (this process, this role)."""
         return {name: getattr(self, name) for name in STAT_FIELDS}
@@ -381,16 +395,21 @@ class ECBrokerConnector(ECConnectorBase):
                 self._step_state[h] = LookupState.MISS
             self._waiting.pop(req_id, None)
             return True
+        if waiting is None:
+            logger.info(
+                "EC defer: request %s waits for %s (being promoted into the broker's slab)",
+                req_id,
+                ", ".join(f"mm_hash={h}" for h in sorted(pending)),
+            )
         self._waiting[req_id] = _Waiting(since, pending)
         self.ec_deferred += 1
         return False
 
     def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
         """One batched lookup with a lease; memoises a state per hash for the step."""
+        keys = [self.key(h) for h in hashes]
         try:
-            client = self.client
-            infos = client.lookup([self.key(h) for h in hashes], lease_ms=self._lease_ms)
-            self._note_health(client)
+            infos = self._on_live_connection(lambda c: c.lookup(keys, lease_ms=self._lease_ms))
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
@@ -517,10 +536,9 @@ class ECBrokerConnector(ECConnectorBase):
             return
         hashes = list(todo)
         device = _runner_device()
+        keys = [self.key(h) for h in hashes]
         try:
-            client = self.client
-            tensors = client.get_many([self.key(h) for h in hashes], device=device)
-            self._note_health(client)
+            tensors = self._on_live_connection(lambda c: c.get_many(keys, device=device))
         except Exception as exc:
             logger.warning("EC broker get failed: %s", exc)
             tensors = [None] * len(hashes)
