@@ -99,6 +99,15 @@ def remote_stats(c: BrokerClient) -> dict[str, int]:
     return {k: v for k, v in c.stats().items() if k.startswith("remote_")}
 
 
+def knows(c: BrokerClient, n: int) -> Callable[[], bool]:
+    """c's broker has folded at least n remote keys into its filter (announcements/SCAN)."""
+    return lambda: remote_stats(c)["remote_known_keys"] >= n
+
+
+def round_trips(c: BrokerClient) -> int:
+    return remote_stats(c)["remote_latency_ms_le_inf"]
+
+
 def written(c: BrokerClient, n: int) -> Callable[[], bool]:
     return lambda: remote_stats(c)["remote_writes"] + remote_stats(c)["remote_writes_skipped"] >= n
 
@@ -115,6 +124,7 @@ def test_b_hits_what_a_stored_every_dtype(redis_server, node, transport) -> None
     for key, t in tensors.items():
         assert a.put(key, t) is True
     wait_for(lambda: remote_stats(a)["remote_writes"] == len(tensors), what="write-behind")
+    wait_for(knows(b, len(tensors)), what="announcements")
     assert b.has(list(tensors)) == [True] * len(tensors)
     for key, t in tensors.items():
         got = b.get(key)
@@ -144,6 +154,7 @@ def test_large_entry_in_several_extents(redis_server, node) -> None:
     big = tensor_of(torch.bfloat16, (4096, 1024), seed=99)  # 8 MiB
     assert a.put("big", big)
     wait_for(written(a, 1), what="write-behind")
+    wait_for(knows(b, 1), what="announcement")
     got = b.get("big")
     assert got is not None and same(got, big)
 
@@ -163,7 +174,8 @@ def test_write_behind_skips_what_the_store_has(redis_server, node) -> None:
 
 def test_write_behind_races_promotion(redis_server, node) -> None:
     """B asks for keys while A's write-behind of them is in flight: every answer is a
-    miss or the bit-identical tensor, never a partial value."""
+    miss or the bit-identical tensor, never a partial value. A put never waits for the
+    store: past the queue's byte budget write-behinds are dropped and counted."""
     url = redis_server.url("tcp")
     _, a = node(url)
     _, b = node(url)
@@ -172,10 +184,22 @@ def test_write_behind_races_promotion(redis_server, node) -> None:
         a.put(key, t)
         got = b.get(key)
         assert got is None or same(got, t)
-    wait_for(written(a, len(tensors)), what="A's writes")
+
+    def settled() -> bool:
+        st = remote_stats(a)
+        done = st["remote_writes"] + st["remote_writes_skipped"] + st["remote_write_drops"]
+        return done >= len(tensors) and st["remote_pending_writes"] == 0
+
+    wait_for(settled, what="A's write-behind settles")
+    stored = [k for k in tensors if redis_server.cli("exists", PREFIX + k) == "1"]
+    assert len(stored) == remote_stats(a)["remote_writes"] > 0
+    wait_for(knows(b, len(stored)), what="announcements")
     for key, t in tensors.items():
         got = b.get(key)
-        assert got is not None and same(got, t)
+        if key in stored:
+            assert got is not None and same(got, t), key
+        else:
+            assert got is None, key
     assert remote_stats(b)["remote_refused_values"] == 0
 
 
@@ -187,8 +211,14 @@ def test_filter_learns_announced_keys(redis_server, node) -> None:
     _, b = node(url)
     t = tensor_of(torch.float32, seed=3)
     a.put("announced", t)
-    wait_for(lambda: remote_stats(b)["remote_known_keys"] >= 1, what="announcement")
+    wait_for(knows(b, 1), what="announcement")
     assert b.has(["announced"]) == [True]
+    # Keys nobody announced cost no round trip to the store (neither in the client,
+    # whose filter answers, nor in the broker, which asks only for keys it knows).
+    before = round_trips(b)
+    with BrokerClient(b.socket_path, filter_trust_s=-1.0) as raw:  # bypass the client filter
+        assert raw.has([f"never-{i}" for i in range(64)]) == [False] * 64
+    assert round_trips(b) == before
 
 
 def test_bootstrap_scan_folds_existing_keys(redis_server, node) -> None:
@@ -295,6 +325,8 @@ def test_hmac_refuses_unsigned_and_foreign_values(redis_server, node, tmp_path) 
     t = tensor_of(torch.bfloat16, seed=8)
     a.put("signed", t)
     wait_for(written(a, 1), what="write")
+    wait_for(knows(b, 1), what="announcement")
+    wait_for(knows(c, 1), what="announcement")
     got = b.get("signed")
     assert got is not None and same(got, t)
     assert c.get("signed") is None  # signed with another key
@@ -375,6 +407,7 @@ def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
         return redis_server.cli("exists", PREFIX + "after") == "1"
 
     wait_for(a_recovered_and_wrote, what="A writes again")
+    wait_for(lambda: b.has(["after"]) == [True], what="B learns of it")
     got = b.get("after")
     assert got is not None and same(got, t2)
 
@@ -392,6 +425,7 @@ def test_auth_password_from_file(node, tmp_path) -> None:
         t = tensor_of(torch.bfloat16, seed=6)
         a.put("k", t)
         wait_for(written(a, 1), what="write")
+        wait_for(knows(b, 1), what="announcement")
         assert same(b.get("k"), t)
         assert "s3cret-pw" not in b1.read_log()
         # Without the password: refused by the server, so the tier is down, not crashing.
@@ -438,6 +472,7 @@ def test_tls(node, tmp_path) -> None:
         t = tensor_of(torch.float32, (300, 100), seed=7)
         a.put("k", t)
         wait_for(written(a, 1), what="write over TLS")
+        wait_for(knows(b, 1), what="announcement")
         assert same(b.get("k"), t)
         # A broker that does not trust the certificate cannot connect: misses, no crash.
         _, c = node(url)
@@ -455,6 +490,7 @@ def test_cluster_values_spread_across_slots(node) -> None:
         for k, t in tensors.items():
             a.put(k, t)
         wait_for(written(a, len(tensors)), what="writes")
+        wait_for(knows(b, len(tensors)), what="announcements")
         owners = set()
         for n in cluster.nodes:
             keys = n.cli("--scan", "--pattern", PREFIX + "*").split()

@@ -163,6 +163,9 @@ class RedisTier(LowerTier):
         self.counters = dict.fromkeys(REMOTE_COUNTERS, 0)
         self._clock_lock = threading.Lock()
         self.known: OrderedDict[str, None] = OrderedDict()  # keys reported to the filter
+        # True while ``known`` holds every key this broker learned of (nothing dropped for
+        # the cap): lookups then skip the round trip for keys outside it.
+        self._complete = self.filter_cap > 0
         self.pending: dict[str, _Write] = {}
         self.pending_bytes = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,6 +329,7 @@ class RedisTier(LowerTier):
         if len(self.known) >= self.filter_cap:
             old, _ = self.known.popitem(last=False)
             self._events.removed(self, old)
+            self._complete = False  # forgotten keys may still be in the store: ask for all
         self._events.added(self, key)
         self.known[key] = None
 
@@ -344,6 +348,7 @@ class RedisTier(LowerTier):
         present = set(found)
         for key in [k for k in self.known if k not in present]:
             self._forget(key)
+        self._complete = self.filter_cap > 0 and len(found) < self.filter_cap
         for key in found:
             self._learn(key)
 
@@ -362,7 +367,7 @@ class RedisTier(LowerTier):
 
     def _scan_job(self) -> list[str] | None:
         if not self.circuit.allow():
-            return None
+            return None  # the breaker's recovery triggers the next scan
         if self.target.cluster:
             self.router.refresh()
         found: list[str] = []
@@ -456,18 +461,28 @@ class RedisTier(LowerTier):
     # ------------------------------------------------------------ lookups
 
     async def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None]:
-        if self._closing or not self.circuit.allow():
-            raise TierUnavailable("remote store unavailable (circuit open)")
-        fut = self._submit(self._lookups, self._lookup_job, list(keys))
-        try:
-            got = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TierUnavailable(f"remote lookup took longer than {self.timeout_s}s") from None
-        except _Unavailable as exc:
-            raise TierUnavailable(str(exc)) from None
+        # Only keys this broker knows the store holds (written, announced or scanned) are
+        # worth a round trip -- unless the known set overflowed remote_filter_keys, in which
+        # case every key is asked. An unknown key is answered as a miss at once: exactly
+        # what a client's local filter check would have answered (it costs a hit only
+        # when an announcement was missed; the next SCAN repairs that).
+        ask = list(keys) if not self._complete else [k for k in keys if k in self.known]
+        got: list[EntryMeta | None] = []
+        if ask:
+            if self._closing or not self.circuit.allow():
+                raise TierUnavailable("remote store unavailable (circuit open)")
+            fut = self._submit(self._lookups, self._lookup_job, ask)
+            try:
+                got = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise TierUnavailable(f"remote lookup took longer than {self.timeout_s}s") from None
+            except _Unavailable as exc:
+                raise TierUnavailable(str(exc)) from None
+        answers = dict(zip(ask, got, strict=True))
         out: list[EntryMeta | None] = []
         hits = 0
-        for key, res in zip(keys, got, strict=True):
+        for key in keys:
+            res = answers.get(key)
             if isinstance(res, EntryMeta):
                 self._learn(key)  # before the coordinator can answer a hit for it
                 out.append(res)
