@@ -196,7 +196,9 @@ def test_root_is_admitted_by_a_broker_of_another_user(sock_dir) -> None:
             time.sleep(0.05)
         assert os.stat(path).st_uid == NOBODY.pw_uid
         assert _mode(path) == 0o600
-        with BrokerClient(path) as c:
+        with BrokerClient(path) as c:  # another uid's broker is trusted only when named
+            assert not c.connected and c.put("k", torch.ones(10)) is False
+        with BrokerClient(path, broker_uid=NOBODY.pw_uid) as c:
             assert c.put("k", torch.ones(10))
             assert torch.equal(c.get("k"), torch.ones(10))
     finally:

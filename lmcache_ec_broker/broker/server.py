@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from ..config import BrokerConfig, format_size
+from ..config import BrokerConfig, ensure_socket_dir, format_size
 from ..protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -373,6 +373,10 @@ class BrokerServer:
         """Everything that can fail at start, before serving: refuse clearly or succeed."""
         cfg = self.config
         path = cfg.socket_path
+        try:
+            ensure_socket_dir(path)  # the per-user default directory: created 0700, checked
+        except ValueError as exc:
+            raise BrokerError(str(exc)) from None
         self._lock = claim_socket_path(path)  # held until cleanup(): no start races us
         try:
             for name in remove_stale(segment_prefix(path)):

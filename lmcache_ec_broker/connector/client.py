@@ -7,6 +7,11 @@ Failure model (what a serving engine can rely on):
 - A refusal by the broker (entry too large, no space, bad dtype/key, ...) raises
   ``BrokerRefused`` carrying the broker's code and message, so the caller can
   tell "not stored because of X" from "not stored because someone else did".
+- The broker must prove who it is before anything is sent or mapped: the peer's
+  uid (SO_PEERCRED) must be this process's, root's or the configured
+  ``broker_uid``, and so must the owner of every segment it names (fstat before
+  mmap). Anyone else squatting the socket path is treated as an outage, with a
+  warning naming their uid: they could read every tensor and feed back their own.
 - After a reconnect the handshake's *epoch* says whether the broker restarted;
   if so the old mapping is dropped before the new segment is mapped, so no copy
   ever touches a stale segment. Every data operation runs under the client's
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -26,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..config import default_socket_path
+from ..config import check_private_dir, default_socket_path, private_socket_dir
 from ..protocol import (
     FRAME_HEADER,
     PROTOCOL_VERSION,
@@ -64,6 +71,8 @@ from ..shm.filter import FilterReader
 from ..shm.segment import Segment, ShmError
 
 _MAX_REPLY_BYTES = 256 << 20
+BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +84,10 @@ log = logging.getLogger(__name__)
 
 class BrokerUnavailable(ConnectionError):
     """The broker cannot be reached right now (internal; public calls turn it into a miss)."""
+
+
+class BrokerImpostor(BrokerUnavailable):
+    """The process on the socket, or a segment it names, belongs to an untrusted uid."""
 
 
 class BrokerRefused(RuntimeError):
@@ -95,8 +108,12 @@ class BrokerClient:
         max_backoff_s: float = 2.0,
         prefault: bool = True,
         filter_trust_s: float = 1.0,
+        broker_uid: int | str | None = None,
     ) -> None:
+        """``broker_uid`` (else $LMCACHE_EC_BROKER_UID): a uid or user name, besides this
+        process's own and root's, that the broker may run as."""
         self.socket_path = socket_path or default_socket_path()
+        self.trusted_uids = trusted_uids(broker_uid)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_backoff_s = max_backoff_s
@@ -126,6 +143,7 @@ class BrokerClient:
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._outage_logged = False
+        self._attach_error: str | None = None  # set while the segment cannot be mapped
         self.reconnects = 0
         with self._lock:
             self._ensure_connected(raise_refusal=True)
@@ -159,8 +177,7 @@ class BrokerClient:
             if self._filter is not None:
                 self._filter.close()
                 self._filter = None
-            self._backoff = min(max(self._backoff * 2, 0.05), self.max_backoff_s)
-            self._next_attempt = time.monotonic() + self._backoff
+            self._back_off()
             if not self._outage_logged:
                 log.warning(
                     "lmcache-ec-broker at %s is unavailable (%s); serving misses and "
@@ -173,14 +190,20 @@ class BrokerClient:
         if self._outage_logged:
             log.info("reconnected to lmcache-ec-broker at %s", self.socket_path)
         self._outage_logged = False
-        self._backoff = 0.0
+        if self._attach_error is None:  # else the backoff grows until a mapping works
+            self._backoff = 0.0
         return True
+
+    def _back_off(self) -> None:
+        self._backoff = min(max(self._backoff * 2, 0.05), self.max_backoff_s)
+        self._next_attempt = time.monotonic() + self._backoff
 
     def _connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.connect_timeout_s)
         try:
             sock.connect(self.socket_path)
+            self._check_peer(sock)
             sock.settimeout(self.timeout_s)
             try:
                 sock.sendall(self._frame(Hello(PROTOCOL_VERSION, self.client_id, os.getpid())))
@@ -205,14 +228,35 @@ class BrokerClient:
         self._hello = reply
         self._map_filter(reply)
 
+    def _check_peer(self, sock: socket.socket) -> None:
+        """Before sending or mapping anything: is the listener a broker we trust?"""
+        parent = os.path.dirname(os.path.abspath(self.socket_path))
+        if parent == private_socket_dir():
+            try:
+                check_private_dir(parent, self.trusted_uids)
+            except ValueError as exc:
+                raise BrokerImpostor(str(exc)) from None
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        pid, uid, _gid = _PEERCRED.unpack(raw)
+        if uid not in self.trusted_uids:
+            raise BrokerImpostor(
+                f"refusing the process on {self.socket_path}: it runs as uid {uid} "
+                f"({_user_name(uid)}, pid {pid}), and only uid "
+                f"{', '.join(map(str, sorted(self.trusted_uids)))} may serve this client. "
+                "Another user may be squatting the socket path; if that uid runs your broker, "
+                f"pass broker_uid={uid} or set {BROKER_UID_ENV}={uid}"
+            )
+
     def _map_filter(self, hello: HelloReply) -> None:
         if self._filter is not None:
             self._filter.close()
             self._filter = None
         if hello.filter_name:
             try:
-                self._filter = FilterReader(hello.filter_name, hello.filter_size)
-            except ShmError as exc:
+                self._filter = FilterReader(
+                    hello.filter_name, hello.filter_size, owners=self.trusted_uids
+                )
+            except (ShmError, ValueError, OverflowError) as exc:
                 log.warning("not using the broker's membership filter: %s", exc)
 
     def _drop_socket(self) -> None:
@@ -241,12 +285,27 @@ class BrokerClient:
             assert hello is not None
             try:
                 self._segment = Segment.attach(
-                    hello.segment_name, hello.segment_size, self.prefault
+                    hello.segment_name, hello.segment_size, self.prefault, self.trusted_uids
                 )
             except ShmError as exc:
+                # An outage like any other: the connection (and everything it holds)
+                # goes, misses are served, and reconnecting backs off.
                 self._drop_socket()
+                self._back_off()
+                if self._attach_error is None:
+                    log.warning(
+                        "cannot map the shared memory of lmcache-ec-broker at %s (%s); "
+                        "serving misses and retrying in the background",
+                        self.socket_path,
+                        exc,
+                    )
+                self._attach_error = str(exc)
                 raise BrokerUnavailable(str(exc)) from exc
             self._slab = SlabView(self._segment.mm, hello.segment_size)
+            if self._attach_error is not None:
+                log.info("mapped the shared memory of lmcache-ec-broker at %s", self.socket_path)
+                self._attach_error = None
+                self._backoff = 0.0
         return self._slab
 
     # ------------------------------------------------------------ transport
@@ -369,8 +428,9 @@ class BrokerClient:
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store ``tensor`` under ``key``. True if this call stored it; False if the entry
         is already present, another writer is storing it, or the broker is unavailable."""
-        from .copy import dtype_name
+        from .copy import check_device, dtype_name
 
+        check_device(tensor.device)
         dtype = dtype_name(tensor.dtype)
         shape = list(tensor.shape)
         nbytes = expected_nbytes(dtype, shape)
@@ -402,9 +462,10 @@ class BrokerClient:
         """New tensors (same dtype and shape as put) for the hits, None for misses."""
         import torch
 
-        from .copy import torch_dtype
+        from .copy import check_device, torch_dtype
 
         dev = torch.device(device)
+        check_device(dev)
         with self._lock:
             mask = self._maybe_mask(keys)
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
@@ -439,8 +500,9 @@ class BrokerClient:
         The copy-only path: no allocation, so no first-touch page faults on the
         destination. True on a hit; False on a miss or while the broker is away.
         """
-        from .copy import dtype_name
+        from .copy import check_device, dtype_name
 
+        check_device(out.device)
         with self._lock:
             mask = self._maybe_mask([key])
             if mask is not None and not mask[0]:
@@ -473,10 +535,11 @@ class BrokerClient:
         One bool per item, as ``put``. If the broker refuses some items, the others
         are still stored, then the first refusal is raised as ``BrokerRefused``.
         """
-        from .copy import dtype_name
+        from .copy import check_device, dtype_name
 
         reqs = []
         for key, tensor in items:
+            check_device(tensor.device)
             dtype = dtype_name(tensor.dtype)
             shape = list(tensor.shape)
             reqs.append(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
@@ -503,6 +566,10 @@ class BrokerClient:
                     assert slab is not None
                     slab.write(replies[i].extents, items[i][1])
                     done.append(token)
+            except BrokerUnavailable:
+                # The segment cannot be mapped (the connection, and with it every
+                # reservation, is already dropped): an outage, not an error.
+                return [False] * len(items)
             except BaseException:
                 for _, token in todo:
                     if self._sock is not None:
@@ -657,10 +724,47 @@ class BrokerClient:
         self.close()
 
     def __del__(self) -> None:
+        # Unmapping here (not left to the GC) keeps the order: CUDA unregistration first.
         try:
             self._drop_socket()
+            self._unmap()
         except Exception:
             pass
+
+
+def trusted_uids(broker_uid: int | str | None = None) -> frozenset[int]:
+    """This process's uid, root, and ``broker_uid`` (else $LMCACHE_EC_BROKER_UID), which
+    may be a uid or a user name. ValueError names a value that is neither."""
+    source = "broker_uid"
+    if broker_uid is None or broker_uid == "":
+        broker_uid, source = os.environ.get(BROKER_UID_ENV, ""), BROKER_UID_ENV
+    uids = {os.getuid(), 0}
+    if isinstance(broker_uid, int) and not isinstance(broker_uid, bool):
+        if broker_uid < 0:
+            raise ValueError(f"{source} must be a uid >= 0 or a user name, got {broker_uid}")
+        uids.add(broker_uid)
+    elif isinstance(broker_uid, str) and broker_uid.strip():
+        text = broker_uid.strip()
+        if text.isdigit():
+            uids.add(int(text))
+        else:
+            try:
+                uids.add(pwd.getpwnam(text).pw_uid)
+            except KeyError:
+                raise ValueError(
+                    f"{source} = {text!r} is neither a uid nor a known user name; set it to "
+                    "the uid the broker runs as (id -u on the broker's side)"
+                ) from None
+    elif not isinstance(broker_uid, str):
+        raise ValueError(f"{source} must be a uid or a user name, got {broker_uid!r}")
+    return frozenset(uids)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return "user " + pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no user name"
 
 
 def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:

@@ -1,11 +1,17 @@
 """Tensor copies between torch tensors and the mapped slab (the only data copy).
 
-CPU tensors: ``copy_`` between the tensor's bytes and a ``torch.frombuffer``
-view of the mapping. CUDA tensors: the mapping is registered once per process
-with ``cudaHostRegister`` so copies run as DMA; they are issued ``non_blocking``
-on a dedicated stream and synchronised before the caller commits or releases
-(the broker may reuse the blocks right after). If registration fails (e.g. the
-memlock limit), copies fall back to pageable memory and the reason is logged.
+CPU tensors: one memcpy per extent between the tensor's bytes and the mapping.
+CUDA tensors: the mapping is registered once per process with
+``cudaHostRegister`` (pinning.py) so copies run as DMA; they are issued
+``non_blocking`` on a dedicated stream and synchronised before the caller
+commits or releases (the broker may reuse the blocks right after). If
+registration is not possible (e.g. the memlock limit), copies use pageable
+memory and the reason is logged once. Tensors on any other device are refused:
+their data pointer is not host memory.
+
+Invariant: every copy, on every path, first checks the extents against the
+slab and against the tensor's byte count (``_check``); the extents come from
+another process and are never trusted blindly.
 """
 
 from __future__ import annotations
@@ -13,12 +19,25 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 
 import torch
 
 from ..protocol import Extent, expected_nbytes
+from . import pinning
 
 log = logging.getLogger(__name__)
+
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a device whose data pointer is not host or CUDA memory (meta, XPU, MPS, ...)."""
+    if device.type not in SUPPORTED_DEVICES:
+        raise ValueError(
+            f"tensors on device {device} are not supported: the encoder cache copies CPU and "
+            "CUDA tensors only; move the tensor with .cpu() (or .to('cuda')) first"
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -51,7 +70,8 @@ class SlabView:
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.size = size
         self.u8 = torch.frombuffer(mm, dtype=torch.uint8, count=size)
-        self._cuda_registered = False
+        self._runtime: pinning.CudaRuntime | None = None  # set while registered
+        self._registered_by = 0  # the pid that registered
         self._cuda_tried = False
         self._stream: torch.cuda.Stream | None = None
         self.pinned = False  # True once registered: copies are DMA
@@ -61,28 +81,49 @@ class SlabView:
     def _ensure_cuda(self, device: torch.device) -> torch.cuda.Stream:
         if not self._cuda_tried:
             self._cuda_tried = True
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.u8.data_ptr(), self.size, 0)
-            code = int(getattr(err, "value", err))
-            if code == 0:
-                self._cuda_registered = self.pinned = True
-                log.info("registered the %d-byte slab with cudaHostRegister", self.size)
-            else:
-                log.warning(
-                    "cudaHostRegister of the slab failed (cudaError %d%s); falling back to "
-                    "pageable copies, which are slower. Raise the memlock limit "
-                    "(ulimit -l unlimited / LimitMEMLOCK=infinity) to enable DMA.",
-                    code,
-                    f": {err}" if not isinstance(err, int) else "",
-                )
+            with torch.cuda.device(device):
+                self._register()
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
+
+    def _register(self) -> None:
+        hint = (
+            "copies use pageable memory, which is slower. Raise the memlock limit "
+            "(ulimit -l unlimited, docker run --ulimit memlock=-1, LimitMEMLOCK=infinity) "
+            "to enable DMA"
+        )
+        reason = pinning.registration_refusal(self.size)
+        if reason is not None:
+            log.warning("not registering the slab with cudaHostRegister: %s; %s", reason, hint)
+            return
+        runtime = pinning.load_runtime()
+        if runtime is None:
+            log.warning(
+                "not registering the slab with cudaHostRegister: no CUDA runtime library "
+                "(libcudart) could be loaded; copies use pageable memory, which is slower"
+            )
+            return
+        code = runtime.register(self.u8.data_ptr(), self.size, pinning.HOST_REGISTER_FLAGS)
+        if code == 0:
+            self._runtime = runtime
+            self._registered_by = os.getpid()
+            self.pinned = True
+            log.info("registered the %d-byte slab with cudaHostRegister", self.size)
+        else:
+            log.warning(
+                "cudaHostRegister of the %d-byte slab failed (%s, cleared); %s",
+                self.size,
+                runtime.describe(code),
+                hint,
+            )
 
     # ------------------------------------------------------------------ copies
 
     def write(self, extents: list[Extent], tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes into ``extents``; returns when the bytes are in the slab."""
+        check_device(tensor.device)
+        self._check(extents, tensor.numel() * tensor.element_size())
         if tensor.numel() == 0:
             return
         if tensor.is_cuda:
@@ -103,7 +144,6 @@ class SlabView:
             dst.copy_(tensor)
             return
         src = _flat_bytes(tensor.contiguous())
-        self._check(extents, src.numel())
         base, ptr, off = self.u8.data_ptr(), src.data_ptr(), 0
         for start, n in extents:
             _memmove(base + start, ptr + off, n)
@@ -113,14 +153,17 @@ class SlabView:
         self, extents: list[Extent], dtype: torch.dtype, shape: list[int], device: torch.device
     ) -> torch.Tensor:
         """A new tensor holding the entry; returns when the copy is complete."""
+        check_device(device)
         out = torch.empty(shape, dtype=dtype, device=device)
         self.read_into(extents, out)
         return out
 
     def read_into(self, extents: list[Extent], out: torch.Tensor) -> None:
         """Copy the entry into ``out`` (contiguous, matching size); returns when done."""
+        check_device(out.device)
         if not out.is_contiguous():
             raise ValueError("the output tensor must be contiguous")
+        self._check(extents, out.numel() * out.element_size())
         if out.numel() == 0:
             return
         dst = _flat_bytes(out)
@@ -134,14 +177,13 @@ class SlabView:
                     off += n
             stream.synchronize()
             return
-        self._check(extents, dst.numel())
         base, ptr, off = self.u8.data_ptr(), dst.data_ptr(), 0
         for start, n in extents:
             _memmove(ptr + off, base + start, n)
             off += n
 
     def _check(self, extents: list[Extent], nbytes: int) -> None:
-        """Raw copies trust the extents: refuse any that leave the slab or miss the size."""
+        """Refuse extents that leave the slab or do not cover exactly the tensor's bytes."""
         total = 0
         for start, n in extents:
             if start < 0 or n < 0 or start + n > self.size:
@@ -151,11 +193,18 @@ class SlabView:
             raise ValueError(f"extents cover {total} bytes, the tensor has {nbytes}")
 
     def close(self) -> None:
-        if self._cuda_registered:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
-            except Exception:  # the process may be tearing CUDA down already
-                pass
-            self._cuda_registered = False
+        """Unregister (before the caller unmaps: CUDA must not keep pages of a dead mapping)."""
+        runtime, self._runtime = self._runtime, None
+        # A forked child inherits the mapping but not the parent's CUDA context: the
+        # registration is the parent's to undo.
+        self.pinned = False
+        if runtime is not None and self._registered_by == os.getpid():
+            code = runtime.unregister(self.u8.data_ptr())
+            if code not in (0, pinning.CUDA_ERROR_CUDART_UNLOADING):
+                log.warning(
+                    "cudaHostUnregister of the slab failed (%s, cleared); its pages stay "
+                    "locked until the process exits",
+                    runtime.describe(code),
+                )
         self._stream = None
         del self.u8

@@ -35,10 +35,11 @@ import hashlib
 import mmap
 import os
 import struct
+from collections.abc import Collection
 
 import posix_ipc
 
-from .segment import Segment, ShmError
+from .segment import Segment, ShmError, check_owner
 
 MAGIC = b"LMECFLT1"
 VERSION = 1
@@ -130,13 +131,15 @@ class FilterWriter:
 class FilterReader:
     """A client's read-only view. ``maybe`` never blocks and never talks to the broker."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, owners: Collection[int] | None = None) -> None:
         # Mapped read-only: a buggy client cannot corrupt what every other client reads.
         try:
             shm = posix_ipc.SharedMemory(name, read_only=True)
-        except (OSError, posix_ipc.Error) as exc:
+        except (OSError, ValueError, posix_ipc.Error) as exc:
             raise ShmError(f"cannot open membership filter {name}: {exc}") from exc
         try:
+            if owners is not None:  # before mapping: another user's filter could hide hits
+                check_owner(shm.fd, name, owners)
             if shm.size < size:
                 raise ShmError(f"filter {name} has {shm.size} bytes, the broker announced {size}")
             self.mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)

@@ -8,6 +8,11 @@ Invariants kept here:
   slower), and the room in /dev/shm is checked *before* creating, so a short
   /dev/shm is a clear refusal at start instead of SIGBUS on a later copy.
 - ``unlink`` is idempotent; the broker calls it on every exit path.
+- A client never writes while attaching: its pre-fault only reads (or asks the
+  kernel to map pages without touching them). Another process may be copying
+  into its own reservation at that moment; a read-modify-write of any byte here
+  could put a stale value back over that copy.
+- A client maps a segment only after checking (fstat) that a trusted uid owns it.
 - ``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13
   its resource tracker unlinks segments that a process merely attached.
 """
@@ -17,13 +22,18 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Collection
 
 import posix_ipc
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap module
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; not exported by Python 3.11's mmap module
+_MADV_POPULATE_WRITE = 23
+# The madvise calls tried, in order, before falling back to touching pages. Both
+# only fault page-table entries in; neither reads nor writes the memory's contents.
+_POPULATE_ADVICE: tuple[int, ...] = (_MADV_POPULATE_WRITE, _MADV_POPULATE_READ)
 
 
 class ShmError(RuntimeError):
@@ -45,28 +55,51 @@ def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _populate(mm: mmap.mmap, size: int, write_zeros: bool) -> None:
-    """Fault every page in now. Prefer one madvise call; fall back to touching pages."""
-    if size == 0:
+def _madvise_populate(mm: mmap.mmap) -> bool:
+    for advice in _POPULATE_ADVICE:
+        try:
+            mm.madvise(advice)
+            return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def _populate_new(mm: mmap.mmap, size: int) -> None:
+    """Fault in a segment this process just created (it owns every byte: writing is fine)."""
+    if size == 0 or _madvise_populate(mm):
+        return
+    chunk = bytes(1 << 24)
+    for off in range(0, size, len(chunk)):
+        n = min(len(chunk), size - off)
+        mm[off : off + n] = chunk[:n]
+
+
+def _populate_shared(mm: mmap.mmap, size: int) -> None:
+    """Fault in a live segment others write to, by reading only (see the invariant)."""
+    if size == 0 or _madvise_populate(mm):
         return
     try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-        return
+        mm.madvise(mmap.MADV_WILLNEED)
     except (OSError, ValueError, AttributeError):
         pass
-    if write_zeros:
-        chunk = bytes(1 << 24)
-        for off in range(0, size, len(chunk)):
-            n = min(len(chunk), size - off)
-            mm[off : off + n] = chunk[:n]
-    else:
-        page = mmap.PAGESIZE
-        view = memoryview(mm)
-        try:
-            for off in range(0, size, page):
-                view[off] = view[off]
-        finally:
-            view.release()
+    page = mmap.PAGESIZE
+    view = memoryview(mm)
+    try:
+        sum(view[off] for off in range(0, size, page))  # one read per page maps it
+    finally:
+        view.release()
+
+
+def check_owner(fd: int, name: str, owners: Collection[int]) -> None:
+    """Refuse a segment not owned by one of ``owners``: someone else's memory would
+    let them read every tensor written and feed back their own bytes."""
+    uid = os.fstat(fd).st_uid
+    if uid not in owners:
+        raise ShmError(
+            f"shared-memory segment {name} belongs to uid {uid}, not to the broker's uid "
+            f"({' or '.join(map(str, sorted(owners)))}); refusing to map another user's memory"
+        )
 
 
 class Segment:
@@ -110,7 +143,7 @@ class Segment:
         seg = cls(name, size, mm, owner=True)
         if prefault:
             try:
-                _populate(mm, size, write_zeros=True)
+                _populate_new(mm, size)
             except BaseException:
                 seg.close()
                 seg.unlink()
@@ -118,23 +151,33 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, name: str, size: int, prefault: bool = True) -> Segment:
+    def attach(
+        cls, name: str, size: int, prefault: bool = True, owners: Collection[int] | None = None
+    ) -> Segment:
+        """Map an existing segment read-write. ``owners``: the uids it may belong to
+        (checked before mapping); None skips the check. Every failure is a ShmError."""
+        if not isinstance(size, int) or size <= 0:
+            raise ShmError(f"segment {name} announced with an invalid size {size!r}")
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError as exc:
             raise ShmError(
                 f"shared-memory segment {name} does not exist (broker restarted?)"
             ) from exc
-        except (OSError, posix_ipc.Error) as exc:
+        except (OSError, ValueError, posix_ipc.Error) as exc:
             raise ShmError(f"cannot open shared-memory segment {name}: {exc}") from exc
         try:
+            if owners is not None:
+                check_owner(shm.fd, name, owners)
             if shm.size < size:
                 raise ShmError(f"segment {name} has {shm.size} bytes, the broker announced {size}")
             mm = mmap.mmap(shm.fd, size)
+        except (OSError, ValueError, OverflowError) as exc:
+            raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
         finally:
             shm.close_fd()
         if prefault:
-            _populate(mm, size, write_zeros=False)
+            _populate_shared(mm, size)
         return cls(name, size, mm, owner=False)
 
     def close(self) -> None:

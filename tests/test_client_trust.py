@@ -1,0 +1,280 @@
+"""The client checks who the broker is before it sends, maps or writes anything.
+
+A real second uid (``nobody``) squats the socket path with tests/squatter.py: it
+answers the handshake with its own segment, reserves every put and answers
+every get. A client that trusted it would write its tensors into that user's
+memory and load that user's bytes. The tests run as root (root may act as
+another uid); the default-path tests run in a private mount namespace with
+their own /tmp and /dev/shm, so they never touch the host's default socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import posix_ipc
+import pytest
+import torch
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.config import (
+    check_private_dir,
+    default_socket_path,
+    ensure_private_dir,
+    private_socket_dir,
+)
+from lmcache_ec_broker.protocol import LookupState
+
+HERE = Path(__file__).resolve().parent
+NOBODY = pwd.getpwnam("nobody").pw_uid
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+class Squatter:
+    def __init__(self, sock: str, uid: int | None, segment_owner: int | None = None) -> None:
+        self.sock = sock
+        self.segment = f"/ecb-squat-{uuid.uuid4().hex[:10]}"
+        cmd = [sys.executable, str(HERE / "squatter.py"), sock, self.segment]
+        if uid is not None:
+            cmd += ["--uid", str(uid)]
+        if segment_owner is not None:
+            cmd += ["--segment-owner", str(segment_owner)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", self.proc.stderr.read() if self.proc.stderr else line
+
+    def segment_bytes(self) -> bytes:
+        shm = posix_ipc.SharedMemory(self.segment)
+        try:
+            return os.pread(shm.fd, 1 << 20, 0)
+        finally:
+            shm.close_fd()
+
+    def stop(self) -> dict:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        out, err = self.proc.communicate(timeout=20)
+        try:
+            posix_ipc.unlink_shared_memory(self.segment)
+        except posix_ipc.ExistentialError:
+            pass
+        lines = out.strip().splitlines()
+        assert lines, err
+        return json.loads(lines[-1])
+
+
+@pytest.fixture
+def squat(sock_dir: str) -> Iterator:
+    os.chmod(sock_dir, 0o777)  # the squatter (another uid) binds in it
+    started: list[Squatter] = []
+
+    def factory(uid: int | None = NOBODY, segment_owner: int | None = None) -> Squatter:
+        s = Squatter(os.path.join(sock_dir, "broker.sock"), uid, segment_owner)
+        started.append(s)
+        return s
+
+    yield factory
+    for s in started:
+        s.stop()
+
+
+def _every_call_is_an_outage(c: BrokerClient) -> None:
+    t = torch.arange(64, dtype=torch.uint8)
+    assert not c.connected
+    assert c.put("k", t) is False
+    assert c.put_many([("k", t)]) == [False]
+    assert c.get("k") is None
+    assert c.get_many(["k"]) == [None]
+    out = torch.zeros(64, dtype=torch.uint8)
+    assert c.get_into("k", out) is False and not out.any()
+    assert c.has(["k"]) == [False]
+    assert [i.state for i in c.lookup(["k"])] == [LookupState.MISS]
+    assert c.stats() == {} and c.ping() is False
+
+
+@needs_root
+def test_client_refuses_a_squatter_of_another_uid_and_names_it(squat, caplog) -> None:
+    sq = squat(uid=NOBODY)
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.connector.client"):
+        with BrokerClient(sq.sock, timeout_s=5, max_backoff_s=0.01) as c:
+            _every_call_is_an_outage(c)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"uid {NOBODY}" in w and "broker_uid" in w for w in warnings), warnings
+    assert sq.segment_bytes() == bytes([0xAB]) * (1 << 20)  # nothing written to it
+    stats = sq.stop()
+    assert stats["uid"] == NOBODY and stats["connections"] >= 1
+    assert stats["frames"] == 0, "the client sent something to an untrusted peer"
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_an_explicitly_configured_broker_uid_is_trusted(squat, monkeypatch, how) -> None:
+    sq = squat(uid=NOBODY, segment_owner=NOBODY)
+    if how == "environment":
+        monkeypatch.setenv("LMCACHE_EC_BROKER_UID", "nobody")
+        c = BrokerClient(sq.sock, timeout_s=5)
+    else:
+        c = BrokerClient(sq.sock, timeout_s=5, broker_uid=NOBODY)
+    with c:
+        assert c.connected and NOBODY in c.trusted_uids
+        assert c.put("k", torch.zeros(64, dtype=torch.uint8))
+    assert sq.segment_bytes()[:64] == bytes(64)  # it did write where it was told
+    assert sq.stop()["frames"] >= 3  # hello, reserve, commit
+
+
+@needs_root
+def test_a_trusted_peer_naming_another_users_segment_is_not_mapped(squat, caplog) -> None:
+    # The peer runs as root (trusted), but the segment it names belongs to nobody.
+    sq = squat(uid=None, segment_owner=NOBODY)
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.connector.client"):
+        with BrokerClient(sq.sock, timeout_s=5) as c:
+            assert c.connected
+            assert c.put("k", torch.arange(64, dtype=torch.uint8)) is False
+            assert c.put_many([("k", torch.arange(64, dtype=torch.uint8))]) == [False]
+            assert c.get("k") is None
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert f"belongs to uid {NOBODY}" in warnings, warnings
+    assert sq.segment_bytes() == bytes([0xAB]) * (1 << 20)
+
+
+def test_bad_broker_uid_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("LMCACHE_EC_BROKER_UID", "no-such-user-xyz")
+    with pytest.raises(ValueError, match="LMCACHE_EC_BROKER_UID.*no-such-user-xyz"):
+        BrokerClient("/nonexistent/broker.sock")
+    with pytest.raises(ValueError, match="broker_uid"):
+        BrokerClient("/nonexistent/broker.sock", broker_uid=-1)
+
+
+# ------------------------------------------------------------ the default path
+
+
+def test_default_socket_is_in_a_per_user_directory(monkeypatch) -> None:
+    monkeypatch.delenv("LMCACHE_EC_BROKER_SOCKET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    path = default_socket_path()
+    assert path == f"/tmp/lmcache-ec-broker-{os.getuid()}/broker.sock"
+    assert os.path.dirname(path) == private_socket_dir()
+
+
+def test_private_dir_is_created_0700_and_a_loose_or_foreign_one_refused(tmp_path) -> None:
+    d = str(tmp_path / "sockdir")
+    ensure_private_dir(d)
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    ensure_private_dir(d)  # idempotent
+    os.chmod(d, 0o777)
+    with pytest.raises(ValueError, match="mode 0777.*chmod 700"):
+        check_private_dir(d)
+    os.chmod(d, 0o700)
+    link = str(tmp_path / "link")
+    os.symlink(d, link)
+    with pytest.raises(ValueError, match="not a directory"):
+        ensure_private_dir(link)
+    if os.geteuid() == 0:
+        os.chown(d, NOBODY, -1)
+        with pytest.raises(ValueError, match=f"belongs to uid {NOBODY}"):
+            check_private_dir(d)
+
+
+# The scenario runs in a mount namespace with its own /tmp and /dev/shm.
+NAMESPACE_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, os, subprocess, sys, time
+    import torch
+    from lmcache_ec_broker import BrokerClient
+    from lmcache_ec_broker.broker.server import probe_socket
+
+    NOBODY, HERE = int(sys.argv[1]), sys.argv[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XDG_RUNTIME_DIR", "LMCACHE_EC_BROKER_SOCKET")}
+    os.environ.clear(); os.environ.update(env)
+    path = f"/tmp/lmcache-ec-broker-{os.getuid()}/broker.sock"
+    out = {}
+    cli = [sys.executable, "-m", "lmcache_ec_broker.cli"]
+
+    # 1. A broker on the default path creates the private directory and serves.
+    b = subprocess.Popen(cli + ["start", "--shm-size", "32MiB"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(400):
+        if probe_socket(path, timeout=0.2) or b.poll() is not None:
+            break
+        time.sleep(0.05)
+    st = os.stat(os.path.dirname(path))
+    out["dir_mode"], out["dir_uid"] = st.st_mode & 0o777, st.st_uid
+    with BrokerClient() as c:
+        t = torch.arange(100, dtype=torch.float32)
+        out["default_client"] = c.socket_path == path and c.put("k", t) and torch.equal(c.get("k"), t)
+    b.terminate(); b.wait(30)
+
+    # 2. Another user owns the directory first: the broker refuses to start and the
+    #    client refuses the squatter's socket inside it.
+    os.rmdir(os.path.dirname(path))
+    os.mkdir(os.path.dirname(path), 0o700); os.chown(os.path.dirname(path), NOBODY, -1)
+    r = subprocess.run(cli + ["start", "--shm-size", "32MiB"], capture_output=True, text=True,
+                       timeout=60)
+    out["start_rc"], out["start_err"] = r.returncode, r.stderr
+    sq = subprocess.Popen([sys.executable, os.path.join(HERE, "squatter.py"), path, "/ecb-sq",
+                           "--uid", str(NOBODY)], stdout=subprocess.PIPE, text=True)
+    assert sq.stdout.readline().strip() == "ready"
+    records = []
+    h = logging.Handler(); h.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("lmcache_ec_broker").addHandler(h)
+    with BrokerClient(timeout_s=5) as c:
+        out["squatted_put"] = c.put("k", torch.ones(64, dtype=torch.uint8))
+        out["squatted_connected"] = c.connected
+    out["client_warnings"] = records
+    sq.terminate()
+    out["squatter"] = json.loads(sq.communicate(timeout=20)[0].strip().splitlines()[-1])
+    out["left_in_shm"] = sorted(os.listdir("/dev/shm"))
+    print(json.dumps(out))
+    """
+)
+
+
+@needs_root
+def test_default_path_broker_makes_a_private_dir_and_a_squatted_dir_is_refused() -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    ns = 'mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm && exec "$@"'
+    r = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            ns,
+            "sh",
+            sys.executable,
+            "-c",
+            NAMESPACE_SCRIPT,
+            str(NOBODY),
+            str(HERE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(HERE.parent),
+    )
+    if r.returncode != 0 and "unshare failed" in r.stderr:
+        pytest.skip(f"cannot make a mount namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["dir_mode"] == 0o700 and out["dir_uid"] == 0
+    assert out["default_client"] is True
+    assert out["start_rc"] != 0 and f"belongs to uid {NOBODY}" in out["start_err"], out
+    assert out["squatted_put"] is False and out["squatted_connected"] is False
+    assert any(f"uid {NOBODY}" in w for w in out["client_warnings"]), out["client_warnings"]
+    assert out["squatter"]["frames"] == 0
+    assert out["left_in_shm"] == ["ecb-sq"]  # the squatter's own, untouched; the broker's gone
