@@ -70,6 +70,28 @@ def test_saturated_slots_stay_maybe(writer: FilterWriter) -> None:
     assert writer.saturated >= 1
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.text(max_size=40), min_size=0, max_size=80, unique=True),
+    st.lists(st.text(max_size=40), min_size=0, max_size=80),
+)
+def test_maybe_many_answers_like_maybe(present: list[str], probe: list[str]) -> None:
+    w = FilterWriter(f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}-f", 16)
+    reader = FilterReader(w.name, w.size)
+    try:
+        for k in present:
+            w.add(k)
+        keys = probe + present
+        got = reader.maybe_many(keys)
+        assert got == [reader.maybe(k) for k in keys]
+        assert all(got[len(probe) :])  # every present key is a "maybe"
+        w.mm[20:24] = b"\0\0\0\0"  # dead filter: maybe for everything
+        assert reader.maybe_many(keys) == [True] * len(keys)
+    finally:
+        reader.close()
+        w.close()
+
+
 def test_sizing() -> None:
     assert slots_for(1) == 16
     assert 1 << slots_for(32768) >= 16 * 32768

@@ -663,7 +663,7 @@ class BrokerClient:
             or time.monotonic() - self._confirmed_at > self.filter_trust_s
         ):
             return None
-        return [flt.maybe(k) for k in keys]
+        return flt.maybe_many(keys)
 
     def _release(self, hits: list[Hit]) -> None:
         if hits and self._sock is not None:

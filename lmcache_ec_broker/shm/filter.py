@@ -52,6 +52,12 @@ MIN_LOG2_SLOTS = 16
 MAX_LOG2_SLOTS = 26
 _FLAGS_OFFSET = 20
 _MADV_POPULATE_READ = 22  # Linux >= 5.14
+_BATCH_MIN = 8  # below this the per-key loop is as fast as the batched reads
+
+try:  # the client side has numpy (torch needs it); the broker never calls maybe_many
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
 
 
 def slots_for(capacity_blocks: int) -> int:
@@ -171,6 +177,28 @@ class FilterReader:
             if not mm[s]:
                 return False
         return True
+
+    def maybe_many(self, keys: list[str]) -> list[bool]:
+        """``maybe`` for a batch: one keyed hash per key, then the slot reads done for the
+        whole batch at once (numpy gather when available). Same answers as ``maybe``."""
+        mm = self.mm
+        if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
+            return [True] * len(keys)
+        h = self._hasher
+        if h.nhashes != 2 or len(keys) < _BATCH_MIN or _np is None:
+            return [self.maybe(k) for k in keys]
+        copy = h.base.copy
+        digests = []
+        for k in keys:
+            d = copy()
+            d.update(k.encode("utf-8", "surrogatepass"))
+            digests.append(d.digest())
+        x = _np.frombuffer(b"".join(digests), dtype="<u8")
+        mask = _np.uint64(h.mask)
+        slots = _np.frombuffer(mm, dtype=_np.uint8, offset=HEADER_SIZE, count=h.mask + 1)
+        lo = slots[x & mask]
+        hi = slots[(x >> _np.uint64(32)) & mask]
+        return ((lo != 0) & (hi != 0)).tolist()
 
     def close(self) -> None:
         self.mm.close()
