@@ -1,0 +1,43 @@
+"""The remote-tier benchmark scripts run once with tiny sizes, so they cannot rot.
+Not timed tests: they check the scripts run against real processes and print tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from redis_servers import REDIS_SERVER
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_remote_benchmark_smoke() -> None:
+    r = _run("benchmarks/remote.py", "--sizes", "1MiB", "--runs", "1", "--quick", timeout=420)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for title in ("clients over unix", "clients over tcp", "remote promotion", "write-behind:"):
+        assert title in r.stdout, r.stdout
+    assert "2 MiB put" in r.stdout
+
+
+def test_fleet_sim_smoke() -> None:
+    r = _run(
+        "benchmarks/fleet_sim.py", "--nodes", "1,4", "--requests", "3000", "--catalogue", "2000",
+        "--slab", "1GiB", timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert len(lines) == 4  # header, separator, two rows
+    # With one node the shared store can only add what the node's own slab evicted; it
+    # never lowers the hit ratio.
+    for row in lines[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[3].rstrip("%")) >= float(cells[2].rstrip("%"))
