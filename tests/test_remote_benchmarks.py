@@ -41,3 +41,27 @@ def test_fleet_sim_smoke() -> None:
     for row in lines[2:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[3].rstrip("%")) >= float(cells[2].rstrip("%"))
+
+
+def test_kubernetes_remote_example_config_is_accepted(tmp_path: Path) -> None:
+    """The broker config shipped in examples/kubernetes/remote-valkey.yaml loads as is
+    (paths of the mounted secret replaced by files made here)."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "examples/kubernetes/remote-valkey.yaml").read_text()))
+    secret = next(d for d in docs if d["kind"] == "Secret")["stringData"]
+    cfg_text = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["broker.yaml"]
+    for name, value in secret.items():
+        (tmp_path / name).write_text(value)
+    cfg_text = cfg_text.replace("/run/secrets/lmcache-ec", str(tmp_path))
+    (tmp_path / "broker.yaml").write_text(cfg_text)
+    r = _run(
+        "-m", "lmcache_ec_broker.cli", "start", "--socket", str(tmp_path / "s.sock"),
+        "--config", str(tmp_path / "broker.yaml"), "--print-config", timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "redis://lmcache-ec-valkey:6379/0" in r.stdout
+    assert secret["password"] not in r.stdout
+    store = next(d for d in docs if d["kind"] == "Deployment")
+    args = " ".join(store["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--maxmemory-policy allkeys-lru" in args
