@@ -36,4 +36,28 @@ if ! command -v redis-server >/dev/null; then
       || echo "setup: could not install redis-server; Redis comparisons will be skipped" >&2
   fi
 fi
+
+# --- vLLM connector (H3): the next vLLM's EC connector sources, for tests/test_vllm_compat.py.
+# vLLM 0.33 has no CPU build: its wheel is downloaded (no install, ~340 MB, deleted after)
+# and only the EC connector package and the scheduler/runner code calling it are kept.
+VLLM_NEXT="0.33.0"
+NEXT_DIR=".venv/vllm-$VLLM_NEXT"
+if [ ! -f "$NEXT_DIR/vllm/distributed/ec_transfer/ec_connector/base.py" ]; then
+  NEXT_TMP=$(mktemp -d)
+  "$VPY" -m pip download -q --no-deps --only-binary :all: --python-version 3.11 \
+    --platform manylinux_2_28_x86_64 "vllm==$VLLM_NEXT" -d "$NEXT_TMP"
+  "$VPY" - "$NEXT_TMP" "$NEXT_DIR" <<'PY'
+import glob, sys, zipfile
+keep = ("vllm/distributed/ec_transfer/", "vllm/v1/core/sched/scheduler.py",
+        "vllm/v1/worker/ec_connector_model_runner_mixin.py")
+(wheel,) = glob.glob(f"{sys.argv[1]}/vllm-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(keep) and name.endswith(".py"):
+            z.extract(name, sys.argv[2])
+PY
+  rm -rf "$NEXT_TMP"
+fi
+# --- end vLLM connector block
+
 echo "setup: environment ready in .venv"
