@@ -255,3 +255,26 @@ def test_metrics_port_without_prometheus_client_is_refused(sock_dir, tmp_path) -
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not os.path.exists(sock)
         assert shm_segments(sock, include_filter=True) == []
+
+
+def test_stop_gives_up_at_its_timeout_with_a_clear_message(broker) -> None:
+    # --timeout 0: the request is accepted, but stop does not wait for the socket to go.
+    r = cli("stop", "--socket", broker.socket_path, "--timeout", "0")
+    assert r.returncode == 1
+    assert "accepted the stop request but has not removed its socket within 0s" in r.stderr
+    assert "--timeout" in r.stderr and "Traceback" not in r.stderr
+    assert broker.proc.wait(30) == 0  # it stops all the same
+    assert not os.path.exists(broker.socket_path)
+
+
+def test_one_shot_command_without_permission_says_so(make_broker, sock_dir) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(sock_dir, 0o755)
+    b = make_broker("--shm-size", "16MiB")  # socket 0600, owned by root
+    r = _cli_as(nobody.pw_uid, nobody.pw_gid, "ping", "--socket", b.socket_path)
+    assert r.returncode == 1
+    assert f"cannot connect to the broker at {b.socket_path}: permission denied" in r.stderr
+    assert f"uid {nobody.pw_uid}" in r.stderr and "allowed_uids" in r.stderr
+    assert "retrying in the background" not in r.stderr
