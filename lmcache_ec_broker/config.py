@@ -144,6 +144,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_password_file: str | None = None
     remote_hmac_key_file: str | None = None
     remote_tls_ca_file: str | None = None
+    # Mooncake Store backend (remote_url: mooncakestore://<master host:port>); docs/mooncake.md.
+    mooncake_local_hostname: str = ""  # address other nodes reach this broker at; "": hostname
+    mooncake_metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata, etcd://...
+    mooncake_protocol: str = "tcp"  # tcp or rdma
+    mooncake_device_name: str = ""  # RDMA device(s), e.g. mlx5_0 (rdma only)
+    mooncake_global_segment_size: int = 1 * GiB  # memory this broker lends the Mooncake pool
+    mooncake_local_buffer_size: int = 16 * MiB  # Mooncake's own transfer buffer
+    mooncake_admin_port: int = 9003  # the master's metrics/admin port (lists keys for the filter)
+    mooncake_key_poll_s: float = 5.0  # how often the store's keys are folded in; 0: never
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid value."""
@@ -224,7 +233,6 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
 
 
-
 ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 # LMCache keys that name one of our fields differently.
@@ -240,7 +248,15 @@ _RETIRED = {
 }
 # Plain numbers (YAML, environment) are GiB for capacities, as in LMCache, and bytes for the rest.
 _GIB_SIZES = frozenset({"shm_size", "max_local_disk_size"})
-_BYTE_SIZES = frozenset({"block_size", "max_entry_size", "max_frame_bytes"})
+_BYTE_SIZES = frozenset(
+    {
+        "block_size",
+        "max_entry_size",
+        "max_frame_bytes",
+        "mooncake_global_segment_size",
+        "mooncake_local_buffer_size",
+    }
+)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

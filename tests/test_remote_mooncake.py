@@ -316,3 +316,158 @@ def test_key_listing_feeds_the_membership_filter(mc: Env) -> None:
     assert b.call("stats")["stats"]["remote_announcements"] >= 1
     a.call("raw_remove", key="from-a")
     until(lambda: ["removed", "from-a"] in b.call("stats")["events"])
+
+
+# ---------------------------------------------------------------- two real brokers
+
+
+class NetnsBroker:
+    """A real ``lmcache-ec-broker start`` inside the namespace, reached over its Unix socket."""
+
+    def __init__(self, mc: Env, name: str, *args: str, **env: str) -> None:
+        self.socket_path = os.path.join(mc.log_dir, f"{name}.sock")
+        self.log_path = os.path.join(mc.log_dir, f"{name}.log")
+        full_env = dict(
+            os.environ,
+            LMCACHE_EC_MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
+            LMCACHE_EC_MOONCAKE_GLOBAL_SEGMENT_SIZE="128MiB",
+            LMCACHE_EC_REMOTE_KEY_PREFIX="t:",
+            **env,
+        )
+        argv = [sys.executable, "-m", "lmcache_ec_broker.cli", "start"]
+        argv += ["--socket", self.socket_path, "--shm-size", "64MiB", "--remote-url", mc.master.url]
+        self.proc = mc.ns.popen([*argv, *args], log_path=self.log_path, env=full_env)
+        from lmcache_ec_broker.broker.server import probe_socket
+
+        until(lambda: probe_socket(self.socket_path, timeout=0.2) or self.proc.poll() is not None)
+        assert self.proc.poll() is None, self.read_log()
+
+    def read_log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        assert self.proc.returncode == 0, self.read_log()
+
+
+@pytest.fixture
+def two_brokers(mc: Env) -> Iterator[tuple[Env, NetnsBroker, NetnsBroker]]:
+    from conftest import shm_segments
+
+    a = NetnsBroker(mc, "a", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
+    b = NetnsBroker(mc, "b", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
+    yield mc, a, b
+    for br in (a, b):
+        br.stop()
+        assert not os.path.exists(br.socket_path)
+        assert shm_segments(br.socket_path, include_filter=True) == []
+
+
+def _tensor(dtype: str, shape: list[int], seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == "bool":
+        return (raw % 2).to(torch.bool).reshape(shape)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _bytes(t) -> bytes:
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _torch_dtypes() -> list[str]:
+    import torch
+
+    return [
+        d
+        for d in sorted(set(DTYPE_ITEMSIZE) - QUANTIZED_DTYPES)
+        if isinstance(getattr(torch, d, None), torch.dtype)
+    ]
+
+
+@needs_mooncake
+def test_two_brokers_put_on_a_remote_hit_on_b_every_dtype(two_brokers) -> None:
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, b = two_brokers
+    dtypes = _torch_dtypes()
+    tensors = {f"img-{d}": _tensor(d, [3, 257, 9], i) for i, d in enumerate(dtypes)}
+    tensors["video"] = _tensor("bfloat16", [16, 1024, 96], 99)  # 3 MiB: several slab blocks
+    with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
+        for key, t in tensors.items():
+            assert ca.put(key, t), key
+        # B's filter learns A's keys from the store (no round trip needed to find them).
+        until(lambda: all(cb.has(list(tensors))))
+        for key, t in tensors.items():
+            got = cb.get(key)
+            assert got is not None, key
+            assert got.dtype == t.dtype and got.shape == t.shape, key
+            assert _bytes(got) == _bytes(t), key
+        sb = cb.stats()
+        assert sb["promotions"] >= len(tensors) and sb["promotion_failures"] == 0
+        assert sb["remote_bytes_read"] == sum(len(_bytes(t)) for t in tensors.values())
+        sa = ca.stats()
+        assert sa["remote_writes"] == len(tensors)
+        # Now local on B: a second get is a slab hit, no new remote read.
+        assert _bytes(cb.get("video")) == _bytes(tensors["video"])
+        assert cb.stats()["remote_bytes_read"] == sb["remote_bytes_read"]
+
+
+@needs_mooncake
+def test_two_brokers_poisoned_value_is_a_miss(two_brokers) -> None:
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, b = two_brokers
+    poisoner = mc.driver()  # a plain Mooncake client writing straight into the store
+    bad = bytearray(encode_value("p", "float32", [8, 8], payload(256, 1)))
+    bad[-1] ^= 1
+    assert poisoner.call("raw_put", key="p", data=base64.b64encode(bytes(bad)).decode())["rc"] == 0
+    with BrokerClient(b.socket_path) as cb:
+        until(lambda: cb.has(["p"])[0] or cb.stats()["remote_refused_values"])
+        assert cb.get("p") is None
+        st = cb.stats()
+        assert st["remote_refused_values"] == 1 and st["promotion_failures"] >= 1
+        assert cb.ping()
+
+
+@needs_mooncake
+def test_two_brokers_master_killed_and_restarted(two_brokers) -> None:
+    import torch
+
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, b = two_brokers
+    t = torch.arange(4096, dtype=torch.float32)
+    with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
+        assert ca.put("before", t)
+        until(lambda: cb.has(["before"])[0])
+        mc.master.kill()
+        # Both brokers keep serving their slabs; remote answers are misses.
+        assert ca.put("local-only", t) and torch.equal(ca.get("local-only"), t)
+        assert cb.get("before") is None  # remote-only: a miss while the store is down
+        until(lambda: cb.stats()["remote_up"] == 0)
+        mc.master.start()
+
+        def flows() -> bool:
+            key = f"after-{time.monotonic_ns()}"
+            ca.put(key, t)
+            for _ in range(10):
+                got = cb.get(key)
+                if got is not None:
+                    return torch.equal(got, t)
+                time.sleep(0.1)
+            return False
+
+        until(flows, tries=60, pause=0.2)
+        assert cb.stats()["remote_up"] == 1

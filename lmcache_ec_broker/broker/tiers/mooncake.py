@@ -89,6 +89,8 @@ PROBE = 512  # header bytes read per key at lookup (a typical header is ~150-300
 _BATCH_WRITES = 32
 _BATCH_WRITE_BYTES = 256 << 20
 _MAX_DELETE_TRIES = 6
+_CLOSE_WAIT_S = 5.0
+_LOOKUP_CHUNK = 64  # keys per batched header read (each needs a header slot)
 _REFUSED_TTL_S = 60.0
 
 # The same stats names as the Redis backend (tests/test_remote_mooncake.py checks it),
@@ -128,6 +130,10 @@ def import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
+class _Busy(TierUnavailable):
+    """Every header slot is in use: this call is refused, the store is not at fault."""
+
+
 class _Slots:
     """Fixed-size header slots in one registered anonymous mapping of our own."""
 
@@ -136,11 +142,12 @@ class _Slots:
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.size = count * SLOT
         self._free = list(range(count))
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
-    def take(self, n: int) -> list[int] | None:
+    def take(self, n: int, wait_s: float = 0.0) -> list[int] | None:
+        """``n`` free slots, waiting up to ``wait_s`` for them; None if there are not."""
         with self._lock:
-            if len(self._free) < n:
+            if not self._lock.wait_for(lambda: len(self._free) >= n, wait_s):
                 return None
             got, self._free[-n:] = self._free[-n:], []
             return got
@@ -148,6 +155,7 @@ class _Slots:
     def give(self, slots: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(slots)
+            self._lock.notify_all()
 
     def ptr(self, slot: int) -> int:
         return self.address + slot * SLOT
@@ -220,7 +228,8 @@ class MooncakeTier(LowerTier):
         # Mooncake reads these at setup; bound its own waits by ours unless the operator chose.
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(int(self.s.timeout_s * 1000), 100)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(int(self.s.timeout_s * 4), 2)))
-        self._slots = _Slots(max(64, self.s.write_queue + 64))
+        # write batches hold up to _BATCH_WRITES slots, lookups _LOOKUP_CHUNK, reads one each
+        self._slots = _Slots(_BATCH_WRITES + 4 * _LOOKUP_CHUNK + 64)
 
     def expected_keys(self, block_size: int) -> int:
         return self.s.max_reported_keys
@@ -234,10 +243,9 @@ class MooncakeTier(LowerTier):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        if self.s.key_poll_s > 0:
-            t = threading.Thread(target=self._poll_loop, name="ecb-mooncake-keys", daemon=True)
-            t.start()
-            self._threads.append(t)
+        t = threading.Thread(target=self._monitor_loop, name="ecb-mooncake-monitor", daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def _connect_loop(self) -> None:
         """Set up the client and register the slab once; the tier is down until then.
@@ -316,16 +324,27 @@ class MooncakeTier(LowerTier):
         self._stopping.set()
         store, self._store = self._store, None
         self._connected.clear()
-        if store is not None:
+        self._reads.shutdown(wait=False)
+        if store is None:
+            return
+
+        def release() -> None:
             try:
                 if self._slab is not None:
                     store.unregister_buffer(self._slab.address)
                 if self._slots is not None:
                     store.unregister_buffer(self._slots.address)
-                store.close()
+                store.close()  # unmounts this broker's segment: its objects leave the store
             except Exception as exc:  # noqa: BLE001
                 log.warning("Mooncake client close: %s", exc)
-        self._reads.shutdown(wait=False)
+
+        # With the master down Mooncake retries its unmount RPC for a long time:
+        # bounded here, the process exits without waiting for it.
+        t = threading.Thread(target=release, name="ecb-mooncake-close", daemon=True)
+        t.start()
+        t.join(_CLOSE_WAIT_S)
+        if t.is_alive():
+            log.warning("Mooncake client did not close within %.0fs (master down?)", _CLOSE_WAIT_S)
 
     # ------------------------------------------------------------ helpers
 
@@ -442,6 +461,17 @@ class MooncakeTier(LowerTier):
         except asyncio.TimeoutError:
             self._failure()
             raise TierUnavailable(f"Mooncake lookup took longer than {self.s.timeout_s}s") from None
+        except _Busy:
+            if not self.circuit.up:  # this call held the half-open probe: retry it later
+                self._failure()
+            raise
+        except TierUnavailable:
+            self._failure()
+            raise
+        except Exception as exc:
+            self._failure()
+            raise TierUnavailable(f"Mooncake lookup failed: {exc}") from exc
+        self.circuit.success()
         for key, meta in zip(keys, metas, strict=True):
             if meta is None:
                 with self._lock:
@@ -462,13 +492,23 @@ class MooncakeTier(LowerTier):
                 for i, k in enumerate(keys)
                 if k not in self._tombstones and not self._is_refused(k, now)
             ]
-        if not ask:
-            return out
-        assert self._slots is not None
-        slots = self._slots.take(len(ask))
-        if slots is None:
-            raise TierUnavailable("Mooncake tier busy (no free header slots)")
         t0 = time.perf_counter()
+        for lo in range(0, len(ask), _LOOKUP_CHUNK):
+            self._lookup_chunk(store, keys, ask[lo : lo + _LOOKUP_CHUNK], out)
+        self._observe(time.perf_counter() - t0)
+        hits = sum(m is not None for m in out)
+        with self._lock:
+            self.counters["remote_hits"] += hits
+            self.counters["remote_misses"] += len(keys) - hits
+        return out
+
+    def _lookup_chunk(
+        self, store: Any, keys: list[str], ask: list[int], out: list[EntryMeta | None]
+    ) -> None:
+        assert self._slots is not None
+        slots = self._slots.take(len(ask), self.s.timeout_s)
+        if slots is None:
+            raise _Busy("Mooncake tier busy (no free header slots)")
         try:
             first = self._ranged(store, [keys[i] for i in ask], slots, [PROBE] * len(ask))
             again: list[tuple[int, int, int]] = []  # (index in ask, slot, length to read)
@@ -520,13 +560,6 @@ class MooncakeTier(LowerTier):
                     out[ask[j]] = self._meta_from(key, data)
         finally:
             self._slots.give(slots)
-        self._observe(time.perf_counter() - t0)
-        self.circuit.success()
-        hits = sum(m is not None for m in out)
-        with self._lock:
-            self.counters["remote_hits"] += hits
-            self.counters["remote_misses"] += len(keys) - hits
-        return out
 
     def _ranged(self, store: Any, keys: list[str], slots: list[int], sizes: list[int]) -> list[int]:
         assert self._slots is not None
@@ -539,7 +572,6 @@ class MooncakeTier(LowerTier):
         )
         out = [int(r[0][0]) if r and r[0] else RPC_FAIL for r in res]
         if any(rc == RPC_FAIL for rc in out):
-            self._failure()
             raise TierUnavailable(f"Mooncake master {self.s.master} RPC failed")
         return out
 
@@ -566,11 +598,15 @@ class MooncakeTier(LowerTier):
         return self._read_into(key, meta, list(extents))
 
     async def _read_into(self, key: str, meta: EntryMeta, extents: list[Extent]) -> None:
-        store = self._available()
         assert self._slots is not None
-        slots = self._slots.take(1)
+        slots = self._slots.take(1)  # before the circuit hands out a probe
         if slots is None:
-            raise TierUnavailable("Mooncake tier busy (no free header slots)")
+            raise _Busy("Mooncake tier busy (no free header slots)")
+        try:
+            store = self._available()
+        except TierUnavailable:
+            self._slots.give(slots)
+            raise
         fut = asyncio.get_running_loop().run_in_executor(
             self._reads, self._read_sync, store, key, meta, extents, slots[0]
         )
@@ -582,10 +618,21 @@ class MooncakeTier(LowerTier):
         try:
             await asyncio.shield(fut)
         except TierMiss:
+            self.circuit.success()  # the store answered
             with self._lock:
                 self._known.pop(key, None)
             self._report_removed(key)
             raise
+        except TierCorrupt:
+            self.circuit.success()
+            raise
+        except TierUnavailable:
+            self._failure()
+            raise
+        except Exception as exc:
+            self._failure()
+            raise TierUnavailable(f"Mooncake read of {key!r} failed: {exc}") from exc
+        self.circuit.success()
 
     def _read_sync(
         self, store: Any, key: str, meta: EntryMeta, extents: list[Extent], slot: int
@@ -602,7 +649,6 @@ class MooncakeTier(LowerTier):
             t0 = time.perf_counter()
             rc = int(store.batch_get_into_multi_buffers([self._mkey(key)], [ptrs], [sizes])[0])
             if rc == RPC_FAIL:
-                self._failure()
                 raise TierUnavailable(f"Mooncake master {self.s.master} RPC failed")
             if rc == NOT_FOUND:
                 raise TierMiss(key)
@@ -637,7 +683,6 @@ class MooncakeTier(LowerTier):
             except BadValue as exc:
                 self._refuse(key, str(exc))
                 raise TierCorrupt(key) from None
-            self.circuit.success()
             self._observe(time.perf_counter() - t0)
             self._count("remote_bytes_read", meta.nbytes)
         finally:
@@ -769,7 +814,7 @@ class MooncakeTier(LowerTier):
 
     def _write_batch(self, store: Any, batch: list[_Write]) -> None:
         assert self._slots is not None and self._slab is not None
-        slots = self._slots.take(len(batch)) or []
+        slots = self._slots.take(len(batch), self.s.timeout_s) or []
         if len(slots) < len(batch):
             self._slots.give(slots)
             for op in batch:
@@ -871,20 +916,38 @@ class MooncakeTier(LowerTier):
 
     # ------------------------------------------------------------ key listing
 
-    def _poll_loop(self) -> None:
-        """Fold the keys the store holds under our prefix into the membership filter
-        (so this node's clients ask for what other nodes wrote). A key missed here
-        costs only a hit; one listed but gone costs one lookup round trip."""
+    def _monitor_loop(self) -> None:
+        """Probe the master while the circuit is not closed (writes alone never
+        would: they are dropped while it is open), and fold the keys the store holds
+        under our prefix into the membership filter (so this node's clients ask for
+        what other nodes wrote). A key missed here costs only a hit; one listed but
+        gone costs one lookup round trip."""
         host = self.s.master.rpartition(":")[0]
         url = f"http://{host}:{self.s.admin_port}/get_all_keys"
-        while not self._stopping.wait(self.s.key_poll_s if self._connected.is_set() else 0.5):
-            if not self._connected.is_set():
+        last_list = 0.0
+        while not self._stopping.wait(0.5 if not self.circuit.up else 0.2):
+            store = self._store
+            if store is None or not self._connected.is_set():
                 continue
+            if not self.circuit.up:
+                try:
+                    rc = int(store.is_exist(self._mkey("\0probe")))
+                except Exception:  # noqa: BLE001
+                    rc = RPC_FAIL
+                if rc in (0, 1):
+                    self.circuit.success()
+                else:
+                    self._failure()
+                    continue
+            if self.s.key_poll_s <= 0 or time.monotonic() - last_list < self.s.key_poll_s:
+                continue
+            last_list = time.monotonic()
             try:
                 with urllib.request.urlopen(url, timeout=self.s.timeout_s) as resp:
                     body = resp.read(256 << 20)
             except Exception as exc:  # noqa: BLE001
                 log.debug("Mooncake key listing failed: %s", exc)
+                self._failure()  # the admin port is the master's: count it as down
                 continue
             prefix = self.s.key_prefix
             keys = {
