@@ -500,3 +500,38 @@ def test_cluster_values_spread_across_slots(node) -> None:
         assert b.has(list(tensors)) == [True] * len(tensors)
         for k, t in tensors.items():
             assert same(b.get(k), t), k
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_remote_metrics_scraped(redis_server, node) -> None:
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from redis_servers import free_port
+
+    port = free_port()
+    _, a = node(redis_server.url("unix"))
+    _, b = node(redis_server.url("unix"), metrics_port=port)
+    t = tensor_of(torch.float32, seed=11)
+    a.put("m", t)
+    wait_for(written(a, 1), what="write")
+    wait_for(knows(b, 1), what="announcement")
+    assert same(b.get("m"), t)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = {
+        s.name + str(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    st = remote_stats(b)
+    p = "lmcache_ec_broker_"
+    assert m[p + "remote_hits_total[]"] == st["remote_hits"] >= 1
+    assert m[p + "remote_bytes_read_total[]"] == st["remote_bytes_read"] > 0
+    assert m[p + "remote_up[]"] == 1
+    assert m[p + "remote_latency_seconds_count[]"] == st["remote_latency_ms_le_inf"] >= 1
+    assert m[p + "remote_latency_seconds_bucket[('le', '+Inf')]"] == st["remote_latency_ms_le_inf"]
+    assert m[p + "remote_latency_seconds_sum[]"] > 0

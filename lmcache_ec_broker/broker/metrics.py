@@ -123,7 +123,7 @@ class BrokerCollector(Collector):
         for key, value in sorted(stats.items()):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
-            if key.startswith(("latency_", "requests_")):
+            if key.startswith(("latency_", "requests_", "remote_latency_")):
                 continue  # exported as histograms below
             doc = _HELP.get(key, key.replace("_", " "))
             if key in COUNTERS:
@@ -155,6 +155,9 @@ class BrokerCollector(Collector):
                 cumulative.append((_le(bound), running))
             hist.add_metric([op.lower()], cumulative, total)
         yield hist
+        remote = _remote_latency(stats)
+        if remote is not None:
+            yield remote
 
 
 def _le(bound: float) -> str:
@@ -205,3 +208,26 @@ def install(server: BrokerServer, port: int, host: str = "127.0.0.1") -> Metrics
     server.shutdown_hooks.append(endpoint.close)
     log.info("Prometheus metrics on http://%s:%d/metrics", host, endpoint.port)
     return endpoint
+
+def _remote_latency(stats: dict[str, int | float | str]) -> HistogramMetricFamily | None:
+    """The remote tier's round-trip histogram from its cumulative ``remote_latency_ms_le_<B>``
+    counters (B in ms, then ``inf``) and ``remote_latency_seconds_sum``."""
+    buckets: list[tuple[float, int]] = []
+    for key, value in stats.items():
+        if key.startswith("remote_latency_ms_le_") and isinstance(value, int):
+            bound = key.removeprefix("remote_latency_ms_le_")
+            buckets.append((float("inf") if bound == "inf" else float(bound) / 1000.0, value))
+    if not buckets:
+        return None
+    buckets.sort()
+    hist = HistogramMetricFamily(
+        _metric_name("remote_latency_seconds"),
+        "remote tier round trips (lookups, reads, writes), by duration",
+    )
+    total = stats.get("remote_latency_seconds_sum", 0.0)
+    hist.add_metric(
+        [],
+        [(_le(b), c) for b, c in buckets],
+        float(total) if isinstance(total, int | float) else 0.0,
+    )
+    return hist

@@ -100,6 +100,7 @@ REMOTE_COUNTERS = (
     "remote_announcements",
     "remote_circuit_opens",
     *LATENCY_KEYS,
+    "remote_latency_seconds_sum",
 )
 REMOTE_GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
 _SCAN_COUNT = 1000
@@ -160,7 +161,7 @@ class RedisTier(LowerTier):
         self.circuit = CircuitBreaker(
             backoff_s=min(0.5, self.timeout_s), on_change=self._circuit_changed
         )
-        self.counters = dict.fromkeys(REMOTE_COUNTERS, 0)
+        self.counters: dict[str, int | float] = dict.fromkeys(REMOTE_COUNTERS, 0)
         self._clock_lock = threading.Lock()
         self.known: OrderedDict[str, None] = OrderedDict()  # keys reported to the filter
         # True while ``known`` holds every key this broker learned of (nothing dropped for
@@ -253,6 +254,7 @@ class RedisTier(LowerTier):
                 if ms <= b:
                     self.counters[k] += 1
             self.counters["remote_latency_ms_le_inf"] += 1
+            self.counters["remote_latency_seconds_sum"] += seconds
 
     def _warn(self, what: str, msg: str, *args: object) -> None:
         now = time.monotonic()
