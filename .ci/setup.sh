@@ -60,4 +60,15 @@ PY
 fi
 # --- end vLLM connector block
 
+# --- Mooncake Store block (H7): the mooncake extra for the Mooncake remote-tier tests.
+# The store, engine and mooncake_master need libibverbs1 even without RDMA; iproute2 gives
+# ip/ss for the private network namespace the tests confine Mooncake to.
+if ! { dpkg -s libibverbs1 && dpkg -s iproute2; } >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 iproute2) >/dev/null \
+    || echo "setup: could not install libibverbs1/iproute2; Mooncake tests will be skipped" >&2
+fi
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[mooncake]' \
+  || echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
+# --- end Mooncake Store block
+
 echo "setup: environment ready in .venv"
