@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .coordinator import COORDINATOR_COUNTERS
+from .server import SERVER_COUNTERS
 from .store import STORE_COUNTERS
 from .tiers import tier_counter_names
 
@@ -45,7 +46,7 @@ BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # Monotonic counters among the stats keys (the rest are gauges or labels).
-COUNTERS = frozenset(STORE_COUNTERS + COORDINATOR_COUNTERS + tier_counter_names())
+COUNTERS = frozenset(STORE_COUNTERS + COORDINATOR_COUNTERS + SERVER_COUNTERS + tier_counter_names())
 
 _HELP = {
     "hits": "get() keys served from the broker (hit-ratio numerator)",
@@ -208,6 +209,7 @@ def install(server: BrokerServer, port: int, host: str = "127.0.0.1") -> Metrics
     server.shutdown_hooks.append(endpoint.close)
     log.info("Prometheus metrics on http://%s:%d/metrics", host, endpoint.port)
     return endpoint
+
 
 def _remote_latency(stats: dict[str, int | float | str]) -> HistogramMetricFamily | None:
     """The remote tier's round-trip histogram from its cumulative ``remote_latency_ms_le_<B>``

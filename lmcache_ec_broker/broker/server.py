@@ -92,6 +92,8 @@ MAX_LEASE_MS = 600_000
 # Frames a connection may have queued behind an in-flight async request before
 # the broker stops reading from it (it resumes when the queue is empty).
 MAX_QUEUED_FRAMES = 64
+# Monotonic counters of the server itself (exported as counters by the metrics endpoint).
+SERVER_COUNTERS = ("queue_pauses",)
 
 
 class Connection(asyncio.Protocol):
@@ -156,6 +158,7 @@ class Connection(asyncio.Protocol):
             if self.busy and len(self.queued) >= MAX_QUEUED_FRAMES:
                 if not self.queue_paused:
                     self.queue_paused = True
+                    self.server.counters["queue_pauses"] += 1
                     self._update_reading()
                 return
             try:
@@ -272,6 +275,7 @@ class BrokerServer:
             max_entry_bytes=config.max_entry_size or None,
             max_key_length=config.max_key_length,
         )
+        self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
         self.access = AccessPolicy(os.getuid(), config.allowed_uids, None, config.max_connections)
         self.segment: Segment | None = None
@@ -360,6 +364,7 @@ class BrokerServer:
             segment=self.segment.name if self.segment else "",
             socket=self.config.socket_path,
         )
+        out.update(self.counters)
         out.update(self.tiers.stats())
         if self.filter is not None:
             out.update(filter_slots=self.filter.nslots, filter_saturated=self.filter.saturated)
@@ -471,6 +476,11 @@ class BrokerServer:
         for conn in list(self.connections.values()):
             conn.close()
         await asyncio.sleep(0)  # let connection_lost run: releases pins and reservations
+        if self.tiers.tiers:
+            log.info(
+                "flushing the lower tiers for up to %gs (shutdown_flush_s)",
+                self.config.shutdown_flush_s,
+            )
         try:
             await self.tiers.shutdown(self.config.shutdown_flush_s)
         except Exception:
