@@ -218,3 +218,17 @@ def test_circuit_opens_backs_off_and_recovers() -> None:
     cb.success()
     assert cb.up and cb.allow()
     assert changes == [State.OPEN, State.HALF_OPEN, State.OPEN, State.HALF_OPEN, State.CLOSED]
+
+
+def test_circuit_probe_that_never_reports_expires() -> None:
+    now = [0.0]
+    cb = CircuitBreaker(threshold=1, backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0])
+    cb.failure()
+    now[0] = 1.0
+    assert cb.allow()  # a probe whose caller then fails before reaching the store
+    now[0] = 4.0
+    assert not cb.allow()
+    now[0] = 5.5
+    assert cb.allow()  # not stuck half-open
+    cb.success()
+    assert cb.up

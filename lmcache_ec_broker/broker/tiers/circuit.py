@@ -43,6 +43,7 @@ class CircuitBreaker:
         self.backoff = backoff_s
         self.retry_at = 0.0
         self._probing = False
+        self._probe_at = 0.0
         self.opened = 0  # how many times it opened (a counter for stats)
 
     @property
@@ -58,9 +59,12 @@ class CircuitBreaker:
                 if self._clock() < self.retry_at:
                     return False
                 self._set(State.HALF_OPEN)
-            if self._probing:
+            # A probe that never reported (its caller failed before reaching the store)
+            # must not keep the breaker half-open forever.
+            if self._probing and self._clock() - self._probe_at < self.max_backoff:
                 return False
             self._probing = True
+            self._probe_at = self._clock()
             return True
 
     def success(self) -> None:

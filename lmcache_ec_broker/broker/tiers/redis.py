@@ -286,10 +286,11 @@ class RedisTier(LowerTier):
             self.circuit.success()
             raise
         except (OSError, ProtocolViolation, ValueError) as exc:
-            conn.close()
+            conn.close()  # possibly mid-value: never reused
             if not isinstance(exc, BadValue):
                 self.circuit.failure()
                 raise _Unavailable(f"{ep}: {exc}") from None
+            self.circuit.success()  # the store answered; the value is what is bad
             raise
         except BaseException:
             conn.close()
