@@ -7,6 +7,7 @@ All traffic stays on 127.0.0.1 or Unix sockets in private directories.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -463,6 +464,7 @@ def test_password_in_url_is_masked_and_refused_on_the_command_line(tmp_path) -> 
     assert env_out.returncode == 0 and "pw123" not in env_out.stdout and ":***@" in env_out.stdout
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
 def test_tls(node, tmp_path) -> None:
     with RedisServer(tls=True, unix=False) as srv:
         url = srv.url("tcp")
