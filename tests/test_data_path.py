@@ -1,0 +1,272 @@
+"""The client's data path: device checks, extent checks on every copy path, the
+strided and batched writes, and a pre-fault that never writes to the live slab."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.connector.client import BrokerRefused
+from lmcache_ec_broker.connector.copy import SlabView
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_py(script: str, *args: str, timeout: float = 300) -> dict:
+    """Run ``script`` in a fresh interpreter (a real client process); its last stdout
+    line is JSON."""
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(HERE.parent),
+    )
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------ other devices
+
+
+# In a child process: before the fix a meta tensor's null data pointer reached
+# memmove and killed the process (SIGSEGV).
+META_SCRIPT = """
+import json, sys
+import torch
+from lmcache_ec_broker import BrokerClient
+
+c = BrokerClient(sys.argv[1])
+meta = torch.empty(64, 32, device="meta")
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "no error"
+    except ValueError as exc:
+        out[name] = str(exc)
+attempt("put", lambda: c.put("m", meta))
+attempt("put_many", lambda: c.put_many([("ok", torch.ones(4)), ("m", meta)]))
+assert c.put("cpu", torch.arange(2048.0))
+attempt("get", lambda: c.get("cpu", device="meta"))
+attempt("get_many", lambda: c.get_many(["cpu"], device="meta"))
+attempt("get_into", lambda: c.get_into("cpu", torch.empty(2048, device="meta")))
+out["has"] = c.has(["m", "ok", "cpu"])
+st = c.stats()
+out["held"] = [st["reserved_bytes"], st["pins"]]
+out["still_works"] = bool(torch.equal(c.get("cpu"), torch.arange(2048.0)))
+print(json.dumps(out))
+"""
+
+
+def test_tensors_on_other_devices_are_refused_naming_the_device(broker) -> None:
+    out = run_py(META_SCRIPT, broker.socket_path)
+    for call in ("put", "put_many", "get", "get_many", "get_into"):
+        assert "device meta" in out[call] and ".cpu()" in out[call], (call, out[call])
+    # Refused before anything was reserved: nothing stored, nothing held.
+    assert out["has"] == [False, False, True]
+    assert out["held"] == [0, 0]
+    assert out["still_works"] is True
+
+
+# ------------------------------------------------------------ extents
+
+
+@pytest.fixture
+def slab() -> SlabView:
+    mm = mmap.mmap(-1, 1 << 20)
+    view = SlabView(mm, 1 << 20)
+    yield view
+    view.close()
+    mm.close()
+
+
+def _tail(view: SlabView) -> bytes:
+    return bytes(view.u8[-(64 << 10) :].numpy())
+
+
+def test_strided_write_checks_extents_like_every_path(slab: SlabView) -> None:
+    src = torch.arange(2048, dtype=torch.int32).reshape(32, 64).t()  # 8 KiB, non-contiguous
+    assert not src.is_contiguous()
+    before = _tail(slab)
+    # A negative offset would index from the end of the slab: someone else's blocks.
+    with pytest.raises(ValueError, match=r"extent \(-16384, 8192\) lies outside"):
+        slab.write([(-16384, 8192)], src)
+    with pytest.raises(ValueError, match="lies outside"):
+        slab.write([((1 << 20) - 4096, 8192)], src)
+    with pytest.raises(ValueError, match="extents cover 4096 bytes, the tensor has 8192"):
+        slab.write([(0, 4096)], src)
+    assert _tail(slab) == before
+    assert not slab.u8[:8192].any()
+
+
+def test_contiguous_copies_and_reads_check_extents(slab: SlabView) -> None:
+    t = torch.ones(1024, dtype=torch.float32)
+    for bad in ([(-4096, 4096)], [(0, 2048)], [(0, 4096), ((1 << 20) - 10, 20)]):
+        with pytest.raises(ValueError):
+            slab.write(bad, t)
+        with pytest.raises(ValueError):
+            slab.read_into(bad, torch.empty(1024))
+    slab.write([(4096, 2048), (0, 2048)], t)
+    out = torch.zeros(1024)
+    slab.read_into([(4096, 2048), (0, 2048)], out)
+    assert torch.equal(out, t)
+
+
+def test_single_extent_strided_write_round_trips(broker) -> None:
+    with BrokerClient(broker.socket_path) as c:
+        base = torch.randn(300, 40, dtype=torch.float32)
+        for key, src in (
+            ("t", base.t()),  # transposed
+            ("s", base[::3, 5:]),  # sliced with a step
+            ("e", base.t()[:, :0]),  # empty
+            ("b", base.to(torch.bfloat16).t()),
+        ):
+            assert not src.is_contiguous() or src.numel() == 0
+            assert c.put(key, src), key
+            got = c.get(key)
+            assert got is not None and got.shape == src.shape and got.dtype == src.dtype
+            assert torch.equal(got, src), key
+
+
+# ------------------------------------------------------------ put_many
+
+
+def test_put_many_stores_batches_and_reports_each_item(broker) -> None:
+    with BrokerClient(broker.socket_path) as c:
+        items = [(f"k{i}", torch.randn(100 + i, 64).to(torch.bfloat16)) for i in range(20)]
+        items.append(("nc", torch.randn(64, 128).t()))  # a strided item in the batch
+        assert c.put_many(items) == [True] * len(items)
+        assert c.put_many(items[:3]) == [False, False, False]  # already present
+        for key, t in items:
+            got = c.get(key)
+            assert got is not None and torch.equal(got, t), key
+        assert c.put_many([]) == []
+        # A refused item: the others are stored, then the refusal is raised.
+        st = c.stats()
+        too_big = torch.empty(int(st["capacity_bytes"]) + 1, dtype=torch.uint8)
+        with pytest.raises(BrokerRefused) as exc:
+            c.put_many([("a", torch.ones(10)), ("big", too_big), ("b", torch.zeros(10))])
+        assert exc.value.code == "too_large"
+        assert c.has(["a", "big", "b"]) == [True, False, True]
+
+
+# ------------------------------------------------------------ pre-fault
+
+
+# The writer owns one reservation and rewrites it over and over with a new byte
+# value, checking after each pass that every byte holds what it wrote: nobody
+# else may write to blocks it owns. Then it commits a final pattern.
+WRITER = """
+import json, os, sys
+import numpy as np
+import torch
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus
+
+sock, stop, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = BrokerClient(sock, timeout_s=30)
+r = c._call(Reserve("w", nbytes, "uint8", [nbytes]))
+assert r.status == ReserveStatus.RESERVED, r
+slab = c._slab_view()
+regions = [slab.u8[start : start + n].numpy() for start, n in r.extents]
+print(json.dumps({"ready": True}), flush=True)
+passes = mismatched = 0
+while not os.path.exists(stop):
+    v = passes % 251 + 1
+    for reg in regions:
+        reg.fill(v)
+    mismatched += sum(int(np.count_nonzero(reg != v)) for reg in regions)
+    passes += 1
+final = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(7))
+slab.write(r.extents, final)
+c._call(Commit(r.token))
+print(json.dumps({"passes": passes, "mismatched": mismatched}), flush=True)
+"""
+
+# The client's attach, over and over, with the madvise pre-fault unavailable (as
+# on kernels before 5.14), so the page-touching fallback runs over the live slab.
+ATTACHER = """
+import json, sys
+import lmcache_ec_broker.shm.segment as segment
+segment._POPULATE_ADVICE = ()
+from lmcache_ec_broker import BrokerClient
+
+sock, rounds = sys.argv[1], int(sys.argv[2])
+with BrokerClient(sock, timeout_s=30) as c:
+    name, size = c._hello.segment_name, c._hello.segment_size
+for _ in range(rounds):
+    segment.Segment.attach(name, size, True).close()
+print(json.dumps({"attached": rounds}))
+"""
+
+
+def test_client_prefault_fallback_never_corrupts_concurrent_writes(make_broker, sock_dir) -> None:
+    b = make_broker("--shm-size", "8MiB")
+    stop = os.path.join(sock_dir, "stop")
+    nbytes = 6 << 20  # most pages an attacher touches are being written
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(WRITER), b.socket_path, stop, str(nbytes)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(HERE.parent),
+    )
+    try:
+        assert writer.stdout is not None
+        assert json.loads(writer.stdout.readline())["ready"], writer.stderr
+        attachers = [
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(ATTACHER), b.socket_path, "2000"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=str(HERE.parent),
+            )
+            for _ in range(2)
+        ]
+        for a in attachers:
+            out, err = a.communicate(timeout=600)
+            assert a.returncode == 0, err
+    finally:
+        Path(stop).touch()
+        out, err = writer.communicate(timeout=300)
+    assert writer.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["passes"] > 0
+    assert res["mismatched"] == 0, f"bytes the writer owns were overwritten: {res}"
+    want = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
+    with BrokerClient(b.socket_path) as c:  # the committed entry, bit for bit
+        got = c.get("w")
+        assert got is not None and torch.equal(got, want)
+
+
+def test_client_prefault_fallback_only_reads(tmp_path) -> None:
+    """The fallback itself, deterministically: on a read-only mapping any write raises."""
+    import lmcache_ec_broker.shm.segment as segment
+
+    path = tmp_path / "seg"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 1 << 20, prot=mmap.PROT_READ)
+    saved = segment._POPULATE_ADVICE
+    segment._POPULATE_ADVICE = ()
+    try:
+        segment._populate_shared(mm, 1 << 20)
+    finally:
+        segment._POPULATE_ADVICE = saved
+        mm.close()
+    assert path.read_bytes() == data
