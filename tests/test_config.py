@@ -139,12 +139,13 @@ def test_relative_local_disk_becomes_absolute(tmp_path, monkeypatch):
 
 
 def test_lmcache_only_keys_are_quiet_unknown_keys_warn(tmp_path, caplog):
-    path = write_yaml(tmp_path, LMCACHE_YAML + "remote_url: lm://x:1\nec_colour: blue\n")
+    # remote_url is no longer LMCache-only: it configures this broker's remote tier.
+    path = write_yaml(tmp_path, LMCACHE_YAML + "remote_serde: naive\nec_colour: blue\n")
     with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
         load_config({}, path)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
-    assert "ec_colour, remote_url" in warnings[0]
+    assert "ec_colour, remote_serde" in warnings[0]
     assert "chunk_size," not in warnings[0].split("(known")[0]
 
 
