@@ -129,6 +129,11 @@ print(json.dumps({"sentinel_pid": sentinel.pid, "alive": alive, "rc": r.returnco
 def _need_root_and_unshare() -> None:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) to make a pid namespace")
+    probe = subprocess.run(
+        ["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True, timeout=60
+    )
+    if probe.returncode != 0:  # e.g. a container without CAP_SYS_ADMIN
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode().strip()}")
 
 
 def test_stop_from_another_pid_namespace_signals_no_pid(broker) -> None:
