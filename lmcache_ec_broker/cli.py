@@ -228,7 +228,11 @@ def _start_hint(path: str) -> str:
 
 
 def _no_broker(path: str, causes: list[BaseException]) -> str:
+    from .connector.client import BrokerImpostor
+
     cause = causes[0] if causes else None
+    if isinstance(cause, BrokerImpostor):
+        return f"lmcache-ec-broker: not talking to the process at {path}: {cause}"
     if isinstance(cause, FileNotFoundError) or (cause is None and not os.path.exists(path)):
         why = "there is no socket there"
     elif isinstance(cause, ConnectionRefusedError):

@@ -283,3 +283,30 @@ def test_one_shot_command_without_permission_says_so(make_broker, sock_dir) -> N
     assert f"cannot connect to the broker at {b.socket_path}: permission denied" in r.stderr
     assert f"uid {nobody.pw_uid}" in r.stderr and "allowed_uids" in r.stderr
     assert "retrying in the background" not in r.stderr
+
+
+def test_one_shot_command_facing_a_squatter_names_its_uid(sock_dir) -> None:
+    # Another user bound the socket path first (tests/squatter.py answers like a broker).
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(sock_dir, 0o777)
+    sock = os.path.join(sock_dir, "broker.sock")
+    segment = f"/ecb-squat-{os.getpid()}"
+    squatter = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "squatter.py"), sock, segment,
+         "--uid", str(nobody.pw_uid)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
+        for command in ("ping", "stats", "stop"):
+            r = cli(command, "--socket", sock)
+            assert r.returncode == 1
+            assert f"not talking to the process at {sock}" in r.stderr, r.stderr
+            assert f"runs as uid {nobody.pw_uid}" in r.stderr
+            assert "retrying in the background" not in r.stderr
+    finally:
+        squatter.terminate()
+        squatter.communicate(timeout=20)
+        os.unlink(f"/dev/shm{segment}")
