@@ -1,6 +1,6 @@
 """A process squatting a broker's socket path, for the client-trust tests.
 
-    python squatter.py SOCKET SEGMENT [--uid UID] [--segment-owner UID]
+    python squatter.py SOCKET SEGMENT [--uid UID] [--segment-owner UID] [--announce-size N]
 
 Creates SEGMENT (1 MiB of 0xAB), optionally hands it to --segment-owner, then
 (after every import, as the interpreter may live where another uid cannot read)
@@ -50,9 +50,11 @@ SIZE = 1 << 20
 FILL = 0xAB
 
 
-def answer(msg: object, segment: str) -> msgspec.Struct:
+def answer(msg: object, segment: str, announce: int) -> msgspec.Struct:
     if isinstance(msg, Hello):
-        return HelloReply(PROTOCOL_VERSION, segment, SIZE, 4096, "squatter", os.getpid(), 1 << 20)
+        return HelloReply(
+            PROTOCOL_VERSION, segment, announce, 4096, "squatter", os.getpid(), 1 << 20
+        )
     if isinstance(msg, Reserve):
         return ReserveReply(ReserveStatus.RESERVED, 1, [(0, msg.nbytes)])
     if isinstance(msg, Has):
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("segment")
     ap.add_argument("--uid", type=int)
     ap.add_argument("--segment-owner", type=int)
+    ap.add_argument("--announce-size", type=int, default=SIZE, help="segment size told to clients")
     args = ap.parse_args()
 
     shm = posix_ipc.SharedMemory(args.segment, posix_ipc.O_CREX, mode=0o666, size=SIZE)
@@ -124,7 +127,7 @@ def main() -> None:
                 msg = dec.decode(buf[4 : 4 + n])
                 buf = buf[4 + n :]
                 stats["frames"] += 1
-                body = enc.encode(answer(msg, args.segment))
+                body = enc.encode(answer(msg, args.segment, args.announce_size))
                 s.sendall(FRAME_HEADER.pack(len(body)) + body)
             bufs[s] = buf
 

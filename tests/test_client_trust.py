@@ -41,10 +41,14 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as 
 
 
 class Squatter:
-    def __init__(self, sock: str, uid: int | None, segment_owner: int | None = None) -> None:
+    def __init__(
+        self, sock: str, uid: int | None, segment_owner: int | None = None, size: int | None = None
+    ) -> None:
         self.sock = sock
         self.segment = f"/ecb-squat-{uuid.uuid4().hex[:10]}"
         cmd = [sys.executable, str(HERE / "squatter.py"), sock, self.segment]
+        if size is not None:
+            cmd += ["--announce-size", str(size)]
         if uid is not None:
             cmd += ["--uid", str(uid)]
         if segment_owner is not None:
@@ -79,8 +83,10 @@ def squat(sock_dir: str) -> Iterator:
     os.chmod(sock_dir, 0o777)  # the squatter (another uid) binds in it
     started: list[Squatter] = []
 
-    def factory(uid: int | None = NOBODY, segment_owner: int | None = None) -> Squatter:
-        s = Squatter(os.path.join(sock_dir, "broker.sock"), uid, segment_owner)
+    def factory(
+        uid: int | None = NOBODY, segment_owner: int | None = None, size: int | None = None
+    ) -> Squatter:
+        s = Squatter(os.path.join(sock_dir, "broker.sock"), uid, segment_owner, size)
         started.append(s)
         return s
 
@@ -145,6 +151,19 @@ def test_a_trusted_peer_naming_another_users_segment_is_not_mapped(squat, caplog
             assert c.get("k") is None
     warnings = " ".join(r.getMessage() for r in caplog.records)
     assert f"belongs to uid {NOBODY}" in warnings, warnings
+    assert sq.segment_bytes() == bytes([0xAB]) * (1 << 20)
+
+
+@needs_root
+@pytest.mark.parametrize("size", [-1, 0, 1 << 62, (1 << 20) + 1])
+def test_an_absurd_announced_segment_size_is_an_outage(squat, size: int) -> None:
+    # A trusted uid (root) but a lying handshake: nothing it says is taken on faith.
+    sq = squat(uid=None, size=size)
+    with BrokerClient(sq.sock, timeout_s=5, max_backoff_s=0.0) as c:
+        assert c.put("k", torch.arange(64, dtype=torch.uint8)) is False
+        assert c.put_many([("k", torch.arange(64, dtype=torch.uint8))]) == [False]
+        assert c.get("k") is None
+        assert c.get_into("k", torch.zeros(64, dtype=torch.uint8)) is False
     assert sq.segment_bytes() == bytes([0xAB]) * (1 << 20)
 
 

@@ -1,0 +1,152 @@
+"""The client's outage contract, for every public call: an outage never raises.
+
+Three kinds of outage, each against real broker processes: nothing listens on
+the path, the broker is killed (-9) while the calls wait for its answers, and
+the broker answers but its shared-memory segment cannot be mapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+
+import torch
+from conftest import shm_segments
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.protocol import LookupState
+
+MISS, READY = LookupState.MISS, LookupState.READY
+T = torch.arange(1000, dtype=torch.float32)
+
+
+def calls(hit: str) -> dict[str, Callable[[BrokerClient], object]]:
+    """Every public call; ``hit`` names an entry the broker holds (when it is up)."""
+    return {
+        "put": lambda c: c.put("new", T),
+        "put_many": lambda c: c.put_many([("new1", T), ("new2", T)]),
+        "get": lambda c: c.get(hit),
+        "get_many": lambda c: c.get_many([hit, "absent"]),
+        "get_into": lambda c: c.get_into(hit, torch.zeros(1000)),
+        "has": lambda c: c.has([hit, "absent"]),
+        "lookup": lambda c: [i.state for i in c.lookup([hit, "absent"])],
+        "delete": lambda c: c.delete(hit),
+        "delete_many": lambda c: c.delete_many([hit, "absent"]),
+        "clear": lambda c: c.clear(),
+        "stats": lambda c: c.stats(),
+        "ping": lambda c: c.ping(),
+        "unlease": lambda c: c.unlease([hit]),
+        "shutdown": lambda c: c.shutdown(),
+    }
+
+
+OUTAGE = {
+    "put": False,
+    "put_many": [False, False],
+    "get": None,
+    "get_many": [None, None],
+    "get_into": False,
+    "has": [False, False],
+    "lookup": [MISS, MISS],
+    "delete": False,
+    "delete_many": [False, False],
+    "clear": False,
+    "stats": {},
+    "ping": False,
+    "unlease": None,
+    "shutdown": False,
+}
+
+
+def _run_all(c: BrokerClient, hit: str, names: list[str] | None = None) -> dict[str, object]:
+    out = {}
+    for name, call in calls(hit).items():
+        if names is None or name in names:
+            out[name] = call(c)
+    return out
+
+
+def test_every_call_with_nothing_listening(sock_dir) -> None:
+    missing = os.path.join(sock_dir, "missing.sock")
+    stale = os.path.join(sock_dir, "stale.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)  # a socket file nobody listens on: ECONNREFUSED
+    s.close()
+    for path in (missing, stale):
+        with BrokerClient(path, max_backoff_s=0.0) as c:
+            assert not c.connected
+            assert _run_all(c, "k") == OUTAGE, path
+
+
+def test_every_call_when_the_broker_is_killed_mid_call(make_broker) -> None:
+    b = make_broker("--shm-size", "64MiB")
+    names = list(OUTAGE)
+    clients = {n: BrokerClient(b.socket_path, timeout_s=60) for n in names}
+    for n, c in clients.items():  # every client connected, mapped, with an entry to hit
+        assert c.put(f"hit-{n}", T)
+    results: dict[str, object] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = calls(f"hit-{name}")[name](clients[name])
+        except BaseException as exc:  # noqa: BLE001 - any exception is the failure
+            errors[name] = exc
+
+    os.kill(b.pid, signal.SIGSTOP)  # requests are sent, no answer comes
+    threads = {n: threading.Thread(target=run, args=(n,), daemon=True) for n in names}
+    try:
+        for t in threads.values():
+            t.start()
+        for t in threads.values():
+            t.join(0.5)  # most are now blocked waiting for the stopped broker
+        b.kill9()
+        for t in threads.values():
+            t.join(60)
+        assert not [n for n, t in threads.items() if t.is_alive()], "calls still blocked"
+    finally:
+        if b.proc is not None and b.proc.poll() is None:
+            b.proc.kill()
+            b.proc.wait(10)
+        for c in clients.values():
+            c.close()
+        # kill -9 leaves the socket and segments behind: remove them as a restart would.
+        if os.path.exists(b.socket_path):
+            os.unlink(b.socket_path)
+        for name in shm_segments(b.socket_path, include_filter=True):
+            os.unlink("/dev/shm/" + name)
+    assert errors == {}
+    assert results == OUTAGE
+
+
+def test_every_call_when_the_segment_cannot_be_mapped(make_broker, caplog) -> None:
+    b = make_broker("--shm-size", "64MiB")
+    with BrokerClient(b.socket_path) as first:
+        assert first.put("hit", T)
+    (slab,) = shm_segments(b.socket_path)  # the slab (the filter still maps)
+    os.unlink("/dev/shm/" + slab)
+    names = [n for n in OUTAGE if n != "shutdown"]
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.connector.client"):
+        # max_backoff_s=0: each call reconnects, so the calls that need no mapping
+        # answer for real and the ones that do meet the unmappable segment.
+        with BrokerClient(b.socket_path, max_backoff_s=0.0) as c:
+            data = _run_all(c, "hit", ["put", "put_many", "get", "get_many", "get_into"])
+            control = _run_all(c, "hit", [n for n in names if n not in data])
+    assert data == {n: OUTAGE[n] for n in data}
+    assert control == {
+        "has": [True, False],
+        "lookup": [READY, MISS],
+        "delete": True,
+        "delete_many": [False, False],
+        "clear": True,
+        "stats": control["stats"],
+        "ping": True,
+        "unlease": None,
+    }
+    assert control["stats"]["reserved_bytes"] == 0  # the failed puts' reservations ended
+    warned = [r.getMessage() for r in caplog.records if "cannot map" in r.getMessage()]
+    assert len(warned) == 1 and slab in warned[0], warned  # once, naming the segment
