@@ -48,3 +48,134 @@ def test_cpu_written_entry_loads_onto_the_device(broker) -> None:
         assert c.put("cpu", src)
         got = c.get("cpu", device="cuda:0")
         assert got is not None and got.device.type == "cuda" and torch.equal(got.cpu(), src)
+
+
+# ------------------------------------------------------------ registration
+
+
+def _kernels_still_run() -> None:
+    """An elementwise kernel checks the thread's last CUDA error after its launch: a
+    registration failure left uncleared would surface here as this kernel's error."""
+    x = torch.arange(1024, device="cuda", dtype=torch.float32)
+    assert float((x * 2).sum().item()) == 2.0 * 1023 * 1024 / 2
+    torch.cuda.synchronize()
+
+
+def test_a_failed_registration_is_cleared_and_kernels_still_run(broker) -> None:
+    from lmcache_ec_broker.connector import pinning
+
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put("cpu", torch.ones(100))  # maps the slab (no CUDA yet)
+        slab = c._slab
+        assert slab is not None and not slab.pinned
+        torch.zeros(1, device="cuda")  # CUDA initialised: its runtime is now loaded
+        runtime = pinning.load_runtime()
+        assert runtime is not None
+        # Someone else registered the range first: the client's cudaHostRegister fails
+        # for real (cudaErrorHostMemoryAlreadyRegistered).
+        ptr, size = slab.u8.data_ptr(), slab.size
+        assert runtime.register(ptr, size, pinning.HOST_REGISTER_FLAGS) == 0
+        try:
+            src = (torch.randn(577, 1280, device="cuda") * 10).to(torch.bfloat16)
+            assert c.put("gpu", src)
+            assert not slab.pinned  # its own registration failed
+            _kernels_still_run()
+            got = c.get("gpu", device="cuda")
+            assert got is not None and torch.equal(got, src)
+            _kernels_still_run()
+        finally:
+            assert runtime.unregister(ptr) == 0  # still ours: the client did not undo it
+    _kernels_still_run()
+
+
+LOW_MEMLOCK_CHILD = """
+import json, logging, sys
+import torch
+from lmcache_ec_broker import BrokerClient
+
+records = []
+handler = logging.Handler()
+handler.emit = lambda rec: records.append(rec.getMessage())
+logging.getLogger("lmcache_ec_broker").addHandler(handler)
+logging.getLogger("lmcache_ec_broker").setLevel(logging.INFO)
+out = {}
+with BrokerClient(sys.argv[1]) as c:
+    src = (torch.randn(577, 1280, device="cuda") * 10).to(torch.bfloat16)
+    out["put"] = c.put("gpu", src)
+    got = c.get("gpu", device="cuda")
+    out["equal"] = got is not None and bool(torch.equal(got, src))
+    out["pinned"] = c._slab.pinned
+    x = torch.arange(1024, device="cuda", dtype=torch.float32)
+    out["kernel"] = float((x * 2).sum().item())
+    torch.cuda.synchronize()
+out["log"] = [r for r in records if "cudaHostRegister" in r]
+print(json.dumps(out))
+"""
+
+
+def test_low_memlock_registration_refused_copies_exact_and_kernels_run(broker, tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop CAP_IPC_LOCK")
+    script = tmp_path / "child.py"
+    script.write_text(LOW_MEMLOCK_CHILD)
+    here = Path(__file__).resolve().parent
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(here / "memlock_child.py"),
+            str(64 << 10),
+            str(script),
+            broker.socket_path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["put"] and out["equal"] and out["pinned"] is False
+    assert out["kernel"] == 2.0 * 1023 * 1024 / 2
+    assert len(out["log"]) == 1 and "memlock" in out["log"][0], out["log"]
+
+
+def test_extents_are_checked_on_the_cuda_paths() -> None:
+    import mmap
+
+    from lmcache_ec_broker.connector.copy import SlabView
+
+    mm = mmap.mmap(-1, 1 << 20)
+    slab = SlabView(mm, 1 << 20)
+    try:
+        src = torch.ones(2048, device="cuda")  # 8 KiB
+        with pytest.raises(ValueError, match="lies outside"):
+            slab.write([(-16384, 8192)], src)
+        with pytest.raises(ValueError, match="lies outside"):
+            slab.write([((1 << 20) - 4096, 8192)], src)
+        with pytest.raises(ValueError, match="extents cover 4096 bytes"):
+            slab.write([(0, 4096)], src)
+        with pytest.raises(ValueError, match="lies outside"):
+            slab.read_into([((1 << 20) - 4096, 8192)], torch.empty(2048, device="cuda"))
+        assert not slab.u8.any()
+        slab.write([(8192, 4096), (0, 4096)], src)
+        out = torch.zeros(2048, device="cuda")
+        slab.read_into([(8192, 4096), (0, 4096)], out)
+        assert torch.equal(out, src)
+        _kernels_still_run()
+    finally:
+        slab.close()
+        mm.close()
+
+
+def test_close_unregisters_so_the_next_client_registers_again(broker) -> None:
+    src = torch.randn(256, 1024, device="cuda")
+    for _ in range(3):
+        with BrokerClient(broker.socket_path) as c:
+            assert c.put("again", src) or c.get("again", device="cuda") is not None
+            assert c._slab is not None and c._slab.pinned
+        _kernels_still_run()
