@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -537,3 +538,83 @@ def test_remote_metrics_scraped(redis_server, node) -> None:
     assert m[p + "remote_latency_seconds_count[]"] == st["remote_latency_ms_le_inf"] >= 1
     assert m[p + "remote_latency_seconds_bucket[('le', '+Inf')]"] == st["remote_latency_ms_le_inf"]
     assert m[p + "remote_latency_seconds_sum[]"] > 0
+
+
+# ---------------------------------------------------------------- leases and the event loop
+
+
+def test_leased_lookup_promotes_then_ready(redis_server, node) -> None:
+    from lmcache_ec_broker.protocol import LookupState
+
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url)
+    t = tensor_of(torch.bfloat16, (512, 256), seed=12)
+    a.put("leased", t)
+    wait_for(written(a, 1), what="write")
+    wait_for(knows(b, 1), what="announcement")
+    (info,) = b.lookup(["leased"], lease_ms=30_000)
+    assert info.state in (LookupState.PENDING, LookupState.READY)  # remote hit: promotion started
+    assert (info.dtype, list(info.shape)) == ("bfloat16", [512, 256])
+    wait_for(
+        lambda: b.lookup(["leased"], lease_ms=30_000)[0].state == LookupState.READY, what="READY"
+    )
+    # Promoted and leased: in B's slab now, a get is a local hit.
+    read_before = remote_stats(b)["remote_bytes_read"]
+    assert same(b.get("leased"), t)
+    assert remote_stats(b)["remote_bytes_read"] == read_before
+    b.unlease(["leased"])
+    assert b.lookup(["absent-key"], lease_ms=30_000)[0].state == LookupState.MISS
+
+
+def test_a_slow_store_does_not_stall_other_clients() -> None:
+    """While the store is frozen (DEBUG SLEEP), a get waiting on it does not hold up
+    other clients of the same broker: their local requests are answered meanwhile."""
+    import threading
+    import uuid
+
+    from conftest import BrokerProcess
+
+    with RedisServer(extra=["--enable-debug-command", "yes"]) as srv:
+        d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
+        brokers = []
+        try:
+            for name in ("a", "b"):
+                cfg = os.path.join(d, f"{name}.yaml")
+                with open(cfg, "w") as f:
+                    f.write(f"remote_url: '{srv.url('unix')}'\nremote_timeout_s: 20\n")
+                sock = os.path.join(d, f"{name}-{uuid.uuid4().hex[:6]}.sock")
+                brokers.append(
+                    BrokerProcess(sock, ["--shm-size", "64MiB", "--config", cfg]).start()
+                )
+            a = BrokerClient(brokers[0].socket_path, timeout_s=30)
+            b = BrokerClient(brokers[1].socket_path, timeout_s=30)
+            other = BrokerClient(brokers[1].socket_path, timeout_s=30)
+            t = tensor_of(torch.float32, (256, 256), seed=13)
+            a.put("slow", t)
+            wait_for(written(a, 1), what="write")
+            wait_for(knows(b, 1), what="announcement")
+            sleeper = subprocess.Popen(
+                ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "6"], stdout=subprocess.DEVNULL
+            )
+            try:
+                time.sleep(0.3)  # the store is asleep now
+                got: list[object] = []
+                getter = threading.Thread(target=lambda: got.append(b.get("slow")))
+                getter.start()
+                local = tensor_of(torch.int32, (64,), seed=14)
+                assert other.put("local", local)
+                assert same(other.get("local"), local)
+                assert other.ping()
+                assert getter.is_alive(), "the remote get did not wait for the frozen store"
+                getter.join(60)
+                assert not getter.is_alive()
+                assert got and got[0] is not None and same(got[0], t)
+            finally:
+                sleeper.wait(30)
+            for c in (a, b, other):
+                c.close()
+        finally:
+            for br in brokers:
+                br.stop()
+            shutil.rmtree(d, ignore_errors=True)
