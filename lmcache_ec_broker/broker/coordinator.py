@@ -536,10 +536,14 @@ class Coordinator:
         deleted = self.store.delete(keys)
         for tier in self.tiers:
             deleted = [a or b for a, b in zip(deleted, tier.delete(keys), strict=True)]
-        for key in keys:
+        gone = set(keys)
+        for key in gone:
             prom = self._promoting.get(key)
             if prom is not None:
                 prom.cancelled = True
+        for conn in list(self._leases):  # the store ended its leases on them too
+            for key in gone & self._leases[conn].keys():
+                self._end_lease(conn, key)
         return deleted
 
     def clear(self) -> None:
@@ -548,6 +552,8 @@ class Coordinator:
             tier.clear()
         for prom in self._promoting.values():
             prom.cancelled = True
+        for conn in list(self._leases):
+            self._drop_leases(conn)
 
     # ---------------------------------------------------------------- inspection
 

@@ -199,11 +199,18 @@ class Store:
         entry.extents = []
 
     def _drop_ready(self, entry: Entry) -> None:
-        """Remove a READY entry from the index; free now or at its last release."""
+        """Remove a READY entry from the index; free now or at its last release.
+        Leases on it end now: they protect a later load, which can no longer happen,
+        and must not hold the blocks until they expire (a reader's pin does)."""
         del self.entries[entry.key]
         if self.membership is not None:
             self.membership.remove(entry.key)
         self.lru.remove(entry.key)
+        if entry.pins:
+            for state in self.conns.values():
+                pin_id = state.leases.get(entry.key)
+                if pin_id is not None and self.pins[pin_id].entry is entry:
+                    self._unpin(pin_id)
         if entry.pins:
             entry.doomed = True
         else:
