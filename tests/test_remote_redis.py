@@ -618,3 +618,108 @@ def test_a_slow_store_does_not_stall_other_clients() -> None:
             for br in brokers:
                 br.stop()
             shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the knobs
+
+
+def test_filter_cap_forgets_oldest_and_then_asks_for_every_key(redis_server, node) -> None:
+    url = redis_server.url("unix")
+    _, a = node(url)
+    _, b = node(url, remote_filter_keys=2)
+    tensors = {f"cap{i}": tensor_of(torch.float16, (8, 8), seed=i) for i in range(5)}
+    for k, t in tensors.items():
+        a.put(k, t)
+    wait_for(written(a, 5), what="writes")
+    wait_for(lambda: remote_stats(b)["remote_announcements"] >= 5, what="announcements")
+    assert remote_stats(b)["remote_known_keys"] == 2  # capped
+    # Keys beyond the cap are not in B's filter, so B's clients do not ask; a client
+    # that skips the filter still gets every one: the broker asks the store for all.
+    with BrokerClient(b.socket_path, filter_trust_s=-1.0) as raw:
+        for k, t in tensors.items():
+            assert same(raw.get(k), t), k
+
+
+def test_write_queue_bound_drops_instead_of_waiting() -> None:
+    """remote_write_queue: 1 and a frozen store: the first write-behind waits in its
+    thread, the next ones are dropped and counted; every put returns at once."""
+    import uuid
+
+    from conftest import BrokerProcess
+
+    with RedisServer(extra=["--enable-debug-command", "yes"]) as srv:
+        d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
+        cfg = os.path.join(d, "a.yaml")
+        with open(cfg, "w") as f:
+            f.write(
+                f"remote_url: '{srv.url('unix')}'\nremote_timeout_s: 20\nremote_write_queue: 1\n"
+            )
+        br = BrokerProcess(
+            os.path.join(d, f"a-{uuid.uuid4().hex[:6]}.sock"),
+            ["--shm-size", "64MiB", "--config", cfg],
+        ).start()
+        sleeper = None
+        try:
+            with BrokerClient(br.socket_path, timeout_s=30) as a:
+                sleeper = subprocess.Popen(
+                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "5"],
+                    stdout=subprocess.DEVNULL,
+                )
+                time.sleep(0.3)
+                for i in range(4):
+                    assert a.put(f"q{i}", tensor_of(torch.float32, (16,), seed=i))
+                st = remote_stats(a)
+                assert st["remote_pending_writes"] == 1
+                assert st["remote_write_drops"] == 3
+                sleeper.wait(30)
+                wait_for(lambda: remote_stats(a)["remote_writes"] == 1, what="the queued write")
+        finally:
+            if sleeper is not None:
+                sleeper.wait(30)
+            br.stop()
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
+    """remote_timeout_s 1 and a store frozen for 8 s: the get answers (a miss) while the
+    store is still frozen, and the broker keeps serving."""
+    import uuid
+
+    from conftest import BrokerProcess
+
+    with RedisServer(extra=["--enable-debug-command", "yes"]) as srv:
+        d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
+        brokers = []
+        sleeper = None
+        try:
+            for name in ("a", "b"):
+                cfg = os.path.join(d, f"{name}.yaml")
+                with open(cfg, "w") as f:
+                    f.write(f"remote_url: '{srv.url('unix')}'\nremote_timeout_s: 1\n")
+                sock = os.path.join(d, f"{name}-{uuid.uuid4().hex[:6]}.sock")
+                brokers.append(
+                    BrokerProcess(sock, ["--shm-size", "64MiB", "--config", cfg]).start()
+                )
+            with (
+                BrokerClient(brokers[0].socket_path, timeout_s=30) as a,
+                BrokerClient(brokers[1].socket_path, timeout_s=30) as b,
+            ):
+                t = tensor_of(torch.float32, (64, 64), seed=15)
+                a.put("frozen", t)
+                wait_for(written(a, 1), what="write")
+                wait_for(knows(b, 1), what="announcement")
+                sleeper = subprocess.Popen(
+                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "8"],
+                    stdout=subprocess.DEVNULL,
+                )
+                time.sleep(0.3)
+                assert b.get("frozen") is None
+                assert sleeper.poll() is None, "the get waited for the frozen store"
+                assert b.ping()
+                sleeper.wait(30)
+        finally:
+            if sleeper is not None:
+                sleeper.wait(30)
+            for br in brokers:
+                br.stop()
+            shutil.rmtree(d, ignore_errors=True)

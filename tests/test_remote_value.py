@@ -232,3 +232,53 @@ def test_circuit_probe_that_never_reports_expires() -> None:
     assert cb.allow()  # not stuck half-open
     cb.success()
     assert cb.up
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_remote_config_layers_and_errors(tmp_path, monkeypatch) -> None:
+    from lmcache_ec_broker.config import load_config
+
+    for var in [v for v in os.environ if v.startswith("LMCACHE_EC_")]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    yml = tmp_path / "c.yaml"
+    yml.write_text(
+        "remote_url: redis://plain:1\nec_remote_url: redis://prefixed:2\nremote_ttl_s: 60\n"
+    )
+    cfg, src = load_config({}, str(yml))
+    assert cfg.remote_url == "redis://prefixed:2" and "ec_remote_url" in src["remote_url"]
+    assert cfg.remote_ttl_s == 60
+    monkeypatch.setenv("LMCACHE_EC_REMOTE_URL", "unix:///run/r.sock")
+    monkeypatch.setenv("LMCACHE_EC_REMOTE_TIMEOUT_S", "2.5")
+    cfg, src = load_config({}, str(yml))
+    assert cfg.remote_url == "unix:///run/r.sock" and cfg.remote_timeout_s == 2.5
+    assert src["remote_url"] == "env LMCACHE_EC_REMOTE_URL"
+    cfg, _ = load_config({"remote_url": "redis://cli:3"}, str(yml))
+    assert cfg.remote_url == "redis://cli:3"
+    monkeypatch.delenv("LMCACHE_EC_REMOTE_URL")
+    monkeypatch.delenv("LMCACHE_EC_REMOTE_TIMEOUT_S")
+    bad = {
+        "remote_url: 'http://x'": "not supported",
+        "remote_url: redis://h:1\nremote_timeout_s: 0": "remote_timeout_s",
+        "remote_url: redis://h:1\nremote_password_file: /nonexistent/pw": "remote_password_file",
+        "remote_url: redis://h:1\nremote_hmac_key_file: /nonexistent/k": "remote_hmac_key_file",
+        "remote_url: redis://h:1\nremote_write_queue: 0": "remote_write_queue",
+        "remote_url: redis://h:1\nremote_key_prefix: 'a b'": "remote_key_prefix",
+        "remote_url: 'redis://:hunter2@h:nope'": "port",
+    }
+    for text, needle in bad.items():
+        yml.write_text(text + "\n")
+        with pytest.raises(ValueError, match=needle) as info:
+            load_config({}, str(yml))
+        assert "hunter2" not in str(info.value)
+    short = tmp_path / "short.key"
+    short.write_text("tooshort")
+    yml.write_text(f"remote_url: redis://h:1\nremote_hmac_key_file: {short}\n")
+    with pytest.raises(ValueError, match="at least 16"):
+        load_config({}, str(yml))
+    # Off by default: nothing about the remote tier is checked or started.
+    yml.write_text("remote_timeout_s: 0\n")
+    cfg, _ = load_config({}, str(yml))
+    assert cfg.remote_url is None
