@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from mooncake_env import (
@@ -29,6 +30,7 @@ from lmcache_ec_broker.broker.tiers.remote_value import encode_value
 from lmcache_ec_broker.protocol import DTYPE_ITEMSIZE, QUANTIZED_DTYPES, expected_nbytes
 
 REASON = unavailable_reason()
+EXAMPLE_YAML = str(Path(__file__).resolve().parent.parent / "examples" / "mooncake" / "broker.yaml")
 needs_mooncake = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
@@ -357,7 +359,9 @@ class NetnsBroker:
 def two_brokers(mc: Env) -> Iterator[tuple[Env, NetnsBroker, NetnsBroker]]:
     from conftest import shm_segments
 
-    a = NetnsBroker(mc, "a", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
+    # A runs from the documented example file (the environment and flags override
+    # its cluster addresses); B from flags and environment only.
+    a = NetnsBroker(mc, "a", "--config", EXAMPLE_YAML, LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
     b = NetnsBroker(mc, "b", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
     yield mc, a, b
     for br in (a, b):
@@ -471,3 +475,18 @@ def test_two_brokers_master_killed_and_restarted(two_brokers) -> None:
 
         until(flows, tries=60, pause=0.2)
         assert cb.stats()["remote_up"] == 1
+
+
+@needs_mooncake
+def test_benchmark_runs_and_prints_its_table() -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "remote_mooncake.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--sizes", "1MiB,9MiB", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("|") and "MiB" in ln]
+    assert [r.split("|")[1].strip() for r in rows] == ["1 MiB", "9 MiB"], out.stdout
+    assert "copies per byte" in out.stdout
