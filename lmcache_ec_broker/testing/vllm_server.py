@@ -9,6 +9,7 @@ used and vLLM left in /dev/shm (see :mod:`lmcache_ec_broker.testing.shm_cleanup`
 from __future__ import annotations
 
 import base64
+import fcntl
 import io
 import json
 import os
@@ -93,6 +94,30 @@ def png_data_url(seed: int, size: int = 112) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+# Several test or benchmark processes each starting vLLM servers on one small host
+# exhaust its memory and thrash; the first server a process starts takes this lock
+# and holds it until the process exits, so such processes run one after another.
+_HOST_LOCK_PATH = os.environ.get("LMCACHE_EC_VLLM_LOCK", "/tmp/lmcache-ec-vllm-tests.lock")
+_host_lock_fd: int | None = None
+
+
+def _hold_host_lock() -> None:
+    global _host_lock_fd
+    if _host_lock_fd is not None or not _HOST_LOCK_PATH:
+        return
+    fd = os.open(_HOST_LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(
+            f"waiting for another process's vLLM servers to finish (lock {_HOST_LOCK_PATH})",
+            file=sys.stderr,
+            flush=True,
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    _host_lock_fd = fd
+
+
 class VllmServer:
     def __init__(
         self,
@@ -131,6 +156,7 @@ class VllmServer:
             str(self.port),
             *self.args,
         ]
+        _hold_host_lock()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
