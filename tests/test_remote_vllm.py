@@ -1,0 +1,142 @@
+"""Real vLLM across two "nodes": two ``vllm serve`` instances, each with its own broker
+(own socket, slab), the brokers sharing one redis-server. The image goes to A, then to
+B: B's broker reports a remote hit, B loads instead of encoding, and B's output tokens
+equal those of an instance without any connector."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis_servers import REDIS_SERVER, RedisServer
+
+pytest.importorskip("vllm")
+
+from lmcache_ec_broker import BrokerClient  # noqa: E402
+from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
+from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
+    VllmServer,
+    ec_transfer_config,
+    png_data_url,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed"),
+]
+
+PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
+LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
+
+
+def _stats(sock: str) -> dict:
+    with BrokerClient(sock) as c:
+        return c.stats()
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+class NodeBroker:
+    def __init__(self, workdir: Path, name: str, url: str) -> None:
+        self.socket_path = str(workdir / f"{name}.sock")
+        self.log = open(workdir / f"broker-{name}.log", "ab")  # noqa: SIM115 - closed in stop
+        cfg = workdir / f"{name}.yaml"
+        cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 5.0\n")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lmcache_ec_broker.cli",
+                "start",
+                "--socket",
+                self.socket_path,
+                "--shm-size",
+                "256MiB",
+                "--config",
+                str(cfg),
+            ],  # fmt: skip
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        _wait(lambda: os.path.exists(self.socket_path) and bool(_stats(self.socket_path)), 60, name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict]:
+    workdir = Path(tempfile.mkdtemp(prefix="ecrv-", dir="/tmp"))
+    srv = RedisServer()
+    brokers: dict[str, NodeBroker] = {}
+    servers: dict[str, VllmServer] = {}
+    try:
+        root = os.environ.get("LMCACHE_EC_TEST_MODELS") or workdir / "models"
+        model = str(build_tiny_qwen2vl(root, TinyQwen2VLSpec()))
+        for name in ("a", "b"):
+            brokers[name] = NodeBroker(workdir, name, srv.url("unix"))
+        cores = os.cpu_count() or 1
+        for i, name in enumerate(("a", "b", "plain")):
+            cfg = (
+                ec_transfer_config("ec_both", brokers[name].socket_path)
+                if name in brokers
+                else None
+            )
+            servers[name] = VllmServer(
+                model,
+                workdir / f"vllm-{name}.log",
+                ec_config=cfg,
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
+            )
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready(timeout=1200)
+        yield {"redis": srv, "brokers": brokers, "servers": servers}
+    finally:
+        for s in servers.values():
+            s.terminate()
+        for s in servers.values():
+            s.wait_stopped()
+        for b in brokers.values():
+            b.stop()
+        srv.stop()
+        if not os.environ.get("LMCACHE_EC_KEEP_E2E_LOGS"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_node_b_hits_what_node_a_encoded(fleet) -> None:
+    a, b, plain = (fleet["servers"][n] for n in ("a", "b", "plain"))
+    ba, bb = fleet["brokers"]["a"], fleet["brokers"]["b"]
+    image = png_data_url(seed=21)
+    tokens_a = a.chat_token_ids(image)
+    stored = dict((h, int(n)) for n, h in PUT_LINE.findall(a.log_text()))
+    assert len(stored) == 1, a.log_tail()
+    (mm_hash,) = stored
+    _wait(lambda: _stats(ba.socket_path)["remote_writes"] >= 1, 60, "A's write-behind")
+    _wait(lambda: _stats(bb.socket_path)["remote_known_keys"] >= 1, 60, "B learns the key")
+    before = _stats(bb.socket_path)
+    tokens_b = b.chat_token_ids(image)
+    after = _stats(bb.socket_path)
+    assert after["remote_hits"] > before["remote_hits"], "B's broker did not hit the store"
+    assert after["remote_bytes_read"] >= stored[mm_hash]
+    assert mm_hash not in {h for _, h in PUT_LINE.findall(b.log_text())}, "B encoded it itself"
+    assert [h for _, h in LOAD_LINE.findall(b.log_text())] == [mm_hash]
+    assert tokens_b == plain.chat_token_ids(image) == tokens_a
