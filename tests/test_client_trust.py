@@ -167,6 +167,20 @@ def test_an_absurd_announced_segment_size_is_an_outage(squat, size: int) -> None
     assert sq.segment_bytes() == bytes([0xAB]) * (1 << 20)
 
 
+def test_a_membership_filter_of_an_untrusted_owner_is_not_mapped() -> None:
+    from lmcache_ec_broker.shm.filter import FilterReader, FilterWriter
+    from lmcache_ec_broker.shm.segment import ShmError
+
+    w = FilterWriter(f"/ecb-flt-{uuid.uuid4().hex[:10]}", 16)
+    try:
+        owner = os.getuid()
+        with pytest.raises(ShmError, match=f"belongs to uid {owner}"):
+            FilterReader(w.name, w.size, owners={owner + 1})
+        FilterReader(w.name, w.size, owners={owner}).close()
+    finally:
+        w.close()
+
+
 def test_bad_broker_uid_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("LMCACHE_EC_BROKER_UID", "no-such-user-xyz")
     with pytest.raises(ValueError, match="LMCACHE_EC_BROKER_UID.*no-such-user-xyz"):
