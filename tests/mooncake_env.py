@@ -360,7 +360,7 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
                     out({"ok": True})
                     return
                 if op == "wait_up":
-                    deadline = time.monotonic() + cmd.get("timeout", 30)
+                    deadline = time.monotonic() + cmd.get("for_s", 30)
                     while not tier.stats()["remote_up"] and time.monotonic() < deadline:
                         await asyncio.sleep(0.05)
                     out({"up": bool(tier.stats()["remote_up"])})

@@ -295,6 +295,27 @@ def test_master_killed_and_restarted(mc: Env) -> None:
 
 
 @needs_mooncake
+def test_master_down_at_start(mc: Env) -> None:
+    """A tier whose master is down at start serves misses, drops writes (counted),
+    and connects by itself when the master comes up."""
+    mc.master.kill()
+    settings = dict(master=mc.master.address, local_hostname="127.0.0.1", key_prefix="t:")
+    settings.update(global_segment_size=64 << 20, timeout_s=1.0, key_poll_s=0.0)
+    a = TierDriver(mc.ns, mc.log_dir, settings)
+    mc.drivers.append(a)
+    assert a.call("wait_up", for_s=2)["up"] is False
+    assert "unavailable" in a.call("lookup", keys=["k"])
+    assert a.call("put", key="k", dtype="uint8", shape=[64], seed=1)["started"] is False
+    assert a.call("stats")["stats"]["remote_write_drops"] == 1
+    mc.master.start()
+    assert a.call("wait_up", for_s=60, timeout=90)["up"], a.read_log()
+    b = mc.driver()
+    assert a.call("put", key="k", dtype="uint8", shape=[64], seed=1)["started"]
+    meta = b.call("lookup", keys=["k"])["metas"][0]
+    assert b.call("read", key="k", meta=meta)["sha256"] == sha(64, 1)
+
+
+@needs_mooncake
 def test_delete_waits_out_a_readers_lease(mc: Env) -> None:
     """Mooncake refuses to remove an object read within its lease TTL (-706): the
     tier stops answering hits at once and removes it when the lease ends."""

@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -243,6 +244,8 @@ class MooncakeTier(LowerTier):
         # Mooncake reads these at setup; bound its own waits by ours unless the operator chose.
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(int(self.s.timeout_s * 1000), 100)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(int(self.s.timeout_s * 4), 2)))
+        # One attempt per setup call (its retries hold the GIL); _connect_loop retries.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         # write batches hold up to _BATCH_WRITES slots, lookups _LOOKUP_CHUNK, reads one each
         self._slots = _Slots(_BATCH_WRITES + 4 * _LOOKUP_CHUNK + 64)
 
@@ -269,6 +272,10 @@ class MooncakeTier(LowerTier):
         while not self._stopping.is_set():
             store = None
             try:
+                # Mooncake's setup holds the GIL while it waits for the master (measured:
+                # 4.5 s per attempt, the broker's event loop frozen meanwhile): call it
+                # only once the master's port answers a plain connect, which does not.
+                self._probe_master()
                 store = self._store_cls()
                 rc = store.setup(
                     self.s.local_hostname,
@@ -306,6 +313,11 @@ class MooncakeTier(LowerTier):
             self._connected.set()
             log.info("Mooncake remote tier connected to %s (%s)", self.s.master, self.s.protocol)
             return
+
+    def _probe_master(self) -> None:
+        host, _, port = self.s.master.rpartition(":")
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=self.s.timeout_s):
+            pass
 
     async def shutdown(self, deadline_s: float) -> None:
         end = time.monotonic() + deadline_s
@@ -711,7 +723,10 @@ class MooncakeTier(LowerTier):
         )
 
     def write(self, key: str, meta: EntryMeta, extents: list[Extent]) -> Awaitable[None] | None:
-        if self._stopping.is_set() or self._store is None:
+        if self._stopping.is_set():
+            return None
+        if self._store is None:  # not connected yet (master down at start)
+            self._count("remote_write_drops")
             return None
         if self.s.max_entry_size and meta.nbytes > self.s.max_entry_size:
             return None
