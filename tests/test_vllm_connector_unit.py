@@ -800,3 +800,15 @@ def test_plugin_import_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_single_file_model_is_fingerprinted(tmp_path):
+    from lmcache_ec_broker.connector.model_id import fingerprint, model_id
+
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(bytes(range(256)) * 64)
+    before = model_id(str(weights))
+    assert before == f"{weights}#{fingerprint(str(weights))}"
+    weights.write_bytes(bytes(range(255, -1, -1)) * 64)
+    fingerprint.cache_clear()
+    assert model_id(str(weights)) != before

@@ -11,7 +11,8 @@ SHA-256 over
   ``preprocessor_config.json`` at the top of the model directory (architecture,
   vision tower, image/video/audio preprocessing);
 - for each weight file at the top of the directory (``*.safetensors``, ``*.bin``,
-  ``*.pt``, ``*.pth``, ``*.gguf``), sorted by name: its name and size, and
+  ``*.pt``, ``*.pth``, ``*.gguf``; or the model itself when it is one file), sorted
+  by name: its name and size, and
 
   - safetensors: its JSON header (every tensor's name, dtype, shape, offsets) and
     64 bytes at the start and 64 at the middle of every tensor's data;
@@ -79,12 +80,13 @@ def model_id(model: str, revision: str | None = None, explicit: str | None = Non
             model,
         )
         return f"{model}#rev={revision}" if revision else model
-    return f"{model}#{fingerprint(directory, revision)}"
+    return f"{model}#{fingerprint(str(directory), revision)}"
 
 
 def _model_dir(model: str, revision: str | None) -> Path | None:
+    """The local directory of the model (or its single weights file, e.g. a GGUF)."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or path.is_file():
         return path
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -99,11 +101,15 @@ def _model_dir(model: str, revision: str | None) -> Path | None:
 
 @functools.lru_cache(maxsize=16)
 def fingerprint(directory: str | Path, revision: str | None = None) -> str:
-    """Short hex digest of what determines the encoder's output (see the module doc)."""
+    """Short hex digest of what determines the encoder's output (see the module doc);
+    ``directory`` may also be a single weights file."""
     root = Path(directory)
     h = hashlib.sha256()
     h.update(b"lmcache-ec-model-v1\0")
     h.update(f"revision={revision or ''}\0".encode())
+    if root.is_file():  # a single-file model
+        _hash_weights(h, root)
+        return h.hexdigest()[:FINGERPRINT_HEX]
     names = sorted(os.listdir(root))
     for name in names:
         if _is_config(name) and (root / name).is_file():

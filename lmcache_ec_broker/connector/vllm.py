@@ -227,7 +227,9 @@ class ECBrokerConnector(ECConnectorBase):
         self._counted: set[str] = set()
         self._step_leased: set[str] = set()
         self._waiting: dict[str, _Waiting] = {}
-        self._inflight: dict[str, int] = {}  # mm_hash -> shipped steps not reported done
+        # mm_hash -> [steps that shipped its load and the worker has not reported done,
+        # when the last of them was shipped]
+        self._inflight: dict[str, list[float]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
         self._unavailable: set[str] = set()
@@ -463,8 +465,16 @@ class ECBrokerConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         meta = ECBrokerConnectorMetadata(loads=self._pending_loads)
+        now = time.monotonic()
+        if self._inflight:
+            # A report that never came (a failed step): the broker ended that lease at
+            # lease_ms anyway, so stop holding later leases of the hash for it.
+            expired = now - self._lease_ms / 1000
+            for mm_hash in [h for h, (_, t) in self._inflight.items() if t < expired]:
+                del self._inflight[mm_hash]
         for mm_hash in {spec.mm_hash for spec in self._pending_loads}:
-            self._inflight[mm_hash] = self._inflight.get(mm_hash, 0) + 1
+            count = self._inflight[mm_hash][0] if mm_hash in self._inflight else 0
+            self._inflight[mm_hash] = [count + 1, now]
         leased = self._step_leased
         self._pending_loads = []
         self._step_state = {}
@@ -500,10 +510,12 @@ class ECBrokerConnector(ECConnectorBase):
         self._poisoned -= meta.cleared
         ended = set()
         for mm_hash in meta.done:
-            left = self._inflight.get(mm_hash, 0) - 1
-            if left > 0:
-                self._inflight[mm_hash] = left
-            elif self._inflight.pop(mm_hash, None) is not None:
+            entry = self._inflight.get(mm_hash)
+            if entry is None:
+                continue
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self._inflight[mm_hash]
                 ended.add(mm_hash)
         self._unlease(ended)
 
