@@ -163,6 +163,10 @@ def test_two_instances_stops_when_the_broker_cannot_start(sock_dir) -> None:
 
 @pytest.mark.vllm
 def test_two_instances_stops_when_a_vllm_instance_exits(sock_dir) -> None:
+    # The script starts vLLM itself: take the host lock that vLLM test processes share.
+    from lmcache_ec_broker.testing.vllm_server import _hold_host_lock
+
+    _hold_host_lock()
     a, b = _unused_ports(2)
     r = _run_demo(sock_dir, "/no/such/model", PORT_A=str(a), PORT_B=str(b))
     assert r.returncode == 1
