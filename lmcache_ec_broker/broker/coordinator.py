@@ -221,6 +221,8 @@ class Coordinator:
     # ---------------------------------------------------------------- lookups
 
     def has(self, conn: int, keys: list[str], lease_ms: int) -> list[bool] | Awaitable[list[bool]]:
+        if not self.tiers:  # the hot path of a slab-only broker: no per-key objects
+            return self.store.has(conn, keys, lease_ms)
         got = self.lookup(conn, keys, lease_ms)
         if isinstance(got, list):
             return [i.state != LookupState.MISS for i in got]
