@@ -411,6 +411,21 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
                         for v in views:
                             h.update(v)
                     out({"sha256": h.hexdigest(), "extents": len(extents)})
+                elif op == "read_cancel":  # cancel a promotion mid-transfer
+                    n, dtype, shape = cmd["meta"]
+                    meta = EntryMeta(n, dtype, tuple(shape))
+                    task = asyncio.ensure_future(
+                        tier.read_into(cmd["key"], meta, alloc(n, cmd.get("pieces", 3)))
+                    )
+                    await asyncio.sleep(0.002)
+                    task.cancel()
+                    try:
+                        await task
+                        outcome = "finished"
+                    except asyncio.CancelledError:
+                        outcome = "cancelled"
+                    running = [f for f in tier._inflight if not f.done()]
+                    out({"outcome": outcome, "transfers_running": len(running)})
                 elif op == "delete":
                     out({"held": tier.delete(cmd["keys"])})
                 elif op == "clear":

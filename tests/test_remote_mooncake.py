@@ -330,6 +330,32 @@ def test_delete_waits_out_a_readers_lease(mc: Env) -> None:
 
 
 @needs_mooncake
+def test_cancelled_promotion_returns_only_after_its_transfer(mc: Env) -> None:
+    """The coordinator frees the reserved extents when read_into ends; a cancelled
+    read_into must therefore not end while Mooncake may still write into them."""
+    a, b = mc.driver(), mc.driver()
+    assert a.call("put", key="big", dtype="uint8", shape=[32 << 20], seed=1)["started"]
+    meta = b.call("lookup", keys=["big"])["metas"][0]
+    got = b.call("read_cancel", key="big", meta=meta)
+    assert got["outcome"] == "cancelled" and got["transfers_running"] == 0, got
+    assert b.call("read", key="big", meta=meta)["sha256"] == sha(32 << 20, 1)
+
+
+@needs_mooncake
+def test_clear_removes_the_namespace_only(mc: Env) -> None:
+    a = mc.driver()
+    other = mc.driver(key_prefix="other:")
+    for key in ("k1", "k2"):
+        assert a.call("put", key=key, dtype="uint8", shape=[128], seed=1)["started"]
+    assert other.call("put", key="k1", dtype="uint8", shape=[128], seed=2)["started"]
+    assert a.call("clear")["n"] == 2
+    assert a.call("lookup", keys=["k1", "k2"])["metas"] == [None, None]
+    until(lambda: not any(k.startswith("t:") for k in mc.master.keys()))
+    assert "other:k1" in mc.master.keys()
+    assert other.call("lookup", keys=["k1"])["metas"][0] is not None
+
+
+@needs_mooncake
 def test_key_listing_feeds_the_membership_filter(mc: Env) -> None:
     """Keys another node wrote reach this node's filter without a lookup; keys that
     leave the store leave the filter."""

@@ -136,6 +136,21 @@ def import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
+async def _uncancellable(fut: asyncio.Future[Any]) -> Any:
+    """Await ``fut`` to its end even if the caller is cancelled (then re-raise the
+    cancellation): the reserved extents must stay reserved while a transfer may still
+    write into them."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return fut.result()
+
+
 def _offsets(start: int, extents: list[Extent]) -> list[int]:
     """Destination offsets of the non-empty extents in an object whose payload begins at ``start``."""
     out, pos = [], start
@@ -228,7 +243,9 @@ class MooncakeTier(LowerTier):
         self._inflight: set[asyncio.Future[Any]] = set()
         self._header_sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._tombstones: set[str] = set()
-        self._refused: dict[str, float] = {}
+        self._clears_pending = 0  # clear() queued, not yet applied: every lookup misses
+        self._refused: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._last_warning = 0.0
         self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.circuit = CircuitBreaker(threshold=3, backoff_s=0.5, max_backoff_s=30.0)
@@ -455,10 +472,18 @@ class MooncakeTier(LowerTier):
     def _refuse(self, key: str, why: str) -> None:
         with self._lock:
             self.counters["remote_refused_values"] += 1
-            self._refused[key] = time.monotonic() + _REFUSED_TTL_S
+            self._remember(self._refused, key, time.monotonic() + _REFUSED_TTL_S)
             self._header_sizes.pop(key, None)
             self._known.pop(key, None)
-        log.warning("Mooncake value for key %r refused: %s", key[:200], why)
+            now = time.monotonic()
+            loud = now - self._last_warning >= 10.0  # a hostile writer must not flood the log
+            if loud:
+                self._last_warning = now
+        (log.warning if loud else log.debug)(
+            "Mooncake value for key %r refused: %s (remote_refused_values counts them)",
+            key[:200],
+            why,
+        )
         self._call_soon(self._report_removed, key)
 
     def _is_refused(self, key: str, now: float) -> bool:
@@ -515,6 +540,8 @@ class MooncakeTier(LowerTier):
         out: list[EntryMeta | None] = [None] * len(keys)
         now = time.monotonic()
         with self._lock:
+            if self._clears_pending:
+                return out
             ask = [
                 i
                 for i, k in enumerate(keys)
@@ -644,7 +671,7 @@ class MooncakeTier(LowerTier):
         # extents until the call returns, so this must not end before it does.
         # Mooncake bounds the call itself (MC_TRANSFER_TIMEOUT / MC_RPC_TIMEOUT_MS).
         try:
-            await asyncio.shield(fut)
+            await _uncancellable(fut)
         except TierMiss:
             self.circuit.success()  # the store answered
             with self._lock:
@@ -769,6 +796,7 @@ class MooncakeTier(LowerTier):
             n = len(self._known | self._reported.keys())
             self._known.clear()
             self._header_sizes.clear()
+            self._clears_pending += 1
             self._queue.append(_Clear())
             self._wake.notify()
         for key in list(self._reported):
@@ -829,10 +857,11 @@ class MooncakeTier(LowerTier):
                         self._finish(op.future, None)
                     else:  # keep it for when the store is back
                         with self._lock:
+                            later = time.monotonic() + 1.0
                             self._deferred.append(
-                                _Delete(op.key, op.tries, time.monotonic() + 1.0)
+                                _Delete(op.key, op.tries, later)
                                 if isinstance(op, _Delete)
-                                else op
+                                else _Clear(later)
                             )
                 continue
             if isinstance(ops[0], _Write):
@@ -1009,10 +1038,13 @@ class MooncakeTier(LowerTier):
 
     def _apply(self, store: Any, op: _Delete | _Clear) -> None:
         if isinstance(op, _Clear):
-            rc = store.remove_by_regex("^" + re.escape(self.s.key_prefix), False)
-            log.info("Mooncake clear of prefix %r: %s", self.s.key_prefix, rc)
-            with self._lock:
-                self._tombstones.clear()
+            try:
+                rc = store.remove_by_regex("^" + re.escape(self.s.key_prefix), False)
+                log.info("Mooncake clear of prefix %r: %s", self.s.key_prefix, rc)
+            finally:
+                with self._lock:
+                    self._tombstones.clear()
+                    self._clears_pending -= 1
             return
         rc = int(store.remove(self._mkey(op.key), False))
         if rc == HAS_LEASE and op.tries + 1 < _MAX_DELETE_TRIES:
