@@ -56,6 +56,7 @@ from ..protocol import (
     LookupState,
     Ping,
     PongReply,
+    ProtocolError,
     Release,
     Reply,
     Reserve,
@@ -66,6 +67,7 @@ from ..protocol import (
     StatsReply,
     Unlease,
     expected_nbytes,
+    frame_length,
 )
 from ..shm.filter import FilterReader
 from ..shm.segment import Segment, ShmError
@@ -319,7 +321,10 @@ class BrokerClient:
             avail = self._rend - self._rpos
             need = 4
             if avail >= 4:
-                (length,) = FRAME_HEADER.unpack_from(buf, self._rpos)
+                try:  # the one header parser (protocol.frame_length), with the reply cap
+                    length = frame_length(buf, _MAX_REPLY_BYTES - 4, self._rpos)
+                except ProtocolError as exc:
+                    raise BrokerUnavailable(f"implausible reply: {exc}") from None
                 need = 4 + length
                 if avail >= need:
                     start = self._rpos + 4
@@ -328,8 +333,6 @@ class BrokerClient:
                         self._rpos = self._rend = 0
                     with memoryview(buf) as view:
                         return self._decoder.decode(view[start : start + length])
-                if need > _MAX_REPLY_BYTES:
-                    raise BrokerUnavailable(f"reply frame of {length} bytes is implausible")
             if self._rpos:  # keep the unread tail at the front
                 buf[:avail] = buf[self._rpos : self._rend]
                 self._rpos, self._rend = 0, avail
