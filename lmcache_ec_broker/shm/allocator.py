@@ -41,15 +41,12 @@ class BlockAllocator:
         # "any" member of a dict that had many members deleted scans their dummies.
         self._by_len: dict[int, set[int]] = {}
         self._lens: list[int] = []  # the distinct free-run lengths, ascending
-        # One byte per block, 1 = allocated: lets free() detect double/overlapping frees.
-        self._used = bytearray(b"\x01" * nblocks)
-        self._used_view = memoryview(self._used)
-        self._ones = memoryview(b"\x01" * nblocks)
-        self._zeros = memoryview(bytes(nblocks))
+        # One byte per block (1/65536 of a slab of 64 KiB blocks), 1 = allocated:
+        # lets free() detect double and overlapping frees.
+        self._used = bytearray(nblocks)
         self.free_blocks = 0
         if nblocks:
             self._add(0, nblocks)
-            self._used_view[:] = self._zeros
 
     def _add(self, start: int, length: int) -> None:
         self._by_start[start] = length
@@ -84,7 +81,7 @@ class BlockAllocator:
         self._remove(start)
         if length > n:
             self._add(start + n, length - n)
-        self._used_view[start : start + n] = self._ones[:n]
+        self._used[start : start + n] = b"\x01" * n
         return (start, n)
 
     def allocate(self, n: int) -> list[Run] | None:
@@ -127,7 +124,7 @@ class BlockAllocator:
             prev_end = start + length
         for start, length in runs:
             end = start + length
-            self._used_view[start:end] = self._zeros[:length]
+            self._used[start:end] = bytes(length)
             prev_start = self._by_end.get(start)
             if prev_start is not None:
                 start = prev_start
