@@ -345,7 +345,7 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
         tier.open()
         tier.start(loop, slab, Events())
         out({"ok": True})
-        reader = asyncio.StreamReader()
+        reader = asyncio.StreamReader(limit=64 << 20)  # raw_put lines carry values
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while True:
             line = await reader.readline()

@@ -219,7 +219,12 @@ def test_poisoned_values_are_refused_never_served(mc: Env) -> None:
     good = encode_value("x", "float32", [4, 64], payload(1024, 3))
     flipped = bytearray(encode_value("flip", "float32", [4, 64], payload(1024, 3)))
     flipped[-5] ^= 0xFF
+    big = encode_value("bigflip", "uint8", [3 << 20], payload(3 << 20, 4))
+    big_flipped = bytearray(big)
+    big_flipped[len(big) // 2] ^= 0x01  # one bit in the middle of a pipelined read
     poison = {
+        "bigflip": bytes(big_flipped),
+        "bigtrunc": encode_value("bigtrunc", "uint8", [3 << 20], payload(3 << 20, 4))[:-1],
         "garbage": os.urandom(3000),
         "short": b"ECRV" + b"\0" * 6,
         "moved": good,  # a valid value stored under another key
