@@ -6,10 +6,12 @@ The broker's whole slab is registered with the Mooncake client once; then
 
 - write-behind is ``batch_put_from_multi_buffers``: one Mooncake object per entry,
   gathered from [header slot, slab extent 1, extent 2, ...] -- the transfer engine
-  reads the pinned extents itself;
+  reads the pinned extents itself (from 8 MiB a put session: payload first while it
+  is checksummed, header last, readable only when whole);
 - promotion is ``batch_get_into_multi_buffers``: the object scattered into
   [header slot, reserved extent 1, ...] -- the transfer engine writes the reserved
-  extents itself; the header and the checksum are checked before it counts;
+  extents itself; the header and the checksum are checked before it counts (from
+  4 MiB: ranged chunks, each checksummed while the next one moves);
 - lookup reads only the headers, for a whole batch in one ``get_into_ranges`` call.
 
 The object is exactly the remote value format of ``remote_value.py`` (header +
@@ -22,8 +24,8 @@ slab): a slot belongs to one Mooncake call and is freed by the thread that made 
 call when it returns -- not by a coroutine that stopped waiting -- so a call that
 outlives its deadline never writes into memory someone else was given.
 
-Mooncake semantics this tier relies on (0.3.13, see docs): ``put`` never overwrites
-(``-`` the same key always carries the same bytes here, so that is fine); every read
+Mooncake semantics this tier relies on (0.3.13, docs/mooncake.md): ``put`` never overwrites
+(the same key always carries the same bytes here, so that is fine); every read
 grants the reader a lease (10 s) during which ``remove`` answers -706 (HAS_LEASE):
 deletes are retried after the lease; the objects live in the segments the clients
 (brokers) contribute, so a broker that stops takes its objects with it, and a master
