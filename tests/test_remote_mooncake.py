@@ -459,7 +459,7 @@ def test_two_brokers_put_on_a_remote_hit_on_b_every_dtype(two_brokers) -> None:
     mc, a, b = two_brokers
     dtypes = _torch_dtypes()
     tensors = {f"img-{d}": _tensor(d, [3, 257, 9], i) for i, d in enumerate(dtypes)}
-    tensors["video"] = _tensor("bfloat16", [16, 1024, 96], 99)  # 3 MiB: several slab blocks
+    tensors["video"] = _tensor("bfloat16", [16, 2048, 96], 99)  # 6 MiB: pipelined promotion
     with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
         for key, t in tensors.items():
             assert ca.put(key, t), key
