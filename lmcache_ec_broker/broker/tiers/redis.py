@@ -162,7 +162,7 @@ class RedisTier(LowerTier):
             backoff_s=min(0.5, self.timeout_s), on_change=self._circuit_changed
         )
         self.counters: dict[str, int | float] = dict.fromkeys(REMOTE_COUNTERS, 0)
-        self._clock_lock = threading.Lock()
+        self._lock = threading.Lock()
         self.known: OrderedDict[str, None] = OrderedDict()  # keys reported to the filter
         # True while ``known`` holds every key this broker learned of (nothing dropped for
         # the cap): lookups then skip the round trip for keys outside it.
@@ -182,7 +182,6 @@ class RedisTier(LowerTier):
         self._sub_thread: threading.Thread | None = None
         self._sub_conn: Connection | None = None
         self._closing = False
-        self._scan_wanted = False
         self._warned: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -218,7 +217,9 @@ class RedisTier(LowerTier):
         if self._inflight:
             # Past the deadline: cut the sockets under the threads so they leave the slab now.
             log.warning("remote tier: abandoning %d transfers at shutdown", len(self._inflight))
-            for conn in list(self._active):
+            with self._lock:
+                active = list(self._active)
+            for conn in active:
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(2)
             await asyncio.wait(set(self._inflight), timeout=max(self.timeout_s, 1.0))
@@ -244,12 +245,12 @@ class RedisTier(LowerTier):
         return self.prefix + key.encode("utf-8", "surrogatepass")
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._clock_lock:
+        with self._lock:
             self.counters[name] += n
 
     def _observe(self, seconds: float) -> None:
         ms = seconds * 1000.0
-        with self._clock_lock:
+        with self._lock:
             for b, k in zip(LATENCY_BUCKETS_MS, LATENCY_KEYS, strict=False):
                 if ms <= b:
                     self.counters[k] += 1
@@ -278,7 +279,8 @@ class RedisTier(LowerTier):
         except (OSError, RespError) as exc:
             self.circuit.failure()
             raise _Unavailable(f"cannot connect to {ep}: {exc}") from None
-        self._active.add(conn)
+        with self._lock:
+            self._active.add(conn)
         try:
             result = fn(conn)
         except (RespError, TierMiss):
@@ -296,7 +298,8 @@ class RedisTier(LowerTier):
             conn.close()
             raise
         finally:
-            self._active.discard(conn)
+            with self._lock:
+                self._active.discard(conn)
             self._observe(time.monotonic() - t0)
         self.pool.put(conn)
         self.circuit.success()
@@ -724,7 +727,7 @@ class RedisTier(LowerTier):
     # ------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, int | float]:
-        with self._clock_lock:
+        with self._lock:
             out: dict[str, int | float] = dict(self.counters)
         out["remote_up"] = int(self.circuit.up)
         out["remote_known_keys"] = len(self.known)
