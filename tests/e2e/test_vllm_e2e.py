@@ -4,10 +4,13 @@ All servers of the module (seven engines, one of them TP=2) start at once, in
 parallel, and are shared by the tests; each test uses its own image so the tests
 do not see each other's entries. Expect ~3 minutes on an idle 2-core machine,
 almost all of it server start-up (8 minutes measured while other suites ran).
+Instance "b" names the connector in the short form (no ``ec_connector_module_path``):
+it exists only through the package's ``vllm.general_plugins`` entry point.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,11 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 # Unguarded on purpose: CI installs vLLM, so these tests must fail without it, never skip.
 import vllm  # noqa: F401
 
 from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.connector.model_id import model_id
+from lmcache_ec_broker.connector.vllm import make_key
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
 from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
 
@@ -39,6 +45,10 @@ LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 def puts(server: VllmServer) -> dict[str, int]:
     return {h: int(n) for n, h in PUT_LINE.findall(server.log_text())}
+
+
+def put_count(server: VllmServer, mm_hash: str) -> int:
+    return sum(1 for _, h in PUT_LINE.findall(server.log_text()) if h == mm_hash)
 
 
 def loads(server: VllmServer) -> list[str]:
@@ -72,10 +82,12 @@ class Broker:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "lmcache_ec_broker.cli", *args, "--socket", self.socket_path]
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self._cli("start") + ["--shm-size", "256MiB"], stdout=log, stderr=subprocess.STDOUT
+                self._cli("start") + ["--shm-size", "256MiB", *extra],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 30
         while subprocess.call(
@@ -95,6 +107,14 @@ class Broker:
             stats = c.stats()
         assert stats, "broker did not answer stats"
         return stats
+
+    def wait_unpinned(self) -> None:
+        """Every lease and pin ends once its load is done (the releases are posted,
+        so give the broker a moment to read them)."""
+        deadline = time.monotonic() + 30
+        while (stats := self.stats())["pins"]:
+            assert time.monotonic() < deadline, f"pins held after the loads: {stats}"
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +146,23 @@ def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, Vll
 
     for name, role in [
         ("a", "ec_both"),
-        ("b", "ec_both"),
         ("plain", None),
         ("producer", "ec_producer"),
         ("consumer", "ec_consumer"),
     ]:
         fleet[name] = server(name, role)
+    # The short form: the name resolves through the vllm.general_plugins entry point.
+    short = {
+        "ec_connector": "ECBrokerConnector",
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {"socket_path": broker.socket_path},
+    }
+    fleet["b"] = VllmServer(
+        model,
+        workdir / "b.log",
+        ec_config=json.dumps(short),
+        env={"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)},
+    )
     fleet["faulty"] = server(
         "faulty",
         "ec_both",
@@ -181,11 +212,12 @@ def test_two_instances_share_one_broker(servers, broker):
     (mm_hash,) = new
 
     hits = broker.stats()["hits"]
-    tokens_b = b.chat_token_ids(image)
+    tokens_b = b.chat_token_ids(image)  # B's connector: the plugin-registered short name
     assert broker.stats()["hits"] == hits + 1, "B did not load A's entry"
     assert mm_hash not in puts(b), "B encoded the image itself"
     assert loads(b) == [mm_hash]
     assert tokens_b == plain.chat_token_ids(image) == tokens_a
+    broker.wait_unpinned()  # B's lease ended with its load
 
 
 def test_disaggregated_producer_and_consumer(servers, broker):
@@ -240,6 +272,70 @@ def test_vanished_entry_fails_the_request_and_the_engine_lives(servers):
     assert "failing 1 request(s)" in log
     other = png_data_url(seed=6)
     assert faulty.chat_token_ids(other) == plain.chat_token_ids(other)
+
+
+def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, model):
+    """An entry of the wrong shape under the key vLLM uses: the scheduler deletes it,
+    the instance encodes the image again (same tokens, no error) and stores the right
+    entry. The test computes the key itself: same fingerprint as every vLLM process."""
+    a = servers["a"]
+    image = png_data_url(seed=8)
+    known = puts(a)
+    cold = a.chat_token_ids(image)
+    (mm_hash,) = [h for h in puts(a) if h not in known]
+    key = make_key(model_id(model), mm_hash, "bfloat16")
+    wrong = torch.zeros(17, SPEC.hidden_size, dtype=torch.bfloat16)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.delete(key), "the instance does not use the key the test computed"
+        assert c.put(key, wrong)
+
+    a.reset_encoder_cache()
+    assert a.chat_token_ids(image) == cold
+    log = a.log_text()
+    assert f"EC broker entry for mm_hash={mm_hash} is invalid for this model" in log
+    assert mm_hash not in loads(a)
+    assert put_count(a, mm_hash) == 2, "the right entry was not stored again"
+    with BrokerClient(broker.socket_path) as c:
+        got = c.get(key)
+    assert got is not None and got.shape == (16, SPEC.hidden_size)
+    broker.wait_unpinned()
+
+
+def test_entry_on_disk_only_defers_the_request_then_loads(servers, broker, workdir):
+    """After a broker restart the entry is on the disk tier only: the consumer's
+    scheduler defers the request until the entry is promoted into the slab, then
+    loads it (its worker never waits on the disk), with the tokens of a plain run."""
+    a, consumer, plain = servers["a"], servers["consumer"], servers["plain"]
+    disk = ["--local-disk", str(workdir / "disk"), "--max-local-disk-size", "256MiB"]
+    broker.stop()
+    broker.start(*disk)
+    image = png_data_url(seed=9)
+    deadline = time.monotonic() + 60
+    seed = 200
+    known = set(puts(a))
+    while not set(puts(a)) - known:  # A reconnects after its backoff (seconds)
+        assert time.monotonic() < deadline, "A did not store into the restarted broker"
+        a.chat_token_ids(png_data_url(seed=seed), max_tokens=1)
+        seed += 1
+        time.sleep(0.5)
+    known = set(puts(a))
+    a.chat_token_ids(image, max_tokens=1)
+    (mm_hash,) = [h for h in puts(a) if h not in known]
+    broker.stop()  # SIGTERM: the disk tier's write-behind is flushed
+    broker.start(*disk)
+    assert broker.stats()["entries"] == 0
+
+    tokens = None
+    while mm_hash not in loads(consumer):  # until its clients are back from the outage
+        assert time.monotonic() < deadline + 60, "the consumer never loaded the entry"
+        consumer.reset_encoder_cache()
+        tokens = consumer.chat_token_ids(image)
+    assert tokens == plain.chat_token_ids(image)
+    log = consumer.log_text()
+    assert re.search(rf"EC defer: request \S+ waits for mm_hash={mm_hash}", log), "not deferred"
+    assert "EC load failed" not in log
+    assert broker.stats()["promotions"] >= 1
+    broker.wait_unpinned()
 
 
 def test_broker_outage_keeps_vllm_serving(servers, broker):
