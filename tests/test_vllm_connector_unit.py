@@ -569,6 +569,34 @@ def test_disk_hit_defers_the_request_until_promoted(pairs, make_broker, sock_dir
     assert s["promotions"] == 1 and s["pins"] == 0
 
 
+def test_promoted_hit_survives_a_full_slab_and_disk_until_loaded(pairs, make_broker, sock_dir):
+    """Issue 10 item 9's scenario through the connector: a disk-only hit, deferred
+    until promoted, then slab and disk filled by other puts before the worker loads:
+    the load still succeeds (the lease covers the promoted entry until the load)."""
+    h = "d4" * 32
+    tensor = embedding(33)
+    b = restarted_with_disk_only(make_broker, sock_dir, {h: tensor}, pairs)
+    p = pairs(socket_path=b.socket_path)
+    request = make_request("r", h)
+    deadline = time.monotonic() + 30
+    while not p.sched.ensure_cache_available(request, 0):
+        p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "never promoted"
+        time.sleep(0.01)
+    assert p.sched.has_cache_item(h)
+    p.sched.update_state_after_alloc(request, 0)
+    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    filler = torch.zeros(256, 1024, dtype=torch.bfloat16)  # 512 KiB: 16 fill the slab
+    with BrokerClient(b.socket_path) as c:
+        for i in range(160):  # 80 MiB: more than the 8 MiB slab and the 64 MiB disk
+            c.put(f"filler@1@0@{i:064x}@bfloat16", filler)
+        assert c.stats()["evictions"] > 16
+    cache: dict[str, torch.Tensor] = {}
+    p.worker.bind_connector_metadata(meta)
+    p.worker.start_load_caches(cache)
+    assert p.worker.load_failures == 0 and torch.equal(cache[h], tensor)
+
+
 def test_a_promotion_not_waited_for_is_encoded(pairs, make_broker, sock_dir):
     """max_defer_s=0: an entry still on a lower tier is encoded at once (counted)."""
     h = "d2" * 32
