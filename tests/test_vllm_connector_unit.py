@@ -609,6 +609,24 @@ def test_a_promotion_not_waited_for_is_encoded(pairs, make_broker, sock_dir):
     assert broker_stats(b.socket_path, p)["pins"] == 0
 
 
+def test_miss_after_pending_is_encoded_and_counted(pairs, make_broker, sock_dir):
+    """The entry goes away while the request waits for its promotion: the next lookup
+    answers MISS, the request is scheduled at once and encodes the item (counted)."""
+    h = "d5" * 32
+    b = restarted_with_disk_only(make_broker, sock_dir, {h: embedding(34)}, pairs)
+    p = pairs(socket_path=b.socket_path)
+    request = make_request("r", h)
+    cache: dict[str, torch.Tensor] = {}
+    assert p.step(cache, [(request, 0)]) == {"r"}
+    with BrokerClient(b.socket_path) as c:
+        c.delete(p.sched.key(h))
+        assert c.has([p.sched.key(h)]) == [False]
+    assert p.step(cache, [(request, 0)]) == set()
+    assert p.sched.promotion_failures == 1 and p.sched.ec_misses == 1 and p.sched.ec_hits == 0
+    assert cache == {} and p.worker.load_failures == 0
+    assert broker_stats(b.socket_path, p)["pins"] == 0
+
+
 def test_a_request_aborted_while_waiting_releases_its_lease(pairs, make_broker, sock_dir):
     h = "d3" * 32
     b = restarted_with_disk_only(make_broker, sock_dir, {h: embedding(32)}, pairs)
