@@ -723,3 +723,19 @@ def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
             for br in brokers:
                 br.stop()
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_write_behind_threads_run_at_background_priority(redis_server, node) -> None:
+    """The threads that write behind yield the CPU to the event loop (nice +10)."""
+    from lmcache_ec_broker.broker.tiers.redis import BACKGROUND_NICE
+
+    proc, a = node(redis_server.url("unix"))
+    a.put("nice", tensor_of(torch.float32))
+    wait_for(written(a, 1), what="write")
+    nices = {}
+    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+        with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        nices[int(tid)] = int(fields[16])  # field 19 of stat: nice
+    assert nices[proc.pid] == 0  # the event loop
+    assert BACKGROUND_NICE in nices.values()
