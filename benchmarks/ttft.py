@@ -1,22 +1,27 @@
 """Time to first token through real ``vllm serve``: cold encoder vs. warm from the broker.
 
-    .venv/bin/python benchmarks/ttft.py                        # ~4-6 minutes on 2 cores
-    .venv/bin/python benchmarks/ttft.py --images 224 --reps 1  # smoke run
+    .venv/bin/python benchmarks/ttft.py                               # images, ~3 min
+    .venv/bin/python benchmarks/ttft.py --modality video              # 8/16/32/64 frames
+    .venv/bin/python benchmarks/ttft.py --modality audio              # 5/15/30 s clips
+    .venv/bin/python benchmarks/ttft.py --images 224 --reps 1         # smoke run
 
-A random-weight Qwen2-VL-family model is built offline with a vision tower large
-enough that the encoder is a real share of prefill (the text side is tiny, so the
-figures isolate what the cache saves). Two ``vllm serve`` instances (vLLM's CPU
-build here; any vLLM on a GPU) share one broker through ECBrokerConnector
-(role ec_both). For each image size and each of ``--reps`` distinct images:
+Random-weight models are built offline with an encoder large enough to be a real
+share of prefill (the text side is tiny, so the figures isolate what the cache
+saves): a Qwen2-VL-family model for images and video (MP4s written with OpenCV,
+``num_frames`` chosen per request), a Qwen2-Audio-family model for audio (WAVs).
+Two ``vllm serve`` instances (vLLM's CPU build here; any vLLM on a GPU) share one
+broker through ECBrokerConnector (role ec_both). For each sweep point and each
+of ``--reps`` distinct items:
 
-- cold:  instance A sees the image first: the encoder runs (and the entry is stored);
+- cold:  instance A sees the item first: the encoder runs (and the entry is stored);
 - warm (same instance): ``POST /reset_encoder_cache`` on A, same request again:
   vLLM's own encoder cache is empty, the entry comes from the broker;
-- warm (2nd instance): the same request on instance B, which never saw the image.
+- warm (2nd instance): the same request on instance B, which never saw the item.
 
 TTFT is the latency of a ``max_tokens=1`` chat completion (prefill + one token).
 Every warm figure is checked against the broker's hit counter, so a warm request
-that silently recomputed the encoder is reported, not hidden.
+that silently recomputed the encoder is reported, not hidden. The servers'
+shared memory is removed when they stop (the run leaves /dev/shm as it found it).
 """
 
 from __future__ import annotations
@@ -29,19 +34,72 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import Broker, MiB, fmt_size, median, table  # noqa: E402
 
+Item = tuple[dict[str, Any], dict[str, Any]]  # (chat content part, extra request fields)
 
-def bench_spec(max_side: int):
-    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec
 
+@dataclass
+class Point:
+    """One row of the sweep: ``item(k)`` is the k-th distinct item of this point."""
+
+    label: str
+    tokens: int
+    item: Callable[[int], Item]
+
+
+@dataclass
+class Setup:
+    model: str
+    describe: str
+    server_args: list[str]
+    first_column: str
+    points: list[Point]
+    entry_bytes_per_token: int
+    notes: list[str] = field(default_factory=list)
+
+
+def image_setup(args: argparse.Namespace, models: Path) -> Setup:
+    from lmcache_ec_broker.testing.media import image_part
+    from lmcache_ec_broker.testing.tiny_qwen2vl import (
+        TinyQwen2VLSpec,
+        build_tiny_qwen2vl,
+        image_tokens,
+    )
+    from lmcache_ec_broker.testing.vllm_server import png_data_url
+
+    sides = [int(s) for s in args.images.split(",")]
+    spec = vision_spec(TinyQwen2VLSpec, max(sides))
+    points = [
+        Point(
+            f"{s}x{s}",
+            image_tokens(spec, s, s),
+            lambda k, s=s: (image_part(png_data_url(s * 100 + k, s)), {}),
+        )
+        for s in sides
+    ]
+    return Setup(
+        model=str(build_tiny_qwen2vl(models, spec)),
+        describe=f"tiny Qwen2-VL, random weights (text {spec.num_layers}x{spec.hidden_size}, "
+        f"vision {spec.vision_depth}x{spec.vision_embed_dim})",
+        server_args=context_args(max(p.tokens for p in points)),
+        first_column="image",
+        points=points,
+        entry_bytes_per_token=spec.hidden_size * 2,
+    )
+
+
+def vision_spec(cls, max_side: int):
     # Text side: 2 small layers. Vision side: 6 layers of width 384 over up to a few
-    # thousand patches -- the encoder dominates prefill, as for real VLMs on images.
-    return TinyQwen2VLSpec(
+    # thousand patches -- the encoder dominates prefill, as for real VLMs.
+    return cls(
         hidden_size=1024,
         intermediate_size=2048,
         num_layers=2,
@@ -56,20 +114,122 @@ def bench_spec(max_side: int):
     )
 
 
-def ttft(url: str, model: str, image_url: str) -> float:
+def video_setup(args: argparse.Namespace, models: Path) -> Setup:
+    from lmcache_ec_broker.testing.media import mp4_data_url, video_part
+    from lmcache_ec_broker.testing.tiny_qwen2vl import (
+        TinyQwen2VLSpec,
+        build_tiny_qwen2vl,
+        video_tokens,
+    )
+
+    frames = [int(f) for f in args.frames.split(",")]
+    side = args.video_side
+    spec = vision_spec(TinyQwen2VLSpec, side)
+    # More frames than any point samples: when num_frames covers every frame, vLLM
+    # lets the HF processor resample by fps instead.
+    recorded = max(frames) + 8
+    cache: dict[int, str] = {}
+
+    def clip(k: int) -> str:  # one MP4 per rep, shared by every frame count
+        if k not in cache:
+            cache[k] = mp4_data_url(5000 + k, frames=recorded, size=side, fps=8)
+        return cache[k]
+
+    def item(k: int, n: int) -> Item:
+        # vLLM 0.32's default loader for Qwen2-VL samples by fps and ignores
+        # num_frames; the generic "opencv" loader honours it. Per request, so one
+        # pair of servers serves the whole sweep; vLLM hashes these kwargs into
+        # mm_hash, so each frame count is its own entry.
+        io = {"video": {"video_backend": "opencv", "num_frames": n}}
+        return video_part(clip(k)), {"media_io_kwargs": io}
+
+    points = [
+        Point(f"{n} frames", video_tokens(spec, side, side, n), lambda k, n=n: item(k, n))
+        for n in frames
+    ]
+    return Setup(
+        model=str(build_tiny_qwen2vl(models, spec)),
+        describe=f"tiny Qwen2-VL, random weights (text {spec.num_layers}x{spec.hidden_size}, "
+        f"vision {spec.vision_depth}x{spec.vision_embed_dim}); {recorded}-frame MP4 "
+        f"({side}x{side}, {recorded / 8:.0f} s at 8 fps), frames sampled per request",
+        server_args=[
+            *context_args(max(p.tokens for p in points)),
+            "--limit-mm-per-prompt",
+            '{"image": 0, "video": 1}',
+            "--trust-request-mm-kwargs",
+        ],  # fmt: skip
+        first_column="video",
+        points=points,
+        entry_bytes_per_token=spec.hidden_size * 2,
+    )
+
+
+def audio_setup(args: argparse.Namespace, models: Path) -> Setup:
+    from lmcache_ec_broker.testing.media import audio_part, wav_bytes
+    from lmcache_ec_broker.testing.tiny_qwen2audio import (
+        SAMPLING_RATE,
+        WINDOW_SECONDS,
+        TinyQwen2AudioSpec,
+        audio_tokens,
+        build_tiny_qwen2audio,
+    )
+
+    clips = [float(c) for c in args.clips.split(",")]
+    spec = TinyQwen2AudioSpec(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_heads=8,
+        num_kv_heads=8,
+        audio_layers=8,
+        audio_d_model=512,
+        audio_heads=8,
+        audio_ffn_dim=2048,
+        num_mel_bins=128,
+    )
+    points = [
+        Point(
+            f"{c:g} s",
+            audio_tokens(int(c * SAMPLING_RATE)),
+            lambda k, c=c: (audio_part(wav_bytes(7000 + int(c * 10) * 10 + k, c)), {}),
+        )
+        for c in clips
+    ]
+    return Setup(
+        model=str(build_tiny_qwen2audio(models, spec)),
+        describe=f"tiny Qwen2-Audio, random weights (text {spec.num_layers}x{spec.hidden_size}, "
+        f"audio {spec.audio_layers}x{spec.audio_d_model}); 16 kHz mono WAVs",
+        server_args=[
+            # Qwen2-Audio reserves one 30 s window (750 tokens) per clip.
+            *context_args(max(750, *(p.tokens for p in points))),
+            "--limit-mm-per-prompt",
+            '{"audio": 1}',
+            "--media-io-kwargs",
+            '{"audio": {"audio_backend": "soundfile"}}',
+        ],  # fmt: skip
+        first_column="audio clip",
+        points=points,
+        entry_bytes_per_token=spec.hidden_size * 2,
+        notes=[
+            f"Qwen2-Audio's encoder always runs one padded {WINDOW_SECONDS} s window (1500 "
+            "positions) and masks the padding afterwards, so its cost, and the saving, do "
+            "not grow with the clip; only the entry and the text prefill do."
+        ],
+    )
+
+
+def context_args(max_item_tokens: int) -> list[str]:
+    n = str(max(512, max_item_tokens + 64))
+    return ["--max-model-len", n, "--max-num-batched-tokens", n]
+
+
+def ttft(url: str, model: str, item: Item) -> float:
+    part, extra = item
     body = {
         "model": model,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image_url}},
-                    {"type": "text", "text": "describe the image"},
-                ],
-            }
-        ],
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": "describe it"}]}],
         "max_tokens": 1,
         "temperature": 0.0,
+        **extra,
     }
     req = urllib.request.Request(
         url + "/v1/chat/completions",
@@ -77,46 +237,50 @@ def ttft(url: str, model: str, image_url: str) -> float:
         headers={"Content-Type": "application/json"},
     )
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=900) as r:
         r.read()
     return time.perf_counter() - t0
+
+
+SETUPS = {"image": image_setup, "video": video_setup, "audio": audio_setup}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--images", default="224,448,672", help="square image sides in pixels")
-    p.add_argument("--reps", type=int, default=3, help="distinct images per size")
+    p.add_argument("--modality", choices=sorted(SETUPS), default="image")
+    p.add_argument("--images", default="224,448,672", help="image: square sides in pixels")
+    p.add_argument("--frames", default="8,16,32,64", help="video: frames sampled per request")
+    p.add_argument("--video-side", type=int, default=224, help="video: frame side in pixels")
+    p.add_argument("--clips", default="5,15,30", help="audio: clip lengths in seconds")
+    p.add_argument(
+        "--reps", type=int, default=None, help="distinct items per point (3; 2 for video/audio)"
+    )
     p.add_argument("--models", default=None, help="model cache root (default: a temp dir)")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
+    reps = args.reps or (3 if args.modality == "image" else 2)
 
     from lmcache_ec_broker import BrokerClient
-    from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl, image_tokens
-    from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
+    from lmcache_ec_broker.testing.shm_cleanup import list_vllm_shm
+    from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config
 
-    sides = [int(s) for s in args.images.split(",")]
     work = Path(tempfile.mkdtemp(prefix="ecb-ttft-", dir="/tmp"))
-    spec = bench_spec(max(sides))
-    model = str(build_tiny_qwen2vl(args.models or work / "models", spec))
-    max_tokens = max(image_tokens(spec, s, s) for s in sides) + 64
-    extra = [
-        "--max-model-len", str(max(512, max_tokens)),
-        "--max-num-batched-tokens", str(max(512, max_tokens)),
-    ]  # fmt: skip
+    setup = SETUPS[args.modality](args, Path(args.models) if args.models else work / "models")
     servers: list[VllmServer] = []
     rows, raw = [], []
+    load = os.getloadavg()[0]
     try:
         with Broker(512 * MiB) as broker:
             cores = os.cpu_count() or 1
             for i, name in enumerate(("a", "b")):
                 servers.append(
                     VllmServer(
-                        model,
+                        setup.model,
                         work / f"{name}.log",
                         ec_config=ec_transfer_config("ec_both", broker.socket_path),
-                        extra_args=extra,
+                        extra_args=setup.server_args,
                         env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                     ).start()
                 )
@@ -132,57 +296,66 @@ def main() -> int:
             def hits() -> int:
                 return int(client.stats().get("hits", 0))
 
-            for side in sides:
+            for point in setup.points:
                 for s in servers:  # first-request costs (allocations, kernels) off the clock
-                    ttft(s.url, model, png_data_url(10_000 + side, side))
+                    ttft(s.url, setup.model, point.item(10_000))
                 cold, warm_a, warm_b, ok = [], [], [], True
-                for rep in range(args.reps):
-                    img = png_data_url(side * 100 + rep, side)
-                    cold.append(ttft(a.url, model, img))
+                for rep in range(reps):
+                    item = point.item(rep)
+                    cold.append(ttft(a.url, setup.model, item))
                     a.reset_encoder_cache()
                     h = hits()
-                    warm_a.append(ttft(a.url, model, img))
+                    warm_a.append(ttft(a.url, setup.model, item))
                     ok &= hits() > h
                     h = hits()
-                    warm_b.append(ttft(b.url, model, img))
+                    warm_b.append(ttft(b.url, setup.model, item))
                     ok &= hits() > h
-                tokens = image_tokens(spec, side, side)
-                entry = tokens * spec.hidden_size * 2
+                entry = point.tokens * setup.entry_bytes_per_token
                 c, wa, wb = median(cold), median(warm_a), median(warm_b)
                 raw.append(
-                    {"side": side, "tokens": tokens, "entry_bytes": entry,
+                    {"point": point.label, "tokens": point.tokens, "entry_bytes": entry,
                      "cold": cold, "warm_same": warm_a, "warm_other": warm_b, "all_warm_hit": ok}
                 )  # fmt: skip
                 rows.append([
-                    f"{side}x{side}", tokens, fmt_size(entry) if entry % 1024 == 0 else f"{entry} B",
+                    point.label, point.tokens, fmt_size(entry) if entry % 1024 == 0 else f"{entry} B",
                     f"{c * 1e3:.0f}", f"{wa * 1e3:.0f}", f"{(c - wa) * 1e3:.0f}", f"{c / wa:.2f}x",
-                    f"{wb * 1e3:.0f}", f"{c / wb:.2f}x", "yes" if ok else "NO (see logs)",
+                    f"{wb * 1e3:.0f}", f"{(c - wb) * 1e3:.0f}", f"{c / wb:.2f}x",
+                    "yes" if ok else "NO (see logs)",
                 ])  # fmt: skip
-                print(f"  measured {side}x{side}", file=sys.stderr, flush=True)
+                print(f"  measured {point.label}", file=sys.stderr, flush=True)
             client.close()
     finally:
         for s in servers:
             s.terminate()
         for s in servers:
-            s.wait_stopped()
-        keep = os.environ.get("LMCACHE_EC_KEEP_BENCH")
-        if not keep:
+            s.wait_stopped()  # also removes the shared memory the servers used
+        if not os.environ.get("LMCACHE_EC_KEEP_BENCH"):
             shutil.rmtree(work, ignore_errors=True)
+    used = set().union(*(s.shm_seen for s in servers)) if servers else set()
+    left = sorted(used & list_vllm_shm())
     print(
-        f"model: tiny Qwen2-VL, random weights (text {spec.num_layers}x{spec.hidden_size}, "
-        f"vision {spec.vision_depth}x{spec.vision_embed_dim}); TTFT in ms, median of "
-        f"{args.reps} distinct images per size\n"
+        f"model: {setup.describe}; {os.cpu_count()} CPUs, load average {load:.1f} at start; "
+        f"TTFT in ms, median of {reps} distinct items per row\n"
     )
     print(
         table(
-            ["image", "image tokens", "entry", "cold", "warm (same)", "saved", "speedup",
-             "warm (2nd instance)", "speedup", "warm = broker hit"],
+            [setup.first_column, "tokens", "entry", "cold", "warm (same)", "saved", "speedup",
+             "warm (2nd instance)", "saved", "speedup", "warm = broker hit"],
             rows,
         )
     )  # fmt: skip
+    for note in setup.notes:
+        print("\n" + note)
+    print(f"\n/dev/shm: {len(used)} vLLM segments used by the servers, {len(left)} left behind")
     if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=2))
-    return 0 if all(r["all_warm_hit"] for r in raw) else 1
+        Path(args.json).write_text(
+            json.dumps(
+                {"modality": args.modality, "rows": raw, "shm_used": sorted(used),
+                 "shm_left": left},
+                indent=2,
+            )
+        )  # fmt: skip
+    return 0 if all(r["all_warm_hit"] for r in raw) and not left else 1
 
 
 if __name__ == "__main__":
