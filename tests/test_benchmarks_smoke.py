@@ -6,6 +6,7 @@ These are not timed tests: they check that the scripts run against real processe
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,7 +81,21 @@ def test_gpu_transfer_smoke() -> None:
 
 
 @pytest.mark.vllm
-def test_ttft_smoke() -> None:
-    r = _run("ttft.py", "--images", "112", "--reps", "1", timeout=1200)
+@pytest.mark.parametrize(
+    "modality, sizes",
+    [("image", ["--images", "112"]), ("video", ["--frames", "4", "--video-side", "56"]),
+     ("audio", ["--clips", "2"])],
+)  # fmt: skip
+def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    r = _run("ttft.py", "--modality", modality, *sizes, "--reps", "1", "--json", str(out),
+             timeout=1200)  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert "warm (2nd instance)" in r.stdout and "yes" in r.stdout
+    # The host is left as found: the shared memory vLLM's processes used (psm_*,
+    # sem.mp-*: ~200 MiB per server) is gone once the servers have stopped.
+    result = json.loads(out.read_text())
+    assert result["modality"] == modality and result["rows"][0]["all_warm_hit"]
+    assert result["shm_used"], "the benchmark did not see its servers' shared memory"
+    assert result["shm_left"] == []
+    assert not [n for n in result["shm_used"] if os.path.exists(os.path.join("/dev/shm", n))]
