@@ -23,7 +23,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from lmcache_ec_broker.testing.shm_cleanup import process_group, remove_shm, vllm_shm_in_use
+from lmcache_ec_broker.testing.shm_cleanup import (
+    all_pids,
+    list_vllm_shm,
+    process_group,
+    remove_shm,
+    vllm_shm_in_use,
+)
 
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -136,8 +142,10 @@ class VllmServer:
             self.args += ["--ec-transfer-config", ec_config]
         self.env = {**os.environ, **CPU_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
-        # vLLM-named /dev/shm entries this server's processes were seen using.
+        # vLLM-named /dev/shm entries this server's processes were seen using, and
+        # those that existed before it started.
         self.shm_seen: set[str] = set()
+        self._shm_before: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -157,6 +165,7 @@ class VllmServer:
             *self.args,
         ]
         _hold_host_lock()
+        self._shm_before = list_vllm_shm()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -206,8 +215,13 @@ class VllmServer:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
-        # Only names this server's own processes used: other programs' are never touched.
+        # Names this server's own processes used; then those that appeared while it
+        # ran and no live process uses (a semaphore created after the last look, when
+        # a slow shutdown ended in SIGKILL). Segments other programs use are never touched.
         remove_shm(self.shm_seen)
+        appeared = list_vllm_shm() - self._shm_before
+        if appeared:
+            remove_shm(appeared - vllm_shm_in_use(all_pids()))
 
     def stop(self, timeout: float = 30.0) -> None:
         self.terminate()

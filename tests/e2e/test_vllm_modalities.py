@@ -220,3 +220,17 @@ def test_audio_second_instance_loads_first_instances_entry(servers, broker):
         control=audio_part(wav_bytes(seed=26, seconds=CLIP_SECONDS)),
         entry_bytes=audio_entry_bytes(CLIP_SECONDS),
     )  # fmt: skip
+
+
+def test_a_server_killed_on_a_slow_shutdown_leaves_no_shared_memory(workdir: Path):
+    """A loaded host makes vLLM's shutdown outlast stop()'s timeout; the SIGKILL that
+    follows used to leave its psm_* segments (~400 MiB for this tiny model) in /dev/shm."""
+    from lmcache_ec_broker.testing.shm_cleanup import list_vllm_shm
+
+    models = os.environ.get("LMCACHE_EC_TEST_MODELS") or workdir / "models"
+    server = VllmServer(build_tiny_qwen2vl(models, VIDEO_SPEC), workdir / "killed.log")
+    server.start().wait_ready(timeout=900)
+    server.stop(timeout=0.1)  # straight to SIGKILL of the whole process group
+    assert server.proc is not None and server.proc.returncode is not None
+    assert server.shm_seen, "the server was not seen using shared memory"
+    assert not server.shm_seen & list_vllm_shm(), "segments left behind"
