@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -211,3 +212,19 @@ def test_vllm_shm_cleanup_removes_only_what_no_live_process_uses():
         for name in (in_use, left):
             Path("/dev/shm", name).unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_vllm_host_lock_is_not_taken_again_by_the_holders_children(tmp_path: Path):
+    """A test session holds the host lock after its first vLLM server; the benchmark
+    smoke test then runs ttft.py, which starts servers too. The child must not wait
+    for the lock its parent holds until exit (that hung CI until the test timeout)."""
+    take = "from lmcache_ec_broker.testing import vllm_server as v; v._hold_host_lock()"
+    child = f"import subprocess, sys; {take}; print('holding', flush=True); " + (
+        f"subprocess.run([sys.executable, '-c', {take + '; print(1)'!r}], timeout=60, check=True)"
+    )
+    env = dict(os.environ, LMCACHE_EC_VLLM_LOCK=str(tmp_path / "lock"))
+    out = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["holding", "1"]

@@ -122,6 +122,10 @@ def _hold_host_lock() -> None:
         )
         fcntl.flock(fd, fcntl.LOCK_EX)
     _host_lock_fd = fd
+    # Processes this one starts from now on (a benchmark a test session runs) are
+    # covered by this lock; if they waited for it they would wait for their parent,
+    # which holds it until it exits: a deadlock.
+    os.environ["LMCACHE_EC_VLLM_LOCK"] = ""
 
 
 class VllmServer:
