@@ -137,14 +137,6 @@ def test_config_layers_and_refusals(tmp_path, monkeypatch) -> None:
         load_config(config_file=str(yaml))
 
 
-def test_stats_names_match_the_redis_backend() -> None:
-    from lmcache_ec_broker.broker.tiers.mooncake import MooncakeTier
-    from lmcache_ec_broker.broker.tiers.redis import RedisTier
-
-    assert set(RedisTier.empty_stats()) <= set(MooncakeTier.empty_stats())
-    assert set(RedisTier.counter_names) <= set(MooncakeTier.counter_names)
-
-
 def test_broker_without_the_package_refuses_the_url(tmp_path) -> None:
     """A broker without Mooncake installed refuses mooncakestore:// with one line
     naming the extra, and leaves nothing behind."""

@@ -65,6 +65,7 @@ from .base import (
 )
 from .circuit import CircuitBreaker, State
 from .mooncake_config import EXTRA_HINT, SCHEME, MooncakeSettings
+from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
 from .remote_value import (
     FIXED,
     BadValue,
@@ -108,28 +109,8 @@ _REFUSED_TTL_S = 60.0
 
 # The same stats names as the Redis backend (tests/test_remote_mooncake.py checks it),
 # plus remote_lease_conflicts (deletes deferred by a reader's Mooncake lease).
-LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-LATENCY_KEYS = tuple(f"remote_latency_ms_le_{b}" for b in LATENCY_BUCKETS_MS) + (
-    "remote_latency_ms_le_inf",
-)
-COUNTERS = (
-    "remote_hits",
-    "remote_misses",
-    "remote_bytes_read",
-    "remote_bytes_written",
-    "remote_writes",
-    "remote_write_drops",
-    "remote_writes_skipped",
-    "remote_read_errors",
-    "remote_write_errors",
-    "remote_refused_values",
-    "remote_announcements",  # keys learned from the master's key listing
-    "remote_circuit_opens",
-    "remote_lease_conflicts",
-    *LATENCY_KEYS,
-    "remote_latency_seconds_sum",
-)
-GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
+COUNTERS = (*REMOTE_COUNTERS, "remote_lease_conflicts")
+GAUGES = REMOTE_GAUGES
 
 
 def import_store_class() -> Any:
@@ -430,13 +411,8 @@ class MooncakeTier(LowerTier):
     # ------------------------------------------------------------ helpers
 
     def _observe(self, seconds: float) -> None:
-        ms = seconds * 1000.0
         with self._lock:
-            for b, k in zip(LATENCY_BUCKETS_MS, LATENCY_KEYS, strict=False):
-                if ms <= b:
-                    self.counters[k] += 1
-            self.counters["remote_latency_ms_le_inf"] += 1
-            self.counters["remote_latency_seconds_sum"] += seconds
+            record_latency(self.counters, seconds)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

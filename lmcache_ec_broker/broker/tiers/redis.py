@@ -53,6 +53,7 @@ from .base import (
     TierUnavailable,
 )
 from .circuit import CircuitBreaker, State
+from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
 from .remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
 from .remote_value import (
     FIXED,
@@ -83,27 +84,6 @@ log = logging.getLogger("lmcache_ec_broker.remote")
 
 T = TypeVar("T")
 
-LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-LATENCY_KEYS = tuple(f"remote_latency_ms_le_{b}" for b in LATENCY_BUCKETS_MS) + (
-    "remote_latency_ms_le_inf",
-)
-REMOTE_COUNTERS = (
-    "remote_hits",
-    "remote_misses",
-    "remote_bytes_read",
-    "remote_bytes_written",
-    "remote_writes",
-    "remote_write_drops",
-    "remote_writes_skipped",
-    "remote_read_errors",
-    "remote_write_errors",
-    "remote_refused_values",
-    "remote_announcements",
-    "remote_circuit_opens",
-    *LATENCY_KEYS,
-    "remote_latency_seconds_sum",
-)
-REMOTE_GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
 _SCAN_COUNT = 1000
 _SUB_POLL_S = 0.5
 
@@ -256,13 +236,8 @@ class RedisTier(LowerTier):
             self.counters[name] += n
 
     def _observe(self, seconds: float) -> None:
-        ms = seconds * 1000.0
         with self._lock:
-            for b, k in zip(LATENCY_BUCKETS_MS, LATENCY_KEYS, strict=False):
-                if ms <= b:
-                    self.counters[k] += 1
-            self.counters["remote_latency_ms_le_inf"] += 1
-            self.counters["remote_latency_seconds_sum"] += seconds
+            record_latency(self.counters, seconds)
 
     def _warn(self, what: str, msg: str, *args: object) -> None:
         now = time.monotonic()

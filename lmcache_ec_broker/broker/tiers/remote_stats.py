@@ -1,0 +1,36 @@
+"""Stats names every remote backend (Redis/Valkey, Mooncake) exports, so dashboards and
+the metrics endpoint see one set whichever store a fleet runs."""
+
+from __future__ import annotations
+
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+LATENCY_KEYS = tuple(f"remote_latency_ms_le_{b}" for b in LATENCY_BUCKETS_MS) + (
+    "remote_latency_ms_le_inf",
+)
+REMOTE_COUNTERS = (
+    "remote_hits",
+    "remote_misses",
+    "remote_bytes_read",
+    "remote_bytes_written",
+    "remote_writes",
+    "remote_write_drops",
+    "remote_writes_skipped",
+    "remote_read_errors",
+    "remote_write_errors",
+    "remote_refused_values",
+    "remote_announcements",  # keys learned from other brokers (announcements, key listings)
+    "remote_circuit_opens",
+    *LATENCY_KEYS,
+    "remote_latency_seconds_sum",
+)
+REMOTE_GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
+
+
+def record_latency(counters: dict[str, int | float], seconds: float) -> None:
+    """Count one remote call in the cumulative latency buckets (caller holds its lock)."""
+    ms = seconds * 1000.0
+    for bound, key in zip(LATENCY_BUCKETS_MS, LATENCY_KEYS, strict=False):
+        if ms <= bound:
+            counters[key] += 1
+    counters["remote_latency_ms_le_inf"] += 1
+    counters["remote_latency_seconds_sum"] += seconds
