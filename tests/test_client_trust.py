@@ -17,6 +17,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -286,28 +287,44 @@ def test_default_path_broker_makes_a_private_dir_and_a_squatted_dir_is_refused()
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace with a private /tmp here: {probe.stderr}")
-    ns = 'mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm && exec "$@"'
-    r = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            ns,
-            "sh",
-            sys.executable,
-            "-c",
-            NAMESPACE_SCRIPT,
-            str(NOBODY),
-            str(HERE),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(HERE.parent),
+    # A private /tmp hides everything under the real one, and the checkout (with its
+    # .venv) may live there (CI clones anywhere): keep the real /tmp reachable through a
+    # bind mount outside it and bind the checkout and the interpreter's prefix back.
+    keep = [str(HERE.parent)]
+    if not sys.prefix.startswith(str(HERE.parent) + "/"):
+        keep.append(sys.prefix)
+    ns = (
+        'mount --bind /tmp "$ORIG" && mount -t tmpfs tmpfs /tmp '
+        "&& mount -t tmpfs tmpfs /dev/shm "
+        '&& for p in $KEEP; do case "$p" in /tmp/*) mkdir -p "$p" '
+        '&& mount --bind "$ORIG${p#/tmp}" "$p";; esac; done && exec "$@"'
     )
+    orig = tempfile.mkdtemp(dir="/var/tmp")
+    try:
+        r = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                ns,
+                "sh",
+                sys.executable,
+                "-c",
+                NAMESPACE_SCRIPT,
+                str(NOBODY),
+                str(HERE),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(HERE.parent),
+            env=dict(os.environ, ORIG=orig, KEEP=" ".join(keep)),
+        )
+    finally:
+        os.rmdir(orig)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["dir_mode"] == 0o700 and out["dir_uid"] == 0
