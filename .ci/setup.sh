@@ -37,7 +37,7 @@ if ! command -v redis-server >/dev/null; then
   fi
 fi
 
-# --- vLLM connector (H3): the next vLLM's EC connector sources, for tests/test_vllm_compat.py.
+# --- vLLM connector: the next vLLM's EC connector sources, for tests/test_vllm_compat.py.
 # vLLM 0.33 has no CPU build: its wheel is downloaded (no install, ~340 MB, deleted after)
 # and only the EC connector package and the scheduler/runner code calling it are kept.
 VLLM_NEXT="0.33.0"
@@ -60,7 +60,7 @@ PY
 fi
 # --- end vLLM connector block
 
-# --- Mooncake Store block (H7): the mooncake extra for the Mooncake remote-tier tests.
+# --- Mooncake Store block: the mooncake extra for the Mooncake remote-tier tests.
 # The store, engine and mooncake_master need libibverbs1 even without RDMA; iproute2 gives
 # ip/ss for the private network namespace the tests confine Mooncake to.
 if ! { dpkg -s libibverbs1 && dpkg -s iproute2; } >/dev/null 2>&1 && command -v apt-get >/dev/null; then
