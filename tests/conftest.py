@@ -10,14 +10,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from lmcache_ec_broker.broker.server import segment_prefix
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -28,6 +30,25 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         text=True,
         timeout=timeout,
     )
+
+
+def wait_until(pred: Callable[[], T], what: str, timeout: float = 20.0, interval: float = 0.05) -> T:
+    """Poll ``pred`` until it returns something truthy (returned); fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def broker_stats(socket_path: str) -> dict:
+    """One ``stats`` call through a fresh client ({} while no broker answers)."""
+    from lmcache_ec_broker import BrokerClient
+
+    with BrokerClient(socket_path) as c:
+        return c.stats()
 
 
 def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:

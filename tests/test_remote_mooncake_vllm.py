@@ -13,16 +13,15 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import broker_stats, wait_until
 from mooncake_env import MooncakeMaster, MooncakeNetns, unavailable_reason
 
 pytest.importorskip("vllm")
 
-from lmcache_ec_broker import BrokerClient  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
     VllmServer,
@@ -41,18 +40,6 @@ PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
 LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 
-def _stats(sock: str) -> dict:
-    with BrokerClient(sock) as c:
-        return c.stats()
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def _start_broker(ns: MooncakeNetns, workdir: Path, name: str, master: MooncakeMaster):
     sock = str(workdir / f"{name}.sock")
     env = dict(
@@ -69,11 +56,11 @@ def _start_broker(ns: MooncakeNetns, workdir: Path, name: str, master: MooncakeM
     def ready() -> bool:
         assert proc.poll() is None, (workdir / f"broker-{name}.log").read_text()
         try:
-            return bool(_stats(sock))
+            return bool(broker_stats(sock))
         except Exception:  # noqa: BLE001 - not listening yet
             return False
 
-    _wait(ready, 60, f"broker {name}")
+    wait_until(ready, f"broker {name}", timeout=60)
     return sock, proc
 
 
@@ -127,11 +114,11 @@ def test_node_b_hits_what_node_a_encoded_through_mooncake(fleet) -> None:
     stored = dict((h, int(n)) for n, h in PUT_LINE.findall(a.log_text()))
     assert len(stored) == 1, a.log_tail()
     (mm_hash,) = stored
-    _wait(lambda: _stats(sock_a)["remote_writes"] >= 1, 60, "A's write-behind")
-    _wait(lambda: _stats(sock_b)["remote_known_keys"] >= 1, 60, "B learns the key")
-    before = _stats(sock_b)
+    wait_until(lambda: broker_stats(sock_a)["remote_writes"] >= 1, "A's write-behind", timeout=60)
+    wait_until(lambda: broker_stats(sock_b)["remote_known_keys"] >= 1, "B learns the key", timeout=60)
+    before = broker_stats(sock_b)
     tokens_b = b.chat_token_ids(image)
-    after = _stats(sock_b)
+    after = broker_stats(sock_b)
     assert after["remote_hits"] > before["remote_hits"], "B's broker did not hit the store"
     assert after["remote_bytes_read"] >= stored[mm_hash]
     assert mm_hash not in {h for _, h in PUT_LINE.findall(b.log_text())}, "B encoded it itself"

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from conftest import wait_until
 from redis_servers import REDIS_SERVER, RedisCluster, RedisServer
 
 from lmcache_ec_broker.broker.tiers import remote_value as rv
@@ -38,15 +39,6 @@ DTYPES = [
     torch.complex64,
     torch.float8_e4m3fn,
 ]
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or pred}")
 
 
 def tensor_of(dtype: torch.dtype, shape: tuple[int, ...] = (37, 64), seed: int = 0) -> torch.Tensor:
@@ -125,8 +117,8 @@ def test_b_hits_what_a_stored_every_dtype(redis_server, node, transport) -> None
     tensors = {f"m@1@0@h{i}@{dt}": tensor_of(dt, seed=i) for i, dt in enumerate(DTYPES)}
     for key, t in tensors.items():
         assert a.put(key, t) is True
-    wait_for(lambda: remote_stats(a)["remote_writes"] == len(tensors), what="write-behind")
-    wait_for(knows(b, len(tensors)), what="announcements")
+    wait_until(lambda: remote_stats(a)["remote_writes"] == len(tensors), what="write-behind")
+    wait_until(knows(b, len(tensors)), what="announcements")
     assert b.has(list(tensors)) == [True] * len(tensors)
     for key, t in tensors.items():
         got = b.get(key)
@@ -155,8 +147,8 @@ def test_large_entry_in_several_extents(redis_server, node) -> None:
         b.delete(k)
     big = tensor_of(torch.bfloat16, (4096, 1024), seed=99)  # 8 MiB
     assert a.put("big", big)
-    wait_for(written(a, 1), what="write-behind")
-    wait_for(knows(b, 1), what="announcement")
+    wait_until(written(a, 1), what="write-behind")
+    wait_until(knows(b, 1), what="announcement")
     got = b.get("big")
     assert got is not None and same(got, big)
 
@@ -167,9 +159,9 @@ def test_write_behind_skips_what_the_store_has(redis_server, node) -> None:
     _, b = node(url)
     t = tensor_of(torch.float16, seed=5)
     assert a.put("k", t)
-    wait_for(written(a, 1), what="A's write")
+    wait_until(written(a, 1), what="A's write")
     assert b.put("k", t)  # B encoded the same thing itself
-    wait_for(written(b, 1), what="B's write decision")
+    wait_until(written(b, 1), what="B's write decision")
     assert remote_stats(b)["remote_writes"] == 0
     assert remote_stats(b)["remote_writes_skipped"] >= 1
 
@@ -192,10 +184,10 @@ def test_write_behind_races_promotion(redis_server, node) -> None:
         done = st["remote_writes"] + st["remote_writes_skipped"] + st["remote_write_drops"]
         return done >= len(tensors) and st["remote_pending_writes"] == 0
 
-    wait_for(settled, what="A's write-behind settles")
+    wait_until(settled, what="A's write-behind settles")
     stored = [k for k in tensors if redis_server.cli("exists", PREFIX + k) == "1"]
     assert len(stored) == remote_stats(a)["remote_writes"] > 0
-    wait_for(knows(b, len(stored)), what="announcements")
+    wait_until(knows(b, len(stored)), what="announcements")
     for key, t in tensors.items():
         got = b.get(key)
         if key in stored:
@@ -213,7 +205,7 @@ def test_filter_learns_announced_keys(redis_server, node) -> None:
     _, b = node(url)
     t = tensor_of(torch.float32, seed=3)
     a.put("announced", t)
-    wait_for(knows(b, 1), what="announcement")
+    wait_until(knows(b, 1), what="announcement")
     assert b.has(["announced"]) == [True]
     # Keys nobody announced cost no round trip to the store (neither in the client,
     # whose filter answers, nor in the broker, which asks only for keys it knows).
@@ -228,9 +220,9 @@ def test_bootstrap_scan_folds_existing_keys(redis_server, node) -> None:
     _, a = node(url)
     for i in range(5):
         a.put(f"s{i}", tensor_of(torch.int32, seed=i))
-    wait_for(written(a, 5), what="writes")
+    wait_until(written(a, 5), what="writes")
     _, b = node(url)  # starts after the announcements: learns by SCAN
-    wait_for(lambda: remote_stats(b)["remote_known_keys"] == 5, what="scan")
+    wait_until(lambda: remote_stats(b)["remote_known_keys"] == 5, what="scan")
     assert b.has([f"s{i}" for i in range(5)]) == [True] * 5
 
 
@@ -239,9 +231,9 @@ def test_delete_removes_from_the_store(redis_server, node) -> None:
     _, a = node(url)
     _, b = node(url)
     a.put("gone", tensor_of(torch.int8))
-    wait_for(written(a, 1), what="write")
+    wait_until(written(a, 1), what="write")
     assert a.delete("gone")
-    wait_for(lambda: redis_server.cli("exists", PREFIX + "gone") == "0", what="DEL")
+    wait_until(lambda: redis_server.cli("exists", PREFIX + "gone") == "0", what="DEL")
     assert b.get("gone") is None
 
 
@@ -250,7 +242,7 @@ def test_key_prefix_separates_fleets(redis_server, node) -> None:
     _, a = node(url, remote_key_prefix="fleet-a:")
     _, b = node(url, remote_key_prefix="fleet-b:")
     a.put("k", tensor_of(torch.float32))
-    wait_for(written(a, 1), what="write")
+    wait_until(written(a, 1), what="write")
     assert redis_server.cli("exists", "fleet-a:k") == "1"
     assert b.get("k") is None
 
@@ -258,7 +250,7 @@ def test_key_prefix_separates_fleets(redis_server, node) -> None:
 def test_ttl_sets_expiry(redis_server, node) -> None:
     _, a = node(redis_server.url("unix"), remote_ttl_s=3600)
     a.put("k", tensor_of(torch.float32))
-    wait_for(written(a, 1), what="write")
+    wait_until(written(a, 1), what="write")
     assert 0 < int(redis_server.cli("ttl", PREFIX + "k")) <= 3600
 
 
@@ -299,10 +291,10 @@ def test_poisoned_and_truncated_values_are_misses(redis_server, node) -> None:
     for k, v in poisons.items():
         _raw_set(redis_server, PREFIX + k, v, announce=False)
     _, b = node(url)  # learns the planted keys by its start-up SCAN
-    wait_for(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 1, what="scan")
+    wait_until(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 1, what="scan")
     for k, v in late.items():  # and these from announcements
         _raw_set(redis_server, PREFIX + k, v)
-    wait_for(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 3, what="announce")
+    wait_until(lambda: remote_stats(b)["remote_known_keys"] == len(poisons) + 3, what="announce")
     poisons.update(late)
     for k in poisons:
         assert b.get(k) is None, k
@@ -326,9 +318,9 @@ def test_hmac_refuses_unsigned_and_foreign_values(redis_server, node, tmp_path) 
     _, c = node(url, remote_hmac_key_file=str(other))
     t = tensor_of(torch.bfloat16, seed=8)
     a.put("signed", t)
-    wait_for(written(a, 1), what="write")
-    wait_for(knows(b, 1), what="announcement")
-    wait_for(knows(c, 1), what="announcement")
+    wait_until(written(a, 1), what="write")
+    wait_until(knows(b, 1), what="announcement")
+    wait_until(knows(c, 1), what="announcement")
     got = b.get("signed")
     assert got is not None and same(got, t)
     assert c.get("signed") is None  # signed with another key
@@ -337,7 +329,7 @@ def test_hmac_refuses_unsigned_and_foreign_values(redis_server, node, tmp_path) 
     _raw_set(
         redis_server, PREFIX + "planted", rv.encode_value("planted", "uint8", [8], b"12345678")
     )
-    wait_for(lambda: remote_stats(b)["remote_known_keys"] >= 2, what="announcement")
+    wait_until(lambda: remote_stats(b)["remote_known_keys"] >= 2, what="announcement")
     refused = remote_stats(b)["remote_refused_values"]
     assert b.get("planted") is None
     assert remote_stats(b)["remote_refused_values"] > refused
@@ -356,7 +348,7 @@ def test_remote_down_at_start_then_up(node, tmp_path) -> None:
         assert a.put("k", t)  # the local tiers serve
         assert same(a.get("k"), t)
         assert a.has(["nothing"]) == [False]
-        wait_for(lambda: remote_stats(a)["remote_up"] == 0, what="circuit open")
+        wait_until(lambda: remote_stats(a)["remote_up"] == 0, what="circuit open")
         assert a.put("dropped", t)  # never blocks: the write-behind is dropped and counted
         assert remote_stats(a)["remote_write_drops"] >= 1
         srv.start()
@@ -367,9 +359,9 @@ def test_remote_down_at_start_then_up(node, tmp_path) -> None:
             a.has(["probe-" + str(time.monotonic())])
             return remote_stats(a)["remote_up"] == 1
 
-        wait_for(recovered, what="recovery")
+        wait_until(recovered, what="recovery")
         a.put("k2", t2)
-        wait_for(lambda: srv.cli("exists", PREFIX + "k2") == "1", what="write after recovery")
+        wait_until(lambda: srv.cli("exists", PREFIX + "k2") == "1", what="write after recovery")
     finally:
         srv.stop()
 
@@ -380,12 +372,12 @@ def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
     _, b = node(url)
     t = tensor_of(torch.float16, seed=4)
     a.put("before", t)
-    wait_for(written(a, 1), what="write")
+    wait_until(written(a, 1), what="write")
     redis_server.kill()
     # Local tiers keep serving; remote lookups fail fast as misses.
     assert same(a.get("before"), t)
     assert b.get("before") is None  # the store is gone: a miss, not an error
-    wait_for(lambda: remote_stats(b)["remote_up"] == 0, what="circuit opens")
+    wait_until(lambda: remote_stats(b)["remote_up"] == 0, what="circuit opens")
     assert b.ping()
     redis_server.start()  # empty: the data is lost
 
@@ -393,7 +385,7 @@ def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
         b.has(["probe-" + str(time.monotonic())])
         return remote_stats(b)["remote_up"] == 1
 
-    wait_for(recovered, what="recovery")
+    wait_until(recovered, what="recovery")
     assert b.get("before") is None  # lost data costs only the hit
     t2 = tensor_of(torch.float16, seed=5)
     a.put("after", t2)
@@ -408,8 +400,8 @@ def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
             a.put("after", t2)
         return redis_server.cli("exists", PREFIX + "after") == "1"
 
-    wait_for(a_recovered_and_wrote, what="A writes again")
-    wait_for(lambda: b.has(["after"]) == [True], what="B learns of it")
+    wait_until(a_recovered_and_wrote, what="A writes again")
+    wait_until(lambda: b.has(["after"]) == [True], what="B learns of it")
     got = b.get("after")
     assert got is not None and same(got, t2)
 
@@ -426,8 +418,8 @@ def test_auth_password_from_file(node, tmp_path) -> None:
         _, b = node(url, remote_password_file=str(pwfile))
         t = tensor_of(torch.bfloat16, seed=6)
         a.put("k", t)
-        wait_for(written(a, 1), what="write")
-        wait_for(knows(b, 1), what="announcement")
+        wait_until(written(a, 1), what="write")
+        wait_until(knows(b, 1), what="announcement")
         assert same(b.get("k"), t)
         assert "s3cret-pw" not in b1.read_log()
         # Without the password: refused by the server, so the tier is down, not crashing.
@@ -474,8 +466,8 @@ def test_tls(node, tmp_path) -> None:
         _, b = node(url, remote_tls_ca_file=srv.cert)
         t = tensor_of(torch.float32, (300, 100), seed=7)
         a.put("k", t)
-        wait_for(written(a, 1), what="write over TLS")
-        wait_for(knows(b, 1), what="announcement")
+        wait_until(written(a, 1), what="write over TLS")
+        wait_until(knows(b, 1), what="announcement")
         assert same(b.get("k"), t)
         # A broker that does not trust the certificate cannot connect: misses, no crash.
         _, c = node(url)
@@ -492,8 +484,8 @@ def test_cluster_values_spread_across_slots(node) -> None:
         tensors = {f"c{i}": tensor_of(torch.bfloat16, (64, 32), seed=i) for i in range(30)}
         for k, t in tensors.items():
             a.put(k, t)
-        wait_for(written(a, len(tensors)), what="writes")
-        wait_for(knows(b, len(tensors)), what="announcements")
+        wait_until(written(a, len(tensors)), what="writes")
+        wait_until(knows(b, len(tensors)), what="announcements")
         owners = set()
         for n in cluster.nodes:
             keys = n.cli("--scan", "--pattern", PREFIX + "*").split()
@@ -520,8 +512,8 @@ def test_remote_metrics_scraped(redis_server, node) -> None:
     _, b = node(redis_server.url("unix"), metrics_port=port)
     t = tensor_of(torch.float32, seed=11)
     a.put("m", t)
-    wait_for(written(a, 1), what="write")
-    wait_for(knows(b, 1), what="announcement")
+    wait_until(written(a, 1), what="write")
+    wait_until(knows(b, 1), what="announcement")
     assert same(b.get("m"), t)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -551,12 +543,12 @@ def test_leased_lookup_promotes_then_ready(redis_server, node) -> None:
     _, b = node(url)
     t = tensor_of(torch.bfloat16, (512, 256), seed=12)
     a.put("leased", t)
-    wait_for(written(a, 1), what="write")
-    wait_for(knows(b, 1), what="announcement")
+    wait_until(written(a, 1), what="write")
+    wait_until(knows(b, 1), what="announcement")
     (info,) = b.lookup(["leased"], lease_ms=30_000)
     assert info.state in (LookupState.PENDING, LookupState.READY)  # remote hit: promotion started
     assert (info.dtype, list(info.shape)) == ("bfloat16", [512, 256])
-    wait_for(
+    wait_until(
         lambda: b.lookup(["leased"], lease_ms=30_000)[0].state == LookupState.READY, what="READY"
     )
     # Promoted and leased: in B's slab now, a get is a local hit.
@@ -592,8 +584,8 @@ def test_a_slow_store_does_not_stall_other_clients() -> None:
             other = BrokerClient(brokers[1].socket_path, timeout_s=30)
             t = tensor_of(torch.float32, (256, 256), seed=13)
             a.put("slow", t)
-            wait_for(written(a, 1), what="write")
-            wait_for(knows(b, 1), what="announcement")
+            wait_until(written(a, 1), what="write")
+            wait_until(knows(b, 1), what="announcement")
             sleeper = subprocess.Popen(
                 ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "6"], stdout=subprocess.DEVNULL
             )
@@ -630,8 +622,8 @@ def test_filter_cap_forgets_oldest_and_then_asks_for_every_key(redis_server, nod
     tensors = {f"cap{i}": tensor_of(torch.float16, (8, 8), seed=i) for i in range(5)}
     for k, t in tensors.items():
         a.put(k, t)
-    wait_for(written(a, 5), what="writes")
-    wait_for(lambda: remote_stats(b)["remote_announcements"] >= 5, what="announcements")
+    wait_until(written(a, 5), what="writes")
+    wait_until(lambda: remote_stats(b)["remote_announcements"] >= 5, what="announcements")
     assert remote_stats(b)["remote_known_keys"] == 2  # capped
     # Keys beyond the cap are not in B's filter, so B's clients do not ask; a client
     # that skips the filter still gets every one: the broker asks the store for all.
@@ -672,7 +664,7 @@ def test_write_queue_bound_drops_instead_of_waiting() -> None:
                 assert st["remote_pending_writes"] == 1
                 assert st["remote_write_drops"] == 3
                 sleeper.wait(30)
-                wait_for(lambda: remote_stats(a)["remote_writes"] == 1, what="the queued write")
+                wait_until(lambda: remote_stats(a)["remote_writes"] == 1, what="the queued write")
         finally:
             if sleeper is not None:
                 sleeper.wait(30)
@@ -706,8 +698,8 @@ def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
             ):
                 t = tensor_of(torch.float32, (64, 64), seed=15)
                 a.put("frozen", t)
-                wait_for(written(a, 1), what="write")
-                wait_for(knows(b, 1), what="announcement")
+                wait_until(written(a, 1), what="write")
+                wait_until(knows(b, 1), what="announcement")
                 sleeper = subprocess.Popen(
                     ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "8"],
                     stdout=subprocess.DEVNULL,
@@ -731,7 +723,7 @@ def test_write_behind_threads_run_at_background_priority(redis_server, node) -> 
 
     proc, a = node(redis_server.url("unix"))
     a.put("nice", tensor_of(torch.float32))
-    wait_for(written(a, 1), what="write")
+    wait_until(written(a, 1), what="write")
     nices = {}
     for tid in os.listdir(f"/proc/{proc.pid}/task"):
         with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:

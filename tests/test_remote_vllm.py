@@ -11,16 +11,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import broker_stats, wait_until
 from redis_servers import REDIS_SERVER, RedisServer
 
 pytest.importorskip("vllm")
 
-from lmcache_ec_broker import BrokerClient  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
     VllmServer,
@@ -36,18 +35,6 @@ pytestmark = [
 
 PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
 LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
-
-
-def _stats(sock: str) -> dict:
-    with BrokerClient(sock) as c:
-        return c.stats()
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 class NodeBroker:
@@ -72,7 +59,7 @@ class NodeBroker:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        _wait(lambda: os.path.exists(self.socket_path) and bool(_stats(self.socket_path)), 60, name)
+        wait_until(lambda: os.path.exists(self.socket_path) and bool(broker_stats(self.socket_path)), name, timeout=60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -129,11 +116,11 @@ def test_node_b_hits_what_node_a_encoded(fleet) -> None:
     stored = dict((h, int(n)) for n, h in PUT_LINE.findall(a.log_text()))
     assert len(stored) == 1, a.log_tail()
     (mm_hash,) = stored
-    _wait(lambda: _stats(ba.socket_path)["remote_writes"] >= 1, 60, "A's write-behind")
-    _wait(lambda: _stats(bb.socket_path)["remote_known_keys"] >= 1, 60, "B learns the key")
-    before = _stats(bb.socket_path)
+    wait_until(lambda: broker_stats(ba.socket_path)["remote_writes"] >= 1, "A's write-behind", timeout=60)
+    wait_until(lambda: broker_stats(bb.socket_path)["remote_known_keys"] >= 1, "B learns the key", timeout=60)
+    before = broker_stats(bb.socket_path)
     tokens_b = b.chat_token_ids(image)
-    after = _stats(bb.socket_path)
+    after = broker_stats(bb.socket_path)
     assert after["remote_hits"] > before["remote_hits"], "B's broker did not hit the store"
     assert after["remote_bytes_read"] >= stored[mm_hash]
     assert mm_hash not in {h for _, h in PUT_LINE.findall(b.log_text())}, "B encoded it itself"

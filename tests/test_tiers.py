@@ -17,7 +17,7 @@ import time
 import msgspec
 import pytest
 import torch
-from conftest import shm_segments
+from conftest import shm_segments, wait_until
 from rawproto import RawConn
 
 from lmcache_ec_broker import BrokerClient
@@ -49,16 +49,6 @@ def start(make_broker, disk: str, *extra: str, shm="1MiB", cap="2MiB", **kw):
     return make_broker(
         "--shm-size", shm, "--local-disk", disk, "--max-local-disk-size", cap, *extra, **kw
     )  # fmt: skip
-
-
-def wait_until(pred, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def put_flushed(c: BrokerClient, key: str, t: torch.Tensor) -> None:
