@@ -6,7 +6,6 @@ equal those of an instance without any connector."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,8 +32,6 @@ pytestmark = [
     pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed"),
 ]
 
-PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
-LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 
 class NodeBroker:
@@ -113,7 +110,7 @@ def test_node_b_hits_what_node_a_encoded(fleet) -> None:
     ba, bb = fleet["brokers"]["a"], fleet["brokers"]["b"]
     image = png_data_url(seed=21)
     tokens_a = a.chat_token_ids(image)
-    stored = dict((h, int(n)) for n, h in PUT_LINE.findall(a.log_text()))
+    stored = a.ec_puts()
     assert len(stored) == 1, a.log_tail()
     (mm_hash,) = stored
     wait_until(lambda: broker_stats(ba.socket_path)["remote_writes"] >= 1, "A's write-behind", timeout=60)
@@ -123,6 +120,6 @@ def test_node_b_hits_what_node_a_encoded(fleet) -> None:
     after = broker_stats(bb.socket_path)
     assert after["remote_hits"] > before["remote_hits"], "B's broker did not hit the store"
     assert after["remote_bytes_read"] >= stored[mm_hash]
-    assert mm_hash not in {h for _, h in PUT_LINE.findall(b.log_text())}, "B encoded it itself"
-    assert [h for _, h in LOAD_LINE.findall(b.log_text())] == [mm_hash]
+    assert mm_hash not in b.ec_puts(), "B encoded it itself"
+    assert b.ec_loads() == [mm_hash]
     assert tokens_b == plain.chat_token_ids(image) == tokens_a

@@ -13,6 +13,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,6 +100,10 @@ def png_data_url(seed: int, size: int = 112) -> str:
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
+
+# The connector's log lines for a stored and a loaded entry (connector/vllm.py).
+EC_PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
+EC_LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 # Several test or benchmark processes each starting vLLM servers on one small host
 # exhaust its memory and thrash; the first server a process starts takes this lock
@@ -236,6 +241,18 @@ class VllmServer:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def ec_put_hashes(self) -> list[str]:
+        """mm_hashes this server's connector stored, in order (repeats kept)."""
+        return [h for _, h in EC_PUT_LINE.findall(self.log_text())]
+
+    def ec_puts(self) -> dict[str, int]:
+        """mm_hash -> bytes for every entry this server's connector stored."""
+        return {h: int(n) for n, h in EC_PUT_LINE.findall(self.log_text())}
+
+    def ec_loads(self) -> list[str]:
+        """mm_hashes this server's connector loaded, in order."""
+        return [h for _, h in EC_LOAD_LINE.findall(self.log_text())]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])

@@ -39,20 +39,9 @@ HERE = Path(__file__).resolve().parent
 
 SPEC = TinyQwen2VLSpec()
 ENTRY_BYTES = 16 * SPEC.hidden_size * 2  # a 112x112 image: 16 rows of bf16
-PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
-LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 
-def puts(server: VllmServer) -> dict[str, int]:
-    return {h: int(n) for n, h in PUT_LINE.findall(server.log_text())}
 
-
-def put_count(server: VllmServer, mm_hash: str) -> int:
-    return sum(1 for _, h in PUT_LINE.findall(server.log_text()) if h == mm_hash)
-
-
-def loads(server: VllmServer) -> list[str]:
-    return [h for _, h in LOAD_LINE.findall(server.log_text())]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +177,7 @@ def test_one_instance_reloads_from_broker_after_encoder_cache_reset(servers, bro
     image = png_data_url(seed=1)
     before = broker.stats()
     cold = a.chat_token_ids(image)
-    stored = puts(a)
+    stored = a.ec_puts()
     assert list(stored.values()) == [ENTRY_BYTES], a.log_tail()
     after_put = broker.stats()
     assert after_put["entries"] == before["entries"] + 1
@@ -197,25 +186,25 @@ def test_one_instance_reloads_from_broker_after_encoder_cache_reset(servers, bro
     warm = a.chat_token_ids(image)
     after_load = broker.stats()
     assert after_load["hits"] == after_put["hits"] + 1, "second request did not load from broker"
-    assert puts(a) == stored, "the encoder ran again instead of loading"
-    assert loads(a) == list(stored)
+    assert a.ec_puts() == stored, "the encoder ran again instead of loading"
+    assert a.ec_loads() == list(stored)
     assert warm == cold
 
 
 def test_two_instances_share_one_broker(servers, broker):
     a, b, plain = servers["a"], servers["b"], servers["plain"]
     image = png_data_url(seed=2)
-    stored_before = puts(a)
+    stored_before = a.ec_puts()
     tokens_a = a.chat_token_ids(image)
-    new = {h: n for h, n in puts(a).items() if h not in stored_before}
+    new = {h: n for h, n in a.ec_puts().items() if h not in stored_before}
     assert list(new.values()) == [ENTRY_BYTES]
     (mm_hash,) = new
 
     hits = broker.stats()["hits"]
     tokens_b = b.chat_token_ids(image)  # B's connector: the plugin-registered short name
     assert broker.stats()["hits"] == hits + 1, "B did not load A's entry"
-    assert mm_hash not in puts(b), "B encoded the image itself"
-    assert loads(b) == [mm_hash]
+    assert mm_hash not in b.ec_puts(), "B encoded the image itself"
+    assert b.ec_loads() == [mm_hash]
     assert tokens_b == plain.chat_token_ids(image) == tokens_a
     broker.wait_unpinned()  # B's lease ended with its load
 
@@ -224,14 +213,14 @@ def test_disaggregated_producer_and_consumer(servers, broker):
     producer, consumer, plain = servers["producer"], servers["consumer"], servers["plain"]
     image = png_data_url(seed=3)
     producer.chat_token_ids(image, max_tokens=1)  # the encode step
-    (mm_hash,) = [h for h in puts(producer)]
-    assert puts(producer)[mm_hash] == ENTRY_BYTES
+    (mm_hash,) = [h for h in producer.ec_puts()]
+    assert producer.ec_puts()[mm_hash] == ENTRY_BYTES
 
     hits = broker.stats()["hits"]
     tokens = consumer.chat_token_ids(image)
     assert broker.stats()["hits"] == hits + 1, "consumer did not load"
-    assert puts(consumer) == {}
-    assert loads(consumer) == [mm_hash]
+    assert consumer.ec_puts() == {}
+    assert consumer.ec_loads() == [mm_hash]
     assert tokens == plain.chat_token_ids(image)
 
 
@@ -247,12 +236,12 @@ def test_tensor_parallel_ranks_share_one_entry(servers, broker):
     assert after_put["puts"] == before["puts"] + 1
     skipped = ("put_present", "put_in_progress")
     assert sum(after_put[k] - before[k] for k in skipped) == 1, "the other rank copied too"
-    (mm_hash,) = puts(tp2)
+    (mm_hash,) = tp2.ec_puts()
 
     tp2.reset_encoder_cache()
     warm = tp2.chat_token_ids(image)
     assert broker.stats()["hits"] == after_put["hits"] + 2  # one load per rank
-    assert loads(tp2) == [mm_hash, mm_hash]
+    assert tp2.ec_loads() == [mm_hash, mm_hash]
     assert warm == cold
 
 
@@ -280,9 +269,9 @@ def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, 
     entry. The test computes the key itself: same fingerprint as every vLLM process."""
     a = servers["a"]
     image = png_data_url(seed=8)
-    known = puts(a)
+    known = a.ec_puts()
     cold = a.chat_token_ids(image)
-    (mm_hash,) = [h for h in puts(a) if h not in known]
+    (mm_hash,) = [h for h in a.ec_puts() if h not in known]
     key = make_key(model_id(model), mm_hash, "bfloat16")
     wrong = torch.zeros(17, SPEC.hidden_size, dtype=torch.bfloat16)
     with BrokerClient(broker.socket_path) as c:
@@ -293,8 +282,8 @@ def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, 
     assert a.chat_token_ids(image) == cold
     log = a.log_text()
     assert f"EC broker entry for mm_hash={mm_hash} is invalid for this model" in log
-    assert mm_hash not in loads(a)
-    assert put_count(a, mm_hash) == 2, "the right entry was not stored again"
+    assert mm_hash not in a.ec_loads()
+    assert a.ec_put_hashes().count(mm_hash) == 2, "the right entry was not stored again"
     with BrokerClient(broker.socket_path) as c:
         got = c.get(key)
     assert got is not None and got.shape == (16, SPEC.hidden_size)
@@ -312,21 +301,21 @@ def test_entry_on_disk_only_defers_the_request_then_loads(servers, broker, workd
     image = png_data_url(seed=9)
     deadline = time.monotonic() + 60
     seed = 200
-    known = set(puts(a))
-    while not set(puts(a)) - known:  # A reconnects after its backoff (seconds)
+    known = set(a.ec_puts())
+    while not set(a.ec_puts()) - known:  # A reconnects after its backoff (seconds)
         assert time.monotonic() < deadline, "A did not store into the restarted broker"
         a.chat_token_ids(png_data_url(seed=seed), max_tokens=1)
         seed += 1
         time.sleep(0.5)
-    known = set(puts(a))
+    known = set(a.ec_puts())
     a.chat_token_ids(image, max_tokens=1)
-    (mm_hash,) = [h for h in puts(a) if h not in known]
+    (mm_hash,) = [h for h in a.ec_puts() if h not in known]
     broker.stop()  # SIGTERM: the disk tier's write-behind is flushed
     broker.start(*disk)
     assert broker.stats()["entries"] == 0
 
     tokens = None
-    while mm_hash not in loads(consumer):  # until its clients are back from the outage
+    while mm_hash not in consumer.ec_loads():  # until its clients are back from the outage
         assert time.monotonic() < deadline + 60, "the consumer never loaded the entry"
         consumer.reset_encoder_cache()
         tokens = consumer.chat_token_ids(image)
@@ -348,10 +337,10 @@ def test_broker_outage_keeps_vllm_serving(servers, broker):
     assert "EC broker not reachable" in a.log_text()
 
     broker.start()
-    known = set(puts(a))
+    known = set(a.ec_puts())
     deadline = time.monotonic() + 30
     seed = 100
-    while not set(puts(a)) - known:  # reconnects after its backoff (seconds)
+    while not set(a.ec_puts()) - known:  # reconnects after its backoff (seconds)
         assert time.monotonic() < deadline, "vLLM did not store into the restarted broker"
         a.chat_token_ids(png_data_url(seed=seed), max_tokens=1)
         seed += 1

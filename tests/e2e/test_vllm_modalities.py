@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -50,16 +49,8 @@ VIDEO_SIDE = 112  # the clips' frame size: inside the tiny model's pixel limits
 CLIP_SECONDS = 3.0
 CLIP_FRAMES = 16  # recorded per MP4: more than FRAMES (see video_args)
 
-PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
-LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 
 
-def puts(server: VllmServer) -> dict[str, int]:
-    return {h: int(n) for n, h in PUT_LINE.findall(server.log_text())}
-
-
-def loads(server: VllmServer) -> list[str]:
-    return [h for _, h in LOAD_LINE.findall(server.log_text())]
 
 
 def video_entry_bytes(frames: int) -> int:
@@ -158,19 +149,19 @@ def check_second_instance_loads(a, b, plain, broker, part, control, entry_bytes)
     hit, no encoder run, a connector load) and answers exactly as a vLLM without
     the connector does."""
     entries = stats(broker)["entries"]
-    stored_before = puts(a)
+    stored_before = a.ec_puts()
     tokens_a = a.chat_parts_token_ids([part])
-    new = {h: n for h, n in puts(a).items() if h not in stored_before}
+    new = {h: n for h, n in a.ec_puts().items() if h not in stored_before}
     assert list(new.values()) == [entry_bytes], a.log_tail()
     (mm_hash,) = new
     assert stats(broker)["entries"] == entries + 1
 
     hits = stats(broker)["hits"]
-    loaded_before = loads(b)
+    loaded_before = b.ec_loads()
     tokens_b = b.chat_parts_token_ids([part])
     assert stats(broker)["hits"] == hits + 1, "B did not load A's entry"
-    assert mm_hash not in puts(b), "B ran the encoder itself"
-    assert loads(b) == [*loaded_before, mm_hash]
+    assert mm_hash not in b.ec_puts(), "B ran the encoder itself"
+    assert b.ec_loads() == [*loaded_before, mm_hash]
 
     reference = plain.chat_parts_token_ids([part])
     assert tokens_b == reference == tokens_a
@@ -194,22 +185,22 @@ def test_same_video_at_another_num_frames_is_another_entry(servers, broker):
     a, b = servers["video_a"], servers["video_b"]
     other, plain = servers["video_other_frames"], servers["video_plain"]
     part = video_part(mp4_data_url(seed=13, frames=CLIP_FRAMES))
-    stored_before = set(puts(a))
+    stored_before = set(a.ec_puts())
     a.chat_parts_token_ids([part])
-    (hash_8,) = set(puts(a)) - stored_before
+    (hash_8,) = set(a.ec_puts()) - stored_before
 
     hits = stats(broker)["hits"]
     tokens_4 = other.chat_parts_token_ids([part])
     assert stats(broker)["hits"] == hits, "4-frame request was served the 8-frame entry"
-    assert hash_8 not in puts(other)
-    assert list(puts(other).values()) == [video_entry_bytes(OTHER_FRAMES)], other.log_tail()
-    assert hash_8 not in loads(other)
+    assert hash_8 not in other.ec_puts()
+    assert list(other.ec_puts().values()) == [video_entry_bytes(OTHER_FRAMES)], other.log_tail()
+    assert hash_8 not in other.ec_loads()
     per_request_4 = {"video": {"num_frames": OTHER_FRAMES}}
     assert tokens_4 == plain.chat_parts_token_ids([part], media_io_kwargs=per_request_4)
 
     b.chat_parts_token_ids([part])
     assert stats(broker)["hits"] == hits + 1
-    assert loads(b)[-1] == hash_8, "8-frame instance loaded something else"
+    assert b.ec_loads()[-1] == hash_8, "8-frame instance loaded something else"
 
 
 def test_audio_second_instance_loads_first_instances_entry(servers, broker):
