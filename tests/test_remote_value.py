@@ -46,6 +46,30 @@ def test_blake2b_values_read_and_written() -> None:
     assert _parse_all(value) == b"abcd"
 
 
+def test_unsigned_values_use_xxh3_and_signed_ones_blake3() -> None:
+    assert rv.default_algo(None) == rv.ALGO_XXH3_128
+    assert rv.default_algo(b"k" * 32) == rv.ALGO_BLAKE3
+    payload = os.urandom(4096)
+    unsigned = rv.encode_value(KEY, "uint8", [4096], payload)
+    assert rv.parse_header(unsigned, KEY, LIMIT).algo == rv.ALGO_XXH3_128
+    assert _parse_all(unsigned) == payload
+    # Values written before xxh3 (blake3) still read.
+    old = rv.encode_value(KEY, "uint8", [4096], payload, algo=rv.ALGO_BLAKE3)
+    assert _parse_all(old) == payload
+    flipped = bytearray(unsigned)
+    flipped[-100] ^= 0x10
+    with pytest.raises(rv.BadValue, match="checksum"):
+        _parse_all(bytes(flipped))
+
+
+def test_signed_value_over_xxh3_is_refused() -> None:
+    """xxh3 is not collision-resistant: a MAC over it would not bind the payload."""
+    key = os.urandom(32)
+    weak = rv.encode_value(KEY, "uint8", [8], b"12345678", hmac_key=key, algo=rv.ALGO_XXH3_128)
+    with pytest.raises(rv.BadValue, match="non-cryptographic checksum"):
+        _parse_all(weak, hmac_key=key)
+
+
 @pytest.mark.parametrize(
     "mutate, needle",
     [
@@ -137,8 +161,8 @@ def test_reader_without_blake3_reads_blake2b_and_refuses_blake3_cleanly() -> Non
     code = (
         "import sys; sys.modules['blake3'] = None\n"
         "from lmcache_ec_broker.broker.tiers import remote_value as rv\n"
-        "assert rv.default_algo() == rv.ALGO_BLAKE2B\n"
-        "v = rv.encode_value('k', 'uint8', [3], b'abc')\n"
+        "assert rv.default_algo(b'key') == rv.ALGO_BLAKE2B\n"
+        "v = rv.encode_value('k', 'uint8', [3], b'abc', algo=rv.default_algo(b'key'))\n"
         "h = rv.parse_header(v, 'k', 100, total_len=len(v)); x = rv.Verifier(h); x.update(v[h.size:]); x.finish()\n"
         "v3 = bytes.fromhex(sys.argv[1])\n"
         "try:\n"

@@ -850,7 +850,7 @@ class MooncakeTier(LowerTier):
                 verifier.update(view)
 
     def _expected_header(self, key: str, meta: EntryMeta) -> bytes:
-        algo = default_algo()
+        algo = default_algo(self.s.hmac_key)
         return encode_header(
             key, meta.dtype, list(meta.shape), bytes(32), meta.nbytes, algo, self.s.hmac_key
         )
@@ -1024,7 +1024,7 @@ class MooncakeTier(LowerTier):
         session's extra round trips would cost more than the overlap saves). A key
         the store already holds is not overwritten (Mooncake's put keeps the first)."""
         assert self._slots is not None and self._slab is not None
-        algo = default_algo()
+        algo = default_algo(self.s.hmac_key)
         hlen = []
         for j, op in enumerate(batch):
             with self._slab.views(op.extents) as views:
@@ -1066,7 +1066,7 @@ class MooncakeTier(LowerTier):
         if not todo:
             self.circuit.success()
             return out
-        algo = default_algo()
+        algo = default_algo(self.s.hmac_key)
         hlen = {i: len(self._expected_header(batch[i].key, batch[i].meta)) for i in todo}
         keys = [self._mkey(batch[i].key) for i in todo]
         t0 = time.perf_counter()

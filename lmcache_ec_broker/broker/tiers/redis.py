@@ -623,7 +623,7 @@ class RedisTier(LowerTier):
                 return False
             if job.cancelled:
                 return False
-            algo = default_algo()
+            algo = default_algo(self.hmac_key)
             with slab.views(extents) as views:
                 header = encode_header(
                     job.key,

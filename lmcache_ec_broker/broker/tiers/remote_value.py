@@ -9,10 +9,14 @@ it), so every value read back is untrusted input. Layout, little-endian:
     mac     HMAC-SHA256 over fixed + meta (only with FLAG_HMAC)    (32 bytes)
     payload the tensor's bytes                                     (payload_len bytes)
 
-The checksum (blake3, else blake2b-256; ``algo`` says which) covers the payload;
-the MAC covers the fixed part (so the checksum) and the meta, so with a shared key
-a signed value cannot be altered or moved to another key. The key inside the meta
-must equal the key it was read under: a value copied to another key is refused.
+The checksum covers the payload; ``algo`` says which one. Unsigned values use
+xxh3-128 (zero-padded to 32 bytes): it catches truncation and corruption at ~27 GB/s,
+where blake3 runs at ~5.5 GB/s and cost as much as moving a 2 MiB entry. Signed
+values (``remote_hmac_key_file``) use blake3 (else blake2b-256): the MAC covers the
+fixed part (so the checksum) and the meta, and only a collision-resistant checksum
+makes that a signature of the payload too -- so a signed value with a
+non-cryptographic checksum is refused. The key inside the meta must equal the key
+it was read under: a value copied to another key is refused.
 
 Nothing here trusts a length before checking it against a limit, and a value is
 served only after ``Verifier.finish`` confirmed checksum and MAC.
@@ -33,12 +37,20 @@ try:  # blake3 is a dependency, but the format stays readable without it
     import blake3 as _blake3
 except ImportError:  # pragma: no cover - exercised by hiding the module in a subprocess
     _blake3 = None
+try:  # xxhash is a dependency too; without it unsigned values fall back to blake3
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover
+    _xxhash = None
 
 MAGIC = b"ECRV"
 VERSION = 1
 FLAG_HMAC = 1
 ALGO_BLAKE3 = 1
 ALGO_BLAKE2B = 2
+ALGO_XXH3_128 = 3  # not collision-resistant: never accepted on a signed value
+CRYPTOGRAPHIC = (ALGO_BLAKE3, ALGO_BLAKE2B)
+KNOWN_ALGOS = (ALGO_BLAKE3, ALGO_BLAKE2B, ALGO_XXH3_128)
+DIGEST_LEN = 32  # the header's checksum field; shorter digests are zero-padded
 FIXED = struct.Struct("<4sHHB3xIQ32s")
 MAC_LEN = 32
 MAX_META = 4096  # bytes of msgpack meta; a real one is < 1.2 KiB (key <= 1 KiB)
@@ -72,7 +84,10 @@ class Header(msgspec.Struct, frozen=True):
     signed: bool
 
 
-def default_algo() -> int:
+def default_algo(hmac_key: bytes | None) -> int:
+    """The checksum a writer uses: fast for unsigned values, cryptographic for signed ones."""
+    if hmac_key is None and _xxhash is not None:
+        return ALGO_XXH3_128
     return ALGO_BLAKE3 if _blake3 is not None else ALGO_BLAKE2B
 
 
@@ -83,14 +98,22 @@ def new_hasher(algo: int) -> Any:
         return _blake3.blake3()
     if algo == ALGO_BLAKE2B:
         return hashlib.blake2b(digest_size=32)
+    if algo == ALGO_XXH3_128:
+        if _xxhash is None:
+            raise BadValue("value is checksummed with xxh3-128, but xxhash is not installed here")
+        return _xxhash.xxh3_128()
     raise BadValue(f"unknown checksum algorithm {algo}")
+
+
+def _digest(h: Any) -> bytes:
+    return h.digest().ljust(DIGEST_LEN, b"\0")
 
 
 def checksum(views: list[memoryview] | list[bytes], algo: int) -> bytes:
     h = new_hasher(algo)
     for v in views:
         h.update(v)
-    return h.digest()
+    return _digest(h)
 
 
 def _mac(hmac_key: bytes, fixed: bytes, meta: bytes) -> bytes:
@@ -125,7 +148,7 @@ def encode_value(
     algo: int | None = None,
 ) -> bytes:
     """Header + payload in one bytes object (tests and tools; the tier streams instead)."""
-    algo = algo or default_algo()
+    algo = algo or default_algo(hmac_key)
     return (
         encode_header(key, dtype, shape, checksum([payload], algo), len(payload), algo, hmac_key)
         + payload
@@ -166,7 +189,7 @@ def parse_header(
     if len(data) < size:
         raise BadValue(f"value is truncated inside its header ({len(data)} < {size} bytes)")
     _, _, flags, algo, meta_len, _, digest = FIXED.unpack_from(data, 0)
-    if algo not in (ALGO_BLAKE3, ALGO_BLAKE2B):
+    if algo not in KNOWN_ALGOS:
         raise BadValue(f"unknown checksum algorithm {algo}")
     fixed = data[: FIXED.size]
     meta_raw = data[FIXED.size : FIXED.size + meta_len]
@@ -174,6 +197,10 @@ def parse_header(
     if hmac_key is not None:
         if not signed:
             raise BadValue("value is not signed but remote_hmac_key_file is set")
+        if algo not in CRYPTOGRAPHIC:
+            raise BadValue(
+                "value is signed over a non-cryptographic checksum (its payload could be swapped)"
+            )
         mac = data[FIXED.size + meta_len : size]
         if not hmac.compare_digest(mac, _mac(hmac_key, fixed, meta_raw)):
             raise BadValue("value signature does not match (wrong key or altered value)")
@@ -220,5 +247,5 @@ class Verifier:
     def finish(self) -> None:
         if self.seen != self.header.nbytes:
             raise BadValue(f"payload has {self.seen} bytes, header says {self.header.nbytes}")
-        if not hmac.compare_digest(self._h.digest(), self.header.checksum):
+        if not hmac.compare_digest(_digest(self._h), self.header.checksum):
             raise BadValue("payload checksum does not match its header")
