@@ -16,17 +16,25 @@ of ``--reps`` distinct items:
 - cold:  instance A sees the item first: the encoder runs (and the entry is stored);
 - warm (same instance): ``POST /reset_encoder_cache`` on A, same request again:
   vLLM's own encoder cache is empty, the entry comes from the broker;
-- warm (2nd instance): the same request on instance B, which never saw the item.
+- warm (2nd instance): the same request on instance B, which never saw the item;
+- warm (other node): the same request on instance C, a "different node": C has its
+  own broker (own socket, slab, everything), and A's and C's brokers share one
+  redis-server (started here, on a Unix socket) as their remote tier. Before C is
+  timed, A's broker has written the entry to Redis (write-behind) and C's broker has
+  heard of the key; C's broker then promotes it from Redis into its slab.
+  ``--no-remote`` leaves C out; without redis-server the column is skipped (said so).
 
 TTFT is the latency of a ``max_tokens=1`` chat completion (prefill + one token).
-Every warm figure is checked against the broker's hit counter, so a warm request
-that silently recomputed the encoder is reported, not hidden. The servers'
+Every warm figure is checked against the broker's hit counter (C's against its
+broker's remote-hit counter), so a warm request that silently recomputed the encoder
+is reported, not hidden. The servers'
 shared memory is removed when they stop (the run leaves /dev/shm as it found it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +48,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
+
+from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
 from benchmarks._common import Broker, MiB, fmt_size, median, table  # noqa: E402
 
@@ -258,9 +271,24 @@ def main() -> int:
         "--reps", type=int, default=None, help="distinct items per point (3; 2 for video/audio)"
     )
     p.add_argument("--models", default=None, help="model cache root (default: a temp dir)")
+    p.add_argument(
+        "--no-remote",
+        action="store_true",
+        help="leave out the 'warm (other node)' column (third instance, own broker, Redis)",
+    )
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
     reps = args.reps or (3 if args.modality == "image" else 2)
+    remote_note = ""
+    if args.no_remote:
+        remote_note = "warm (other node): off (--no-remote)"
+    elif REDIS_SERVER is None:
+        remote_note = (
+            "warm (other node): SKIPPED, redis-server is not installed (apt-get install "
+            "redis-server; or pass --no-remote)"
+        )
+        print("  " + remote_note, file=sys.stderr, flush=True)
+    remote = not remote_note
 
     from lmcache_ec_broker import BrokerClient
     from lmcache_ec_broker.testing.shm_cleanup import list_vllm_shm
@@ -272,14 +300,22 @@ def main() -> int:
     rows, raw = [], []
     load = os.getloadavg()[0]
     try:
-        with Broker(512 * MiB) as broker:
+        with contextlib.ExitStack() as stack:
+            remote_args: list[str] = []
+            if remote:  # one store (Unix socket only) for two "nodes"
+                redis = stack.enter_context(RedisServer(tcp=False))
+                remote_args = ["--remote-url", redis.url("unix")]
+            broker = stack.enter_context(Broker(512 * MiB, remote_args))
+            brokers = [broker, broker]  # A and B share one broker
+            if remote:  # C: its own broker, socket, slab
+                brokers.append(stack.enter_context(Broker(512 * MiB, remote_args)))
             cores = os.cpu_count() or 1
-            for i, name in enumerate(("a", "b")):
+            for i, (name, br) in enumerate(zip("abc", brokers, strict=False)):
                 servers.append(
                     VllmServer(
                         setup.model,
                         work / f"{name}.log",
-                        ec_config=ec_transfer_config("ec_both", broker.socket_path),
+                        ec_config=ec_transfer_config("ec_both", br.socket_path),
                         extra_args=setup.server_args,
                         env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                     ).start()
@@ -288,21 +324,67 @@ def main() -> int:
             for s in servers:
                 s.wait_ready(timeout=900)
             print(
-                f"  two vllm serve instances ready in {time.monotonic() - t0:.0f}s", file=sys.stderr
+                f"  {len(servers)} vllm serve instances ready in {time.monotonic() - t0:.0f}s",
+                file=sys.stderr,
             )
-            a, b = servers
-            client = BrokerClient(broker.socket_path)
+            a, b = servers[:2]
+            client = stack.enter_context(BrokerClient(broker.socket_path))
+            client_c = stack.enter_context(BrokerClient(brokers[2].socket_path)) if remote else None
 
             def hits() -> int:
                 return int(client.stats().get("hits", 0))
 
+            def remote_hits() -> int:
+                assert client_c is not None
+                return int(client_c.stats().get("remote_hits", 0))
+
+            def a_to_redis() -> Callable[[], bool]:
+                """Call before A's cold request; the returned wait() is true once A's
+                broker has written the new entry to Redis and C's broker knows its key."""
+                if client_c is None:
+                    return lambda: True
+                sa, sc = client.stats(), client_c.stats()
+                done = int(sa.get("remote_writes", 0)) + int(sa.get("remote_writes_skipped", 0))
+                known = int(sc.get("remote_known_keys", 0))
+
+                def wait(timeout: float = 120.0) -> bool:
+                    deadline = time.monotonic() + timeout
+                    while time.monotonic() < deadline:
+                        sa, sc = client.stats(), client_c.stats()
+                        written = (
+                            int(sa.get("remote_writes", 0))
+                            + int(sa.get("remote_writes_skipped", 0))
+                            > done
+                            and int(sa.get("remote_pending_writes", 0)) == 0
+                        )
+                        if written and int(sc.get("remote_known_keys", 0)) > known:
+                            return True
+                        time.sleep(0.02)
+                    print(
+                        f"  A's entry did not reach C's broker in {timeout:.0f}s (A: "
+                        f"{ {k: v for k, v in sa.items() if k.startswith('remote_')} }, C: "
+                        f"{ {k: v for k, v in sc.items() if k.startswith('remote_')} })",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return False
+
+                return wait
+
             for point in setup.points:
-                for s in servers:  # first-request costs (allocations, kernels) off the clock
+                # First-request costs (allocations, kernels; C: the remote read) off the clock.
+                wait = a_to_redis()
+                ttft(a.url, setup.model, point.item(10_000))
+                wait()
+                for s in servers[1:]:
                     ttft(s.url, setup.model, point.item(10_000))
-                cold, warm_a, warm_b, ok = [], [], [], True
+                cold, warm_a, warm_b, warm_c, ok, ok_c = [], [], [], [], True, True
                 for rep in range(reps):
                     item = point.item(rep)
+                    wait = a_to_redis()
                     cold.append(ttft(a.url, setup.model, item))
+                    # A's write-behind finishes before any warm request is timed.
+                    ok_c &= wait()
                     a.reset_encoder_cache()
                     h = hits()
                     warm_a.append(ttft(a.url, setup.model, item))
@@ -310,20 +392,36 @@ def main() -> int:
                     h = hits()
                     warm_b.append(ttft(b.url, setup.model, item))
                     ok &= hits() > h
+                    if remote:
+                        h = remote_hits()
+                        warm_c.append(ttft(servers[2].url, setup.model, item))
+                        ok_c &= remote_hits() > h
                 entry = point.tokens * setup.entry_bytes_per_token
                 c, wa, wb = median(cold), median(warm_a), median(warm_b)
-                raw.append(
-                    {"point": point.label, "tokens": point.tokens, "entry_bytes": entry,
-                     "cold": cold, "warm_same": warm_a, "warm_other": warm_b, "all_warm_hit": ok}
-                )  # fmt: skip
-                rows.append([
+                row = {
+                    "point": point.label, "tokens": point.tokens, "entry_bytes": entry,
+                    "cold": cold, "warm_same": warm_a, "warm_other": warm_b,
+                    "all_warm_hit": ok and (ok_c or not remote),
+                }  # fmt: skip
+                cells = [
                     point.label, point.tokens, fmt_size(entry) if entry % 1024 == 0 else f"{entry} B",
                     f"{c * 1e3:.0f}", f"{wa * 1e3:.0f}", f"{(c - wa) * 1e3:.0f}", f"{c / wa:.2f}x",
                     f"{wb * 1e3:.0f}", f"{(c - wb) * 1e3:.0f}", f"{c / wb:.2f}x",
                     "yes" if ok else "NO (see logs)",
-                ])  # fmt: skip
+                ]  # fmt: skip
+                if remote:
+                    wc = median(warm_c)
+                    row |= {"warm_remote": warm_c, "remote_hit": ok_c}
+                    cells += [
+                        f"{wc * 1e3:.0f}", f"{(c - wc) * 1e3:.0f}", f"{c / wc:.2f}x",
+                        "yes" if ok_c else "NO (see logs)",
+                    ]  # fmt: skip
+                raw.append(row)
+                rows.append(cells)
                 print(f"  measured {point.label}", file=sys.stderr, flush=True)
-            client.close()
+            if remote:
+                st = {k: v for k, v in client_c.stats().items() if k.startswith("remote_")}
+                print(f"  C's broker: {st}", file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.terminate()
@@ -337,21 +435,27 @@ def main() -> int:
         f"model: {setup.describe}; {os.cpu_count()} CPUs, load average {load:.1f} at start; "
         f"TTFT in ms, median of {reps} distinct items per row\n"
     )
-    print(
-        table(
-            [setup.first_column, "tokens", "entry", "cold", "warm (same)", "saved", "speedup",
-             "warm (2nd instance)", "saved", "speedup", "warm = broker hit"],
-            rows,
+    headers = [setup.first_column, "tokens", "entry", "cold", "warm (same)", "saved", "speedup",
+               "warm (2nd instance)", "saved", "speedup", "warm = broker hit"]  # fmt: skip
+    if remote:
+        headers += ["warm (other node)", "saved", "speedup", "other node = remote hit"]
+    print(table(headers, rows))
+    if remote:
+        print(
+            "\nwarm (other node): a third instance with its own broker; A's and C's brokers "
+            "share one redis-server (Unix socket, same host), so the figure includes C's "
+            "broker reading the entry from Redis into its slab, not a network transfer."
         )
-    )  # fmt: skip
+    elif remote_note:
+        print("\n" + remote_note)
     for note in setup.notes:
         print("\n" + note)
     print(f"\n/dev/shm: {len(used)} vLLM segments used by the servers, {len(left)} left behind")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"modality": args.modality, "rows": raw, "shm_used": sorted(used),
-                 "shm_left": left},
+                {"modality": args.modality, "rows": raw, "remote": remote,
+                 "remote_note": remote_note, "shm_used": sorted(used), "shm_left": left},
                 indent=2,
             )
         )  # fmt: skip

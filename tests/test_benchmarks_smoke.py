@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from redis_servers import REDIS_SERVER
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
@@ -92,10 +93,18 @@ def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
              timeout=1200)  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert "warm (2nd instance)" in r.stdout and "yes" in r.stdout
-    # The host is left as found: the shared memory vLLM's processes used (psm_*,
-    # sem.mp-*: ~200 MiB per server) is gone once the servers have stopped.
     result = json.loads(out.read_text())
     assert result["modality"] == modality and result["rows"][0]["all_warm_hit"]
+    # A third instance with its own broker ("another node"), A's and C's brokers sharing
+    # one redis-server: C's warm request is a remote hit in C's broker.
+    if REDIS_SERVER is None:
+        assert not result["remote"] and "redis-server is not installed" in r.stdout
+    else:
+        assert result["remote"] and "warm (other node)" in r.stdout, r.stdout
+        assert "other node = remote hit" in r.stdout, r.stdout
+        assert result["rows"][0]["remote_hit"] and result["rows"][0]["warm_remote"]
+    # The host is left as found: the shared memory vLLM's processes used (psm_*,
+    # sem.mp-*: ~200 MiB per server) is gone once the servers have stopped.
     assert result["shm_used"], "the benchmark did not see its servers' shared memory"
     assert result["shm_left"] == []
     assert not [n for n in result["shm_used"] if os.path.exists(os.path.join("/dev/shm", n))]
