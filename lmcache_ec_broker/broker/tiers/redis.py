@@ -19,6 +19,12 @@ the store comes back, the keys a ``SCAN`` finds -- into its filter (at most
 still be a remote hit for a broker that asks; a client whose local filter says "absent"
 just does not ask, so a missed announcement costs a hit, never a wrong answer.
 
+Cluster: keys are routed by the slot map (``CLUSTER SLOTS``). A ``-MOVED`` reply
+updates the map and the command goes to the new owner; an ``-ASK`` reply (the slot is
+being migrated and this key already moved) sends that command once to the target,
+preceded by ``ASKING``, leaving the map as it is -- for lookups, promotions,
+write-behind and deletes alike, so a slot migration costs no hit and no write.
+
 Faults: every round trip is bounded by ``remote_timeout_s`` (a value transfer by
 that per socket operation and an overall deadline scaled by its size); a circuit
 breaker stops calling a failing store and probes it with backoff. A store that lost
@@ -67,14 +73,17 @@ from .remote_value import (
     parse_header,
 )
 from .resp import (
+    MAX_REDIRECTS,
     Connection,
     ConnParams,
     Endpoint,
     Pool,
     ProtocolViolation,
+    Redirect,
     RespError,
     Router,
     pack_set,
+    parse_redirect,
 )
 
 if TYPE_CHECKING:
@@ -144,7 +153,10 @@ class RedisTier(LowerTier):
         )
         self.counters: dict[str, int | float] = dict.fromkeys(REMOTE_COUNTERS, 0)
         self._lock = threading.Lock()
-        self.known: OrderedDict[str, None] = OrderedDict()  # keys reported to the filter
+        # Keys reported to the filter -> when last learned (a sequence number, so that a
+        # SCAN that started earlier does not drop a key announced while it ran).
+        self.known: OrderedDict[str, int] = OrderedDict()
+        self._seq = 0
         # True while ``known`` holds every key this broker learned of (nothing dropped for
         # the cap): lookups then skip the round trip for keys outside it.
         self._complete = self.filter_cap > 0
@@ -164,6 +176,7 @@ class RedisTier(LowerTier):
         self._sub_conn: Connection | None = None
         self._closing = False
         self._warned: dict[str, float] = {}
+        self.redirects = {"ask": 0, "moved": 0}  # Cluster redirects followed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -192,8 +205,9 @@ class RedisTier(LowerTier):
         self._sub_thread = threading.Thread(
             target=self._subscriber, name="ec-remote-announce", daemon=True
         )
+        # The first key scan runs once the subscription is confirmed (see _subscriber):
+        # a key written before it is found by the scan, one written after is announced.
         self._sub_thread.start()
-        self._rescan()
 
     async def shutdown(self, deadline_s: float) -> None:
         self._closing = True
@@ -288,22 +302,39 @@ class RedisTier(LowerTier):
         return result
 
     def _routed(self, key: bytes, fn: Callable[[Connection], T]) -> T:
-        """``_call`` on the node owning ``key``; one retry after a Cluster MOVED."""
+        """``_call`` on the node owning ``key``, following Cluster redirects: after
+        ``-MOVED`` on the new owner (slot map updated), after ``-ASK`` once on the
+        migration target with ASKING before each command (slot map unchanged)."""
         try:
             ep = self.router.node_for(key)
         except (OSError, RespError) as exc:
             self.circuit.failure()
             raise _Unavailable(str(exc)) from None
-        try:
-            return self._call(ep, fn)
-        except RespError as exc:
-            if not str(exc).startswith("MOVED") or not self.target.cluster:
-                raise
-        try:
-            self.router.refresh()
-        except (OSError, RespError) as exc:
-            raise _Unavailable(str(exc)) from None
-        return self._call(self.router.node_for(key), fn)
+        asking = False
+        for hop in range(MAX_REDIRECTS + 1):
+            try:
+                return self._call(ep, _with_asking(fn) if asking else fn)
+            except RespError as exc:
+                redirect = parse_redirect(str(exc), ep) if self.target.cluster else None
+                if redirect is None or hop == MAX_REDIRECTS:
+                    raise
+            self._redirected(redirect)
+            ep, asking = redirect.ep, redirect.ask
+        raise AssertionError("unreachable")
+
+    def _note_redirect(self, redirect: Redirect) -> None:
+        kind = "ask" if redirect.ask else "moved"
+        with self._lock:
+            self.redirects[kind] += 1
+        log.debug("remote tier: %s slot %d -> %s", kind.upper(), redirect.slot, redirect.ep)
+
+    def _redirected(self, redirect: Redirect) -> None:
+        """Bookkeeping for one redirect: ``-MOVED`` updates the slot and reloads the map."""
+        self._note_redirect(redirect)
+        if not redirect.ask:
+            self.router.moved(redirect.slot, redirect.ep)
+            with contextlib.suppress(OSError, RespError):
+                self.router.refresh()
 
     # ------------------------------------------------------------ filter bookkeeping
 
@@ -311,15 +342,17 @@ class RedisTier(LowerTier):
         """Fold a key the store holds into the filter (loop thread)."""
         if self._events is None or self.filter_cap == 0:
             return
+        self._seq += 1
         if key in self.known:
             self.known.move_to_end(key)
+            self.known[key] = self._seq
             return
         if len(self.known) >= self.filter_cap:
             old, _ = self.known.popitem(last=False)
             self._events.removed(self, old)
             self._complete = False  # forgotten keys may still be in the store: ask for all
         self._events.added(self, key)
-        self.known[key] = None
+        self.known[key] = self._seq
 
     def _forget(self, key: str) -> bool:
         if key in self.known:
@@ -329,12 +362,13 @@ class RedisTier(LowerTier):
             return True
         return False
 
-    def _reconcile(self, found: list[str] | None) -> None:
-        """After a SCAN: the filter holds what the store holds (loop thread)."""
+    def _reconcile(self, found: list[str] | None, since: int) -> None:
+        """After a SCAN: the filter holds what the store holds (loop thread). Keys learned
+        after the scan started (``since``) stay: the scan may have passed them by."""
         if found is None:
             return
         present = set(found)
-        for key in [k for k in self.known if k not in present]:
+        for key in [k for k, seq in self.known.items() if seq <= since and k not in present]:
             self._forget(key)
         self._complete = self.filter_cap > 0 and len(found) < self.filter_cap
         for key in found:
@@ -343,15 +377,16 @@ class RedisTier(LowerTier):
     def _rescan(self) -> None:
         if self._closing or self._control is None or self.filter_cap == 0:
             return
+        since = self._seq
         fut = self._submit(self._control, self._scan_job)
-        fut.add_done_callback(lambda f: None if f.cancelled() else self._scan_done(f))
+        fut.add_done_callback(lambda f: None if f.cancelled() else self._scan_done(f, since))
 
-    def _scan_done(self, fut: asyncio.Future[list[str] | None]) -> None:
+    def _scan_done(self, fut: asyncio.Future[list[str] | None], since: int) -> None:
         exc = fut.exception()
         if exc is not None:
             log.info("remote tier: key scan failed (%s); the filter learns keys as they come", exc)
             return
-        self._reconcile(fut.result())
+        self._reconcile(fut.result(), since)
 
     def _scan_job(self) -> list[str] | None:
         if not self.circuit.allow():
@@ -396,9 +431,10 @@ class RedisTier(LowerTier):
     # ------------------------------------------------------------ announcements
 
     def _subscriber(self) -> None:
-        """Fold keys other brokers announce; reconnect with backoff; rescan after a gap."""
+        """Fold keys other brokers announce; reconnect with backoff. Every confirmed
+        (re)subscription is followed by a key scan: the announcements before it were
+        missed (at start: the keys written before this broker came up)."""
         backoff = 0.2
-        first = True
         while not self._stop.is_set():
             ep = (self.router.masters() or self.router.seeds)[0]
             try:
@@ -412,9 +448,9 @@ class RedisTier(LowerTier):
             try:
                 conn.command("SUBSCRIBE", self.channel)
                 self.circuit.success()  # ... nor to notice it is back
-                if not first and self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._rescan)  # announcements were missed
-                first = False
+                if self._loop is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop is closing
+                        self._loop.call_soon_threadsafe(self._rescan)
                 backoff = 0.2
                 while not self._stop.is_set():
                     try:
@@ -484,7 +520,8 @@ class RedisTier(LowerTier):
         return out
 
     def _lookup_job(self, keys: list[str]) -> list[EntryMeta | None]:
-        by_node: dict[Endpoint, list[int]] = {}
+        # (node, with ASKING) -> indices of the keys asked there in one pipeline.
+        todo: dict[tuple[Endpoint, bool], list[int]] = {}
         rks = [self._rk(k) for k in keys]
         for i, rk in enumerate(rks):
             try:
@@ -492,33 +529,49 @@ class RedisTier(LowerTier):
             except (OSError, RespError) as exc:
                 self.circuit.failure()
                 raise _Unavailable(str(exc)) from None
-            by_node.setdefault(ep, []).append(i)
+            todo.setdefault((ep, False), []).append(i)
         out: list[EntryMeta | None] = [None] * len(keys)
-        for ep, idx in by_node.items():
-            cmds: list[list[Any]] = []
-            for i in idx:
-                cmds.append(["GETRANGE", rks[i], 0, MAX_HEADER - 1])
-                cmds.append(["STRLEN", rks[i]])
-            replies = self._call(ep, lambda c, cmds=cmds: c.pipeline(cmds))
-            moved = False
-            for j, i in enumerate(idx):
-                head, total = replies[2 * j], replies[2 * j + 1]
-                if isinstance(head, RespError) or isinstance(total, RespError):
-                    moved = moved or "MOVED" in str(head) + str(total)
-                    continue
-                if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
-                    continue  # absent (GETRANGE of a missing key is empty)
-                try:
-                    h = parse_header(
-                        head, keys[i], self.max_entry_bytes, self.hmac_key, total_len=total
-                    )
-                except BadValue as exc:
-                    self._refused(keys[i], exc)
-                    continue
-                out[i] = EntryMeta(h.nbytes, h.dtype, h.shape)
-            if moved:
+        for hop in range(MAX_REDIRECTS + 1):
+            again: dict[tuple[Endpoint, bool], list[int]] = {}
+            for (ep, asking), idx in todo.items():
+                cmds: list[list[Any]] = []
+                for i in idx:
+                    cmds.append(["GETRANGE", rks[i], 0, MAX_HEADER - 1])
+                    cmds.append(["STRLEN", rks[i]])
+
+                def ask(c: Connection, cmds: list[list[Any]] = cmds) -> list[Any]:
+                    return c.pipeline(cmds)
+
+                replies = self._call(ep, _with_asking(ask) if asking else ask)
+                for j, i in enumerate(idx):
+                    head, total = replies[2 * j], replies[2 * j + 1]
+                    err = head if isinstance(head, RespError) else total
+                    if isinstance(err, RespError):
+                        # MOVED / ASK: ask again where the server says (a few hops at most);
+                        # any other error reply reads as a miss.
+                        redirect = parse_redirect(str(err), ep) if self.target.cluster else None
+                        if redirect is not None and hop < MAX_REDIRECTS:
+                            self._note_redirect(redirect)
+                            if not redirect.ask:
+                                self.router.moved(redirect.slot, redirect.ep)
+                            again.setdefault((redirect.ep, redirect.ask), []).append(i)
+                        continue
+                    if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
+                        continue  # absent (GETRANGE of a missing key is empty)
+                    try:
+                        h = parse_header(
+                            head, keys[i], self.max_entry_bytes, self.hmac_key, total_len=total
+                        )
+                    except BadValue as exc:
+                        self._refused(keys[i], exc)
+                        continue
+                    out[i] = EntryMeta(h.nbytes, h.dtype, h.shape)
+            if not again:
+                break
+            if any(not asking for _, asking in again):
                 with contextlib.suppress(OSError, RespError):
                     self.router.refresh()
+            todo = again
         return out
 
     def _refused(self, key: str, exc: BaseException) -> None:
@@ -733,6 +786,16 @@ def _background_priority() -> None:
         )
     except (OSError, AttributeError):
         pass
+
+
+def _with_asking(fn: Callable[[Connection], T]) -> Callable[[Connection], T]:
+    """``fn`` with every command it sends preceded by ASKING (following an -ASK)."""
+
+    def run(conn: Connection) -> T:
+        conn.asking = True  # the pool clears it when the connection comes back
+        return fn(conn)
+
+    return run
 
 
 def _glob_escape(b: bytes) -> bytes:

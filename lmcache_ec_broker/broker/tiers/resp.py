@@ -10,6 +10,12 @@ refuse an oversized or malformed value before it allocates or copies anything.
 
 Every length the server sends is bounded before it is used. A connection that saw
 an error in the middle of a reply is closed, never reused (it may be out of step).
+
+Cluster redirects (the Redis Cluster specification): ``-MOVED <slot> <host:port>``
+means the slot lives elsewhere now (the caller updates its slot map and retries
+there); ``-ASK <slot> <host:port>`` means the slot is being migrated and this key
+is already on the target: the caller retries *once* on the target, each command
+preceded by ``ASKING`` (``Connection.asking``), without touching the slot map.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 MAX_LINE = 64 * 1024
 MAX_SMALL_BULK = 1 << 20  # replies that are not streamed (headers, SCAN pages, INFO)
 MAX_ARRAY = 100_000
+MAX_REDIRECTS = 3  # MOVED/ASK hops followed for one command before giving up
 _RECV_CHUNK = 4 << 20
 CLUSTER_SLOTS = 16384
 
@@ -69,6 +76,36 @@ def key_slot(key: bytes) -> int:
     return binascii.crc_hqx(key, 0) % CLUSTER_SLOTS
 
 
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    """A Cluster ``-MOVED`` or ``-ASK`` error reply, parsed."""
+
+    ask: bool  # True: -ASK (one-shot, with ASKING); False: -MOVED (update the slot map)
+    slot: int
+    ep: Endpoint
+
+
+def parse_redirect(message: str, current: Endpoint | None = None) -> Redirect | None:
+    """``MOVED 3999 127.0.0.1:6381`` / ``ASK 3999 127.0.0.1:6381`` -> Redirect; None for
+    any other error. An empty host (``:6381``) means the host of ``current``."""
+    parts = message.split()
+    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
+        return None
+    host, sep, port_text = parts[2].rpartition(":")
+    try:
+        slot, port = int(parts[1]), int(port_text)
+    except ValueError:
+        return None
+    if not sep or not 0 <= slot < CLUSTER_SLOTS or not 0 < port < 65536:
+        return None
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or host == "?":
+        if current is None or not current.host:
+            return None
+        host = current.host
+    return Redirect(parts[0] == "ASK", slot, Endpoint(host, port))
+
+
 def _b(arg: Arg) -> bytes | memoryview:
     if isinstance(arg, bytes | memoryview):
         return arg
@@ -96,6 +133,9 @@ def pack(args: Sequence[Arg]) -> list[bytes | memoryview]:
     return out
 
 
+_ASKING = pack(["ASKING"])[0]
+
+
 class Connection:
     """One socket to one server. Not thread-safe: a thread takes it from a Pool."""
 
@@ -104,6 +144,10 @@ class Connection:
         self.params = params
         self._buf = bytearray()
         self.closed = False
+        # While True (an -ASK redirect is being followed), every command sent is
+        # preceded by ASKING, whose +OK reply the reading side consumes unseen.
+        self.asking = False
+        self._asking_replies = 0
         if ep.unix_path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -138,10 +182,22 @@ class Connection:
 
     # ------------------------------------------------------------ writing
 
+    @property
+    def idle(self) -> bool:
+        """Nothing unread: the connection can go back to the pool."""
+        return not (self.closed or self._buf or self._asking_replies)
+
     def send(self, args: Sequence[Arg]) -> None:
         self.send_pieces(pack(args))
 
     def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        """Send one command given as RESP pieces (``pack``, ``pack_set``)."""
+        if self.asking:
+            self._asking_replies += 1
+            pieces = [_ASKING, *pieces]
+        self._sendall(pieces)
+
+    def _sendall(self, pieces: list[bytes | memoryview]) -> None:
         try:
             if isinstance(self.sock, ssl.SSLSocket):
                 for p in pieces:
@@ -213,8 +269,17 @@ class Connection:
         if self.read_exact(2) != b"\r\n":
             raise ProtocolViolation(f"{self.ep} sent a bulk string without its CRLF")
 
+    def _skip_asking(self) -> None:
+        """Consume the +OK of the ASKING sent just before the reply about to be read."""
+        if self._asking_replies:
+            line = self._line()
+            self._asking_replies -= 1
+            if line != b"+OK":
+                raise ProtocolViolation(f"{self.ep} answered ASKING with {line[:60]!r}")
+
     def read_bulk_len(self) -> int | None:
         """The length line of a bulk reply (None for nil); an error reply raises RespError."""
+        self._skip_asking()
         line = self._line()
         if line[:1] == b"-":
             raise RespError(line[1:].decode(errors="replace"))
@@ -226,6 +291,8 @@ class Connection:
         return None if n == -1 else n
 
     def read_reply(self, max_bulk: int = MAX_SMALL_BULK, depth: int = 0) -> Reply:
+        if depth == 0:
+            self._skip_asking()
         line = self._line()
         kind, rest = line[:1], line[1:]
         try:
@@ -269,8 +336,12 @@ class Connection:
         """Send all, then read all replies in order (one round trip)."""
         pieces: list[bytes | memoryview] = []
         for c in commands:
+            if self.asking:
+                pieces.append(_ASKING)
             pieces += pack(c)
-        self.send_pieces(pieces)
+        if self.asking:
+            self._asking_replies += len(commands)
+        self._sendall(pieces)
         out: list[Reply | RespError] = []
         try:
             for _ in commands:
@@ -302,7 +373,8 @@ class Pool:
         return Connection(ep, self.params)
 
     def put(self, conn: Connection) -> None:
-        if conn.closed or conn._buf:
+        conn.asking = False
+        if not conn.idle:
             conn.close()
             return
         with self._lock:
@@ -364,6 +436,12 @@ class Router:
                 self._slots = table
             return
         raise ConnectionError(f"no cluster seed answered CLUSTER SLOTS: {last}")
+
+    def moved(self, slot: int, ep: Endpoint) -> None:
+        """A ``-MOVED`` reply: ``slot`` is served by ``ep`` now."""
+        with self._lock:
+            if self._slots:
+                self._slots[slot] = ep
 
     def node_for(self, key: bytes) -> Endpoint:
         if not self.cluster:
