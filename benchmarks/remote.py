@@ -1,30 +1,47 @@
-"""The remote tier against a real redis-server: client libraries, promotion, write-behind.
+"""The remote tier on both backends side by side: Redis and Mooncake Store.
 
-    .venv/bin/python benchmarks/remote.py                       # everything (a few minutes)
+    sudo .venv/bin/python benchmarks/remote.py                  # everything (a few minutes)
     .venv/bin/python benchmarks/remote.py --sizes 1MiB --runs 1 --quick
+    .venv/bin/python benchmarks/remote.py --backends redis      # no root needed
 
-Sections (every ratio compares figures measured in the same run, same server):
+With Mooncake (root, the ``[mooncake]`` extra installed) the whole run re-executes
+itself in a private network namespace with only ``lo`` (``unshare -n``): the
+redis-server (Unix socket and 127.0.0.1), the ``mooncake_master`` (127.0.0.1), the
+brokers and every client, so no traffic can leave loopback. Without root the
+Mooncake columns are skipped with the reason printed.
 
-- ``clients``: GET/SET of each size through redis-py (hiredis parser, and its pure
-  Python parser), valkey-glide (if installed), and this project's RESP client
-  (``broker/tiers/resp.py``: GET streamed into a reused buffer, SET gathered from a
-  memoryview), on a Unix socket and on 127.0.0.1. Why the tier uses its own client.
-- ``promotion``: broker B gets a key only broker A stored (remote hit: GET streamed
-  into B's slab, checksum verified, then the client's copy out of the slab into a
-  reused tensor) against a bare redis-py ``GET`` of the same value from the same
-  server (bytes, no copy anywhere). Target: bare/ours >= 0.8.
-- ``write-behind``: how fast A's write-behind drains puts of 34 MiB into the store.
-- ``put latency``: p50/p99 of 2 MiB puts with the remote tier on vs off (target:
-  unchanged -- the remote never sits on the put path).
+Sections (every ratio compares figures measured in the same run, same store):
+
+- ``clients`` (Redis): GET/SET of each size through redis-py (hiredis parser, and
+  its pure Python parser), valkey-glide (if installed), and this project's RESP
+  client (``broker/tiers/resp.py``: GET streamed into a reused buffer, SET gathered
+  from a memoryview), on a Unix socket and on 127.0.0.1. Why the tier uses its own
+  client.
+- ``promotion`` (both backends, one table): broker B gets a key only broker A
+  stored -- a remote hit: the value streamed into B's slab, its checksum verified,
+  then the client's copy out of the slab into a reused tensor -- against the
+  store's own client reading the same value from the same store (redis-py ``GET``
+  into bytes; Mooncake ``get_into`` an ordinary registered buffer), no checks and
+  no copy anywhere. Target: bare/ours >= 0.8.
+- ``write-behind``: how fast A's write-behind drains puts of 34 MiB into each store.
+- ``put latency``: p50/p99 of 2 MiB puts with the remote tier off, and on with each
+  backend (target: unchanged -- the remote never sits on the put path; the write-
+  behind still competes for the CPUs).
+
+``benchmarks/remote_mooncake.py`` compares the Mooncake tier's own transfers (no
+broker round trip) against Mooncake's client between two ordinary buffers.
 """
 
 # ruff: noqa: B023 - each timed closure runs in the loop iteration that made it
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -39,6 +56,7 @@ from redis_servers import RedisServer  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     Broker,
     MiB,
+    die_with_parent,
     fmt_size,
     median,
     parse_sizes,
@@ -47,6 +65,7 @@ from benchmarks._common import (  # noqa: E402
 )
 
 DEFAULT_SIZES = "2MiB,34MiB,130MiB"
+PREFIX = "lmcache-ec:"  # the brokers' default remote_key_prefix
 
 
 def _timed(fn: Any, runs: int) -> float:
@@ -152,93 +171,210 @@ def print_clients(rows: list[dict[str, Any]]) -> str:
 # ====================================================================== tier
 
 
-def bench_tier(
-    srv: RedisServer, sizes: list[int], runs: int, puts: int, wb_n: int
+class RedisBackend:
+    """redis-server on a Unix socket; the bare baseline is redis-py's ``GET``."""
+
+    name = "Redis"
+
+    def __init__(self, srv: RedisServer) -> None:
+        import redis
+
+        self.url = srv.url("unix")
+        self.env: dict[str, str] = {}
+        self._bare = redis.Redis(unix_socket_path=srv.unix_path)
+
+    def bare_get(self, key: str, size: int) -> float:
+        t0 = time.perf_counter()
+        raw = self._bare.get(PREFIX + key)
+        dt = time.perf_counter() - t0
+        assert raw is not None and len(raw) > size
+        return dt
+
+    def close(self) -> None:
+        self._bare.close()
+
+
+class MooncakeBackend:
+    """A ``mooncake_master`` on 127.0.0.1 (the caller made a private network namespace).
+
+    The brokers contribute the memory the objects live in (broker A holds what it
+    wrote); the bare baseline is Mooncake's own client (contributing none) reading
+    the same object with ``get_into`` into an ordinary registered buffer."""
+
+    name = "Mooncake"
+    port = 50051
+
+    def __init__(self, max_size: int, runs: int) -> None:
+        import mmap
+
+        import mooncake
+        from mooncake.store import MooncakeDistributedStore
+
+        binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+        self.master = subprocess.Popen(
+            [binary, "-rpc_address=127.0.0.1", f"-rpc_port={self.port}",
+             "-metrics_host=127.0.0.1", "-metrics_port=9003"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while (
+            f"127.0.0.1:{self.port}".encode()
+            not in subprocess.run(["ss", "-Hltn"], capture_output=True).stdout
+        ):
+            if time.monotonic() > deadline or self.master.poll() is not None:
+                raise RuntimeError("mooncake_master did not start")
+            time.sleep(0.05)
+        self.url = f"mooncakestore://127.0.0.1:{self.port}"
+        segment = (runs + 2) * max_size + 256 * MiB
+        self.env = {
+            "LMCACHE_EC_MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "LMCACHE_EC_MOONCAKE_GLOBAL_SEGMENT_SIZE": f"{-(-segment // MiB)}MiB",
+        }
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", f"127.0.0.1:{self.port}"
+        )
+        if rc != 0:
+            raise RuntimeError(f"Mooncake setup failed: {rc}")
+        self._buf = mmap.mmap(-1, max_size + MiB)
+        for off in range(0, len(self._buf), MiB):  # no first-touch faults in the timings
+            self._buf[off : off + 1] = b"\1"
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        if self._store.register_buffer(self._addr, len(self._buf)) != 0:
+            raise RuntimeError("register_buffer failed")
+
+    def bare_get(self, key: str, size: int) -> float:
+        n = int(self._store.get_size(PREFIX + key))
+        assert n > size, n
+        t0 = time.perf_counter()
+        got = self._store.get_into(PREFIX + key, self._addr, n)
+        dt = time.perf_counter() - t0
+        assert got == n, got
+        return dt
+
+    def close(self) -> None:
+        self._store.unregister_buffer(self._addr)
+        self._store.close()
+        self.master.kill()
+        self.master.wait(10)
+
+
+def bench_backend(
+    backend: Any, sizes: list[int], runs: int, puts: int, wb_n: int
 ) -> dict[str, Any]:
-    import redis
+    """Promotion, write-behind and put latency through two real brokers on ``backend``."""
     import torch
 
     from lmcache_ec_broker import BrokerClient
 
-    url = srv.url("unix")
-    # The brokers inherit this: a loaded benchmark machine must not turn slow transfers
-    # into timeouts (the default, 1 s, bounds a 130 MiB read at ~3 s).
-    os.environ.setdefault("LMCACHE_EC_REMOTE_TIMEOUT_S", "10")
-    shm = max(512 * MiB, (runs + 1) * max(sizes) + 128 * MiB)
     res: dict[str, Any] = {"promotion": [], "put_latency": {}, "write_behind": {}}
-    bare = redis.Redis(unix_socket_path=srv.unix_path)
-    with (
-        Broker(shm, ["--remote-url", url]) as ba,
-        Broker(shm, ["--remote-url", url]) as bb,
-    ):
-        a = BrokerClient(ba.socket_path, timeout_s=60)
-        b = BrokerClient(bb.socket_path, timeout_s=60)
-        for size in sizes:
-            t = torch.randint(0, 255, (size,), dtype=torch.uint8)
-            out = torch.empty_like(t)
-            keys = [f"p-{size}-{i}" for i in range(runs)]
-            n0 = a.stats()["remote_writes"]
-            for k in keys:
-                a.put(k, t)
-                _wait(lambda n=n0: a.stats()["remote_writes"] >= n + 1, 120)
-                n0 += 1
-            _wait(lambda keys=keys: b.stats()["remote_known_keys"] >= len(keys), 30)
-            ours, plain = [], []
-            for k in keys:
-                t0 = time.perf_counter()
-                if not b.get_into(k, out):
-                    st = {x: v for x, v in b.stats().items() if x.startswith("remote_") and v}
-                    raise RuntimeError(f"B missed {k} ({fmt_size(size)}): {st}")
-                ours.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                raw = bare.get("lmcache-ec:" + k)
-                plain.append(time.perf_counter() - t0)
-                assert raw is not None and len(raw) > size
-                del raw
-            assert out.equal(t)
-            res["promotion"].append({"size": size, "ours": median(ours), "bare_get": median(plain)})
-            for k in keys:  # free the slabs for the next size
-                a.delete(k)
-        # write-behind throughput
-        wb_size = 34 * MiB if max(sizes) >= 34 * MiB else max(sizes)
-        t = torch.randint(0, 255, (wb_size,), dtype=torch.uint8)
-        n0 = a.stats()["remote_writes"]
-        d0 = a.stats()["remote_write_drops"]
-        t0 = time.perf_counter()
-        for i in range(wb_n):
-            a.put(f"wb-{i}", t)
-        put_done = time.perf_counter() - t0
-        _wait(lambda: a.stats()["remote_pending_writes"] == 0, 300)
-        elapsed = time.perf_counter() - t0
-        st = a.stats()
-        written = st["remote_writes"] - n0
-        res["write_behind"] = {
-            "size": wb_size,
-            "entries": wb_n,
-            "written": written,
-            "dropped": st["remote_write_drops"] - d0,
-            "puts_s": put_done,
-            "drain_s": elapsed,
-            "GBps": written * wb_size / elapsed / 1e9,
-        }
-        for i in range(wb_n):
-            a.delete(f"wb-{i}")
-        a.close()
-        b.close()
-    # put latency, remote on vs off (fresh brokers; 2 MiB entries)
-    t = torch.randint(0, 255, (2 * MiB,), dtype=torch.uint8)
-    for label, extra in (("off", []), ("on", ["--remote-url", url])):
-        with Broker(max(256 * MiB, 2 * MiB * (puts + 8)), extra) as br:
-            c = BrokerClient(br.socket_path, timeout_s=60)
-            lat = []
-            for i in range(puts):
-                t0 = time.perf_counter()
-                assert c.put(f"lat-{label}-{i}", t)
-                lat.append(time.perf_counter() - t0)
-            res["put_latency"][label] = {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
-            c.close()
-    bare.close()
+    shm = max(512 * MiB, (runs + 1) * max(sizes) + 128 * MiB)
+    saved = {k: os.environ.get(k) for k in backend.env}
+    os.environ.update(backend.env)  # the brokers inherit the backend's settings
+    try:
+        with (
+            Broker(shm, ["--remote-url", backend.url]) as ba,
+            Broker(shm, ["--remote-url", backend.url]) as bb,
+        ):
+            a = BrokerClient(ba.socket_path, timeout_s=60)
+            b = BrokerClient(bb.socket_path, timeout_s=60)
+            _wait(lambda: a.stats()["remote_up"] and b.stats()["remote_up"], 60)
+            # Not timed: the first transfer between two nodes sets up their connections.
+            warm = torch.ones(MiB, dtype=torch.uint8)
+            a.put("warm-up", warm)
+            _wait(lambda: a.stats()["remote_writes"] >= 1 and b.has(["warm-up"])[0], 60)
+            assert b.get_into("warm-up", torch.empty_like(warm))
+            backend.bare_get("warm-up", MiB)
+            a.delete("warm-up")
+            for size in sizes:
+                t = torch.randint(0, 255, (size,), dtype=torch.uint8)
+                out = torch.empty_like(t)
+                keys = [f"p-{size}-{i}" for i in range(runs)]
+                n0 = a.stats()["remote_writes"]
+                for k in keys:
+                    a.put(k, t)
+                    _wait(lambda n=n0: a.stats()["remote_writes"] >= n + 1, 120)
+                    n0 += 1
+                # B learns of A's keys from the store (announcements / key polling) before a
+                # get; until then its membership filter answers a fast local miss.
+                _wait(lambda keys=keys: all(b.has(keys)), 60)
+                ours, plain = [], []
+                for i, k in enumerate(keys):
+                    # Alternate who reads first: neither always meets the colder store.
+                    if i % 2:
+                        plain.append(backend.bare_get(k, size))
+                    t0 = time.perf_counter()
+                    if not b.get_into(k, out):
+                        st = {x: v for x, v in b.stats().items() if x.startswith("remote_") and v}
+                        raise RuntimeError(f"B missed {k} ({fmt_size(size)}): {st}")
+                    ours.append(time.perf_counter() - t0)
+                    if not i % 2:
+                        plain.append(backend.bare_get(k, size))
+                assert out.equal(t)
+                res["promotion"].append(
+                    {"size": size, "ours": median(ours), "bare_get": median(plain)}
+                )
+                for k in keys:  # free the slabs (and the store) for the next size
+                    a.delete(k)
+            wb_size = 34 * MiB if max(sizes) >= 34 * MiB else max(sizes)
+            t = torch.randint(0, 255, (wb_size,), dtype=torch.uint8)
+            st0 = a.stats()
+            t0 = time.perf_counter()
+            for i in range(wb_n):
+                a.put(f"wb-{i}", t)
+            put_done = time.perf_counter() - t0
+            _wait(lambda: a.stats()["remote_pending_writes"] == 0, 300)
+            elapsed = time.perf_counter() - t0
+            st = a.stats()
+            written = st["remote_writes"] - st0["remote_writes"]
+            res["write_behind"] = {
+                "size": wb_size,
+                "entries": wb_n,
+                "written": written,
+                "dropped": st["remote_write_drops"] - st0["remote_write_drops"],
+                "skipped": st["remote_writes_skipped"] - st0["remote_writes_skipped"],
+                "errors": st["remote_write_errors"] - st0["remote_write_errors"],
+                "puts_s": put_done,
+                "drain_s": elapsed,
+                "GBps": written * wb_size / elapsed / 1e9,
+            }
+            for i in range(wb_n):
+                a.delete(f"wb-{i}")
+            a.close()
+            b.close()
+        # put latency with the remote tier on (a fresh broker; 2 MiB entries)
+        res["put_latency"] = put_latency(["--remote-url", backend.url], puts, backend.name)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return res
+
+
+def put_latency(extra: list[str], puts: int, label: str) -> dict[str, float]:
+    import torch
+
+    from lmcache_ec_broker import BrokerClient
+
+    t = torch.randint(0, 255, (2 * MiB,), dtype=torch.uint8)
+    with Broker(max(256 * MiB, 2 * MiB * (puts + 8)), extra) as br:
+        c = BrokerClient(br.socket_path, timeout_s=60)
+        if extra:
+            _wait(lambda: c.stats()["remote_up"], 60)
+        lat = []
+        for i in range(puts):
+            t0 = time.perf_counter()
+            assert c.put(f"lat-{label}-{i}", t)
+            lat.append(time.perf_counter() - t0)
+        st = c.stats()
+        c.close()
+    return {
+        "p50": percentile(lat, 0.5),
+        "p99": percentile(lat, 0.99),
+        "written": st.get("remote_writes", 0),
+    }
 
 
 def _wait(pred: Any, timeout: float) -> None:
@@ -249,38 +385,96 @@ def _wait(pred: Any, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def print_tier(res: dict[str, Any]) -> str:
-    rows = [
-        [
-            fmt_size(p["size"]),
-            f"{p['ours'] * 1000:.1f}",
-            f"{p['size'] / p['ours'] / 1e9:.2f}",
-            f"{p['bare_get'] * 1000:.1f}",
-            f"{p['size'] / p['bare_get'] / 1e9:.2f}",
-            f"{p['bare_get'] / p['ours']:.2f}",
-        ]
-        for p in res["promotion"]
-    ]
+def print_tier(results: dict[str, dict[str, Any]], off: dict[str, float]) -> str:
+    names = list(results)
+    sizes = [p["size"] for p in results[names[0]]["promotion"]]
+    headers = ["size"]
+    for name in names:
+        headers += [f"{name}: B get_into GB/s", "bare GB/s", "bare/ours"]
+    rows = []
+    for j, size in enumerate(sizes):
+        row = [fmt_size(size)]
+        for name in names:
+            p = results[name]["promotion"][j]
+            row += [
+                f"{size / p['ours'] / 1e9:.2f}",
+                f"{size / p['bare_get'] / 1e9:.2f}",
+                f"{p['bare_get'] / p['ours']:.2f}x",
+            ]
+        rows.append(row)
+    bare_names = {"Redis": "redis-py GET", "Mooncake": "Mooncake get_into"}
     out = [
-        "remote promotion (B gets what only A stored; Unix socket; median ms)\n\n"
-        + table(
-            ["size", "B get_into ms", "GB/s", "bare redis-py GET ms", "GB/s", "bare/ours"], rows
-        )
+        "remote promotion: broker B gets a key only broker A stored (the promotion into B's "
+        "slab + the client's copy out), against each store's own client reading the same "
+        "value (bare: "
+        + ", ".join(f"{n} = {bare_names.get(n, n)}" for n in names)
+        + "; medians)\n\n"
+        + table(headers, rows)
     ]
-    wb = res["write_behind"]
-    out.append(
-        f"write-behind: {wb['entries']} puts of {fmt_size(wb['size'])} took {wb['puts_s']:.2f}s; "
-        f"{wb['written']} written, {wb['dropped']} dropped (queue budget), drained after "
-        f"{wb['drain_s']:.2f}s: {wb['GBps']:.2f} GB/s into the store"
-    )
-    pl = res["put_latency"]
-    out.append(
-        table(
-            ["2 MiB put", "p50 ms", "p99 ms"],
-            [[k, f"{v['p50'] * 1000:.2f}", f"{v['p99'] * 1000:.2f}"] for k, v in pl.items()],
+    wb_rows = []
+    for name in names:
+        wb = results[name]["write_behind"]
+        wb_rows.append(
+            [
+                name,
+                f"{wb['entries']} x {fmt_size(wb['size'])}",
+                f"{wb['puts_s']:.2f}",
+                f"{wb['drain_s']:.2f}",
+                str(wb["written"]),
+                str(wb["dropped"]),
+                str(wb["skipped"]),
+                str(wb["errors"]),
+                f"{wb['GBps']:.2f}",
+            ]
         )
+    out.append(
+        "write-behind: puts into broker A, drained into the store\n\n"
+        + table(
+            [
+                "backend",
+                "puts",
+                "puts s",
+                "drained s",
+                "written",
+                "dropped",
+                "skipped",
+                "errors",
+                "GB/s",
+            ],
+            wb_rows,
+        )
+    )
+    pl_rows = [["off", f"{off['p50'] * 1000:.2f}", f"{off['p99'] * 1000:.2f}", "-", "-"]]
+    for name in names:
+        v = results[name]["put_latency"]
+        pl_rows.append(
+            [
+                f"on ({name})",
+                f"{v['p50'] * 1000:.2f}",
+                f"{v['p99'] * 1000:.2f}",
+                f"{v['p50'] / off['p50']:.2f}x",
+                str(v["written"]),
+            ]
+        )
+    out.append(
+        table(["2 MiB put, remote tier", "p50 ms", "p99 ms", "p50 vs off", "written"], pl_rows)
     )
     return "\n\n".join(out)
+
+
+def mooncake_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (Mooncake runs in a private network namespace: unshare -n)"
+    if shutil.which("unshare") is None or shutil.which("ss") is None:
+        return "needs unshare and ss (util-linux, iproute2)"
+    try:
+        import mooncake
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError:
+        return "the [mooncake] extra is not installed"
+    if not os.path.isfile(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")):
+        return "the mooncake package ships no mooncake_master"
+    return None
 
 
 def main() -> int:
@@ -291,8 +485,24 @@ def main() -> int:
     ap.add_argument("--wb", type=int, default=12, help="entries in the write-behind run")
     ap.add_argument("--quick", action="store_true", help="fewer puts (smoke runs)")
     ap.add_argument("--only", choices=("clients", "tier"), help="one section")
+    ap.add_argument("--backends", default="redis,mooncake", help="tier section: redis, mooncake")
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if set(backends) - {"redis", "mooncake"} or not backends:
+        ap.error(f"--backends: redis and/or mooncake, got {args.backends!r}")
+    if "mooncake" in backends and args.only != "clients" and not args.in_netns:
+        why = mooncake_unavailable()
+        if why is None:
+            # Everything (redis-server too) runs in a private network namespace with only lo,
+            # so Mooncake's transfer engine cannot reach or listen on another interface.
+            inner = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--in-netns"]
+            return subprocess.run(["unshare", "-n", "--", *inner]).returncode
+        print(f"Mooncake skipped: {why}\n", flush=True)
+        backends.remove("mooncake")
+    if args.in_netns:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     if args.quick:
         args.puts, args.wb = 20, 3
     sizes = parse_sizes(args.sizes)
@@ -303,9 +513,25 @@ def main() -> int:
             print(print_clients(out["clients"]), flush=True)
             print()
             srv.cli("flushall")
-        if args.only in (None, "tier"):
-            out["tier"] = bench_tier(srv, sizes, args.runs, args.puts, args.wb)
-            print(print_tier(out["tier"]), flush=True)
+        if args.only in (None, "tier") and backends:
+            os.environ.setdefault("LMCACHE_EC_REMOTE_TIMEOUT_S", "10")  # see below
+            # The brokers inherit this: a loaded benchmark machine must not turn slow transfers
+            # into timeouts (the default, 1 s, bounds a 130 MiB read at ~3 s).
+            results: dict[str, dict[str, Any]] = {}
+            off = put_latency([], args.puts, "off")
+            for name in backends:
+                if name == "redis":
+                    backend: Any = RedisBackend(srv)
+                else:
+                    backend = MooncakeBackend(max(sizes), args.runs)
+                try:
+                    results[backend.name] = bench_backend(
+                        backend, sizes, args.runs, args.puts, args.wb
+                    )
+                finally:
+                    backend.close()
+            out["tier"] = {"backends": results, "put_latency_off": off}
+            print(print_tier(results, off), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from redis_servers import REDIS_SERVER
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.remote import mooncake_unavailable  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -25,7 +28,19 @@ def test_remote_benchmark_smoke() -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     for title in ("clients over unix", "clients over tcp", "remote promotion", "write-behind:"):
         assert title in r.stdout, r.stdout
-    assert "2 MiB put" in r.stdout
+    assert "2 MiB put" in r.stdout and "on (Redis)" in r.stdout
+    # Both backends side by side in one table, or the reason Mooncake could not run.
+    header = next(
+        ln for ln in r.stdout.splitlines() if ln.startswith("| size") and "B get_into" in ln
+    )
+    assert "Redis: B get_into" in header
+    if mooncake_unavailable() is None:
+        assert "Mooncake: B get_into" in header and "on (Mooncake)" in r.stdout, r.stdout
+        wb = next(ln for ln in r.stdout.splitlines() if ln.strip("| ").startswith("Mooncake |"))
+        cells = [c.strip() for c in wb.strip().strip("|").split("|")]
+        assert cells[4] == "3" and cells[7] == "0", wb  # every write-behind written, no errors
+    else:
+        assert "Mooncake skipped: " + mooncake_unavailable() in r.stdout, r.stdout
 
 
 def test_fleet_sim_smoke() -> None:

@@ -249,6 +249,7 @@ class MooncakeTier(LowerTier):
         self._lock = threading.Lock()  # counters, queues and key sets shared with threads
         self._queue: collections.deque[_Write | _Delete | _Clear] = collections.deque()
         self._queued_writes = 0
+        self._writing = 0  # writes taken off the queue, not finished yet (the writer thread's)
         self._deferred: list[Any] = []  # deletes waiting for a lease (or the store) to end
         self._drain_until = 0.0
         self._wake = threading.Condition(self._lock)
@@ -945,6 +946,7 @@ class MooncakeTier(LowerTier):
             ops.append(op)
             nbytes += op.meta.nbytes
             self._queued_writes -= 1
+        self._writing = len(ops)
         return ops
 
     def _writer_loop(self) -> None:
@@ -957,6 +959,8 @@ class MooncakeTier(LowerTier):
                 return
             store = self._store
             if store is None or not self._connected.is_set():
+                with self._lock:
+                    self._writing = 0
                 for op in ops:
                     if isinstance(op, _Write):
                         self._count("remote_write_drops")
@@ -971,7 +975,11 @@ class MooncakeTier(LowerTier):
                             )
                 continue
             if isinstance(ops[0], _Write):
-                self._write_batch(store, [op for op in ops if isinstance(op, _Write)])
+                try:
+                    self._write_batch(store, [op for op in ops if isinstance(op, _Write)])
+                finally:
+                    with self._lock:
+                        self._writing = 0
             else:
                 try:
                     self._apply(store, ops[0])  # type: ignore[arg-type]
@@ -1235,7 +1243,8 @@ class MooncakeTier(LowerTier):
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             out: dict[str, int | float] = dict(self.counters)
-            out["remote_pending_writes"] = self._queued_writes
+            # In flight counts too: zero means every accepted write has ended.
+            out["remote_pending_writes"] = self._queued_writes + self._writing
         out["remote_up"] = int(self._connected.is_set() and self.circuit.up)
         out["remote_known_keys"] = len(self._reported)
         return out
