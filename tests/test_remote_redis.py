@@ -522,6 +522,28 @@ def test_cluster_values_spread_across_slots(node, kind) -> None:
             assert same(b.get(k), t), k
 
 
+def test_cluster_redirect_replies_parse() -> None:
+    from lmcache_ec_broker.broker.tiers.remote_url import parse_remote_url
+    from lmcache_ec_broker.broker.tiers.resp import Endpoint, Redirect, parse_redirect
+
+    here = Endpoint("127.0.0.1", 7000)
+    assert parse_redirect("ASK 3999 127.0.0.1:6381") == Redirect(
+        True, 3999, Endpoint("127.0.0.1", 6381)
+    )
+    assert parse_redirect("MOVED 0 10.0.0.2:7001") == Redirect(False, 0, Endpoint("10.0.0.2", 7001))
+    assert parse_redirect("MOVED 16383 [::1]:7002").ep == Endpoint("::1", 7002)
+    assert parse_redirect("ASK 5 :7003", here).ep == Endpoint("127.0.0.1", 7003)  # same host
+    for bad in ("ERR wrong", "MOVED", "MOVED 16384 h:1", "ASK x h:1", "ASK 1 h:0", "ASK 1 h", ""):
+        assert parse_redirect(bad, here) is None, bad
+    assert parse_redirect("ASK 5 :7003") is None  # no host to fall back on
+    for scheme, tls in [("valkey", False), ("valkeys", True)]:
+        t = parse_remote_url(f"{scheme}://:pw@127.0.0.1:6390/2")
+        assert (t.tls, t.cluster, t.db, t.password) == (tls, False, 2, "pw")
+        assert t.hosts == [("127.0.0.1", 6390)]
+    t = parse_remote_url("valkey-cluster://127.0.0.1:7000")
+    assert t.cluster and t.hosts == [("127.0.0.1", 7000)]
+
+
 def _direct(srv: RedisServer):
     """A plain redis-py client on one cluster node (one connection: ASKING then a command)."""
     import redis

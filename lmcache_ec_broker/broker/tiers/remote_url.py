@@ -88,7 +88,8 @@ def parse_remote_url(url: str) -> RemoteTarget:
     scheme = scheme.lower()
     forms = (
         "redis://host:port[/db], rediss://host:port (TLS), unix:///path/redis.sock, "
-        "redis://h1:p1,h2:p2 or redis-cluster://h1:p1,h2:p2 (Cluster)"
+        "redis://h1:p1,h2:p2 or redis-cluster://h1:p1,h2:p2 (Cluster); "
+        "valkey://, valkeys://, valkey-cluster:// are the same for Valkey"
     )
     if not sep:
         raise ValueError(f"remote_url {mask_url(url)!r} has no scheme; use {forms}")
