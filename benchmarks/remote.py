@@ -25,8 +25,9 @@ Sections (every ratio compares figures measured in the same run, same store):
   no copy anywhere. Target: bare/ours >= 0.8.
 - ``write-behind``: how fast A's write-behind drains puts of 34 MiB into each store.
 - ``put latency``: p50/p99 of 2 MiB puts with the remote tier off, and on with each
-  backend (target: unchanged -- the remote never sits on the put path; the write-
-  behind still competes for the CPUs).
+  backend (target: unchanged -- the remote never sits on the put path), back to back
+  (the write-behind and the store compete with the puts for the CPUs) and paced at
+  ``--pace-ms`` (entries arrive at an encoder's rate).
 
 ``benchmarks/remote_mooncake.py`` compares the Mooncake tier's own transfers (no
 broker round trip) against Mooncake's client between two ordinary buffers.
@@ -65,6 +66,7 @@ from benchmarks._common import (  # noqa: E402
 )
 
 DEFAULT_SIZES = "2MiB,34MiB,130MiB"
+PL_KEYS = ("b2b_p50", "b2b_p99", "paced_p50", "paced_p99")
 PREFIX = "lmcache-ec:"  # the brokers' default remote_key_prefix
 
 
@@ -260,7 +262,7 @@ class MooncakeBackend:
 
 
 def bench_backend(
-    backend: Any, sizes: list[int], runs: int, puts: int, wb_n: int
+    backend: Any, sizes: list[int], runs: int, puts: int, wb_n: int, pace_s: float
 ) -> dict[str, Any]:
     """Promotion, write-behind and put latency through two real brokers on ``backend``."""
     import torch
@@ -343,7 +345,7 @@ def bench_backend(
             a.close()
             b.close()
         # put latency with the remote tier on (a fresh broker; 2 MiB entries)
-        res["put_latency"] = put_latency(["--remote-url", backend.url], puts, backend.name)
+        res["put_latency"] = put_latency(["--remote-url", backend.url], puts, backend.name, pace_s)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -353,28 +355,37 @@ def bench_backend(
     return res
 
 
-def put_latency(extra: list[str], puts: int, label: str) -> dict[str, float]:
+def put_latency(extra: list[str], puts: int, label: str, pace_s: float) -> dict[str, float]:
+    """2 MiB puts into a fresh broker: back to back (the write-behind competes with the
+    puts for the CPUs), then paced at ``pace_s`` (encoder outputs arrive at the encoder's
+    rate: the write-behind of one entry ends before the next put)."""
     import torch
 
     from lmcache_ec_broker import BrokerClient
 
     t = torch.randint(0, 255, (2 * MiB,), dtype=torch.uint8)
-    with Broker(max(256 * MiB, 2 * MiB * (puts + 8)), extra) as br:
+    out: dict[str, float] = {}
+    with Broker(max(256 * MiB, 2 * MiB * (2 * puts + 8)), extra) as br:
         c = BrokerClient(br.socket_path, timeout_s=60)
         if extra:
             _wait(lambda: c.stats()["remote_up"], 60)
-        lat = []
-        for i in range(puts):
-            t0 = time.perf_counter()
-            assert c.put(f"lat-{label}-{i}", t)
-            lat.append(time.perf_counter() - t0)
-        st = c.stats()
+        for mode, gap in (("b2b", 0.0), ("paced", pace_s)):
+            if extra:
+                _wait(lambda: c.stats()["remote_pending_writes"] == 0, 120)
+            lat = []
+            for i in range(puts):
+                t0 = time.perf_counter()
+                assert c.put(f"lat-{label}-{mode}-{i}", t)
+                lat.append(time.perf_counter() - t0)
+                if gap:
+                    time.sleep(gap)
+            out[f"{mode}_p50"] = percentile(lat, 0.5)
+            out[f"{mode}_p99"] = percentile(lat, 0.99)
+        if extra:
+            _wait(lambda: c.stats()["remote_pending_writes"] == 0, 120)
+        out["written"] = c.stats().get("remote_writes", 0)
         c.close()
-    return {
-        "p50": percentile(lat, 0.5),
-        "p99": percentile(lat, 0.99),
-        "written": st.get("remote_writes", 0),
-    }
+    return out
 
 
 def _wait(pred: Any, timeout: float) -> None:
@@ -444,20 +455,37 @@ def print_tier(results: dict[str, dict[str, Any]], off: dict[str, float]) -> str
             wb_rows,
         )
     )
-    pl_rows = [["off", f"{off['p50'] * 1000:.2f}", f"{off['p99'] * 1000:.2f}", "-", "-"]]
+
+    def ms(v: dict[str, float], k: str) -> str:
+        return f"{v[k] * 1000:.2f}"
+
+    pl_rows = [["off", *(ms(off, k) for k in PL_KEYS), "-", "-", "-"]]
     for name in names:
         v = results[name]["put_latency"]
         pl_rows.append(
             [
                 f"on ({name})",
-                f"{v['p50'] * 1000:.2f}",
-                f"{v['p99'] * 1000:.2f}",
-                f"{v['p50'] / off['p50']:.2f}x",
+                *(ms(v, k) for k in PL_KEYS),
+                f"{v['b2b_p50'] / off['b2b_p50']:.2f}x",
+                f"{v['paced_p50'] / off['paced_p50']:.2f}x",
                 str(v["written"]),
             ]
         )
     out.append(
-        table(["2 MiB put, remote tier", "p50 ms", "p99 ms", "p50 vs off", "written"], pl_rows)
+        "2 MiB put latency, remote tier off/on: back to back, and paced (one put per gap)\n\n"
+        + table(
+            [
+                "2 MiB put",
+                "b2b p50 ms",
+                "b2b p99 ms",
+                "paced p50 ms",
+                "paced p99 ms",
+                "b2b p50 vs off",
+                "paced p50 vs off",
+                "written",
+            ],
+            pl_rows,
+        )  # fmt: skip
     )
     return "\n\n".join(out)
 
@@ -482,6 +510,9 @@ def main() -> int:
     ap.add_argument("--sizes", default=DEFAULT_SIZES)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--puts", type=int, default=200, help="puts per put-latency run")
+    ap.add_argument(
+        "--pace-ms", type=float, default=20.0, help="gap between paced puts (put latency)"
+    )
     ap.add_argument("--wb", type=int, default=12, help="entries in the write-behind run")
     ap.add_argument("--quick", action="store_true", help="fewer puts (smoke runs)")
     ap.add_argument("--only", choices=("clients", "tier"), help="one section")
@@ -518,7 +549,7 @@ def main() -> int:
             # The brokers inherit this: a loaded benchmark machine must not turn slow transfers
             # into timeouts (the default, 1 s, bounds a 130 MiB read at ~3 s).
             results: dict[str, dict[str, Any]] = {}
-            off = put_latency([], args.puts, "off")
+            off = put_latency([], args.puts, "off", args.pace_ms / 1000)
             for name in backends:
                 if name == "redis":
                     backend: Any = RedisBackend(srv)
@@ -526,7 +557,7 @@ def main() -> int:
                     backend = MooncakeBackend(max(sizes), args.runs)
                 try:
                     results[backend.name] = bench_backend(
-                        backend, sizes, args.runs, args.puts, args.wb
+                        backend, sizes, args.runs, args.puts, args.wb, args.pace_ms / 1000
                     )
                 finally:
                     backend.close()
