@@ -608,12 +608,14 @@ def test_cluster_slot_migration_follows_ask_and_moved(node, kind) -> None:
         st = remote_stats(b)
         assert st["remote_hits"] >= hits + 2
         assert st["remote_refused_values"] == st["remote_read_errors"] == 0
+        assert st["remote_ask_redirects"] >= 1  # the moved key was read through -ASK
 
         # A write during the migration: a new key of this slot goes to the target.
         new = tensor_of(torch.float16, (64, 64), seed=23)
         assert a.put("{mig}new", new)
         wait_until(lambda: remote_stats(a)["remote_writes"] == 3, what="the write via -ASK")
         assert remote_stats(a)["remote_write_errors"] == 0
+        assert remote_stats(a)["remote_ask_redirects"] >= 1
         with _direct(dst) as r:
             r.execute_command("ASKING")
             assert r.exists(PREFIX + "{mig}new") == 1
@@ -633,6 +635,7 @@ def test_cluster_slot_migration_follows_ask_and_moved(node, kind) -> None:
         assert a.put("{mig}later", later)
         wait_until(lambda: remote_stats(a)["remote_writes"] == 4, what="the write via -MOVED")
         assert remote_stats(a)["remote_write_errors"] == 0
+        assert remote_stats(a)["remote_moved_redirects"] >= 1
         assert dst.cli("exists", PREFIX + "{mig}later") == "1"
         wait_until(knows(b, 4), what="announcement")
         got = b.get("{mig}later")

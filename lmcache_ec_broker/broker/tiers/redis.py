@@ -176,7 +176,6 @@ class RedisTier(LowerTier):
         self._sub_conn: Connection | None = None
         self._closing = False
         self._warned: dict[str, float] = {}
-        self.redirects = {"ask": 0, "moved": 0}  # Cluster redirects followed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -324,8 +323,7 @@ class RedisTier(LowerTier):
 
     def _note_redirect(self, redirect: Redirect) -> None:
         kind = "ask" if redirect.ask else "moved"
-        with self._lock:
-            self.redirects[kind] += 1
+        self._count(f"remote_{kind}_redirects")
         log.debug("remote tier: %s slot %d -> %s", kind.upper(), redirect.slot, redirect.ep)
 
     def _redirected(self, redirect: Redirect) -> None:

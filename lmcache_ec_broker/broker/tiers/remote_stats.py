@@ -20,6 +20,8 @@ REMOTE_COUNTERS = (
     "remote_refused_values",
     "remote_announcements",  # keys learned from other brokers (announcements, key listings)
     "remote_circuit_opens",
+    "remote_ask_redirects",  # Redis/Valkey Cluster: -ASK followed (a slot being migrated)
+    "remote_moved_redirects",  # Redis/Valkey Cluster: -MOVED followed (slot map updated)
     *LATENCY_KEYS,
     "remote_latency_seconds_sum",
 )
