@@ -17,12 +17,18 @@ Sections (every ratio compares figures measured in the same run, same store):
   client (``broker/tiers/resp.py``: GET streamed into a reused buffer, SET gathered
   from a memoryview), on a Unix socket and on 127.0.0.1. Why the tier uses its own
   client.
+- ``the tier alone`` (both backends, one table): each tier in process, without a
+  broker -- ``read_into`` reserved slab extents (header check and checksum
+  included) and ``write`` from them -- against the store's own client moving the
+  same bytes between ordinary buffers (redis-py GET/SET; Mooncake ``get_into`` /
+  ``put_from`` by a client that contributes no memory, the object held by another
+  process). Target: bare/tier >= 0.8 (the issues' promotion targets).
 - ``promotion`` (both backends, one table): broker B gets a key only broker A
   stored -- a remote hit: the value streamed into B's slab, its checksum verified,
   then the client's copy out of the slab into a reused tensor -- against the
   store's own client reading the same value from the same store (redis-py ``GET``
   into bytes; Mooncake ``get_into`` an ordinary registered buffer), no checks and
-  no copy anywhere. Target: bare/ours >= 0.8.
+  no copy anywhere. What a remote hit costs a client end to end.
 - ``write-behind``: how fast A's write-behind drains puts of 34 MiB into each store.
 - ``put latency``: p50/p99 of 2 MiB puts with the remote tier off, and on with each
   backend (target: unchanged -- the remote never sits on the put path), back to back
@@ -37,6 +43,7 @@ broker round trip) against Mooncake's client between two ordinary buffers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import json
 import os
@@ -66,6 +73,7 @@ from benchmarks._common import (  # noqa: E402
 )
 
 DEFAULT_SIZES = "2MiB,34MiB,130MiB"
+ROW_KEYS = ("bare_get", "tier_get1", "tier_get4", "bare_put", "tier_put")
 PL_KEYS = ("b2b_p50", "b2b_p99", "paced_p50", "paced_p99")
 PREFIX = "lmcache-ec:"  # the brokers' default remote_key_prefix
 
@@ -490,6 +498,109 @@ def print_tier(results: dict[str, dict[str, Any]], off: dict[str, float]) -> str
     return "\n\n".join(out)
 
 
+async def redis_tier_rows(
+    srv: RedisServer, sizes: list[int], repeat: int
+) -> list[dict[str, float]]:
+    """The Redis tier alone, in this process (no broker round trip, no client copy):
+    ``read_into`` reserved slab extents (header check + checksum included) and
+    ``write`` from them, against redis-py GET/SET of the same bytes on the same socket.
+    The same rows as ``remote_mooncake.measure``."""
+    import mmap
+
+    import redis
+
+    from lmcache_ec_broker.broker.tiers import make_lower_tiers
+    from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
+    from lmcache_ec_broker.config import BrokerConfig
+
+    top = max(sizes)
+    slab_mm = mmap.mmap(-1, 2 * top + 8 * MiB)
+    for off in range(0, len(slab_mm), MiB):  # no first-touch faults in the timings
+        slab_mm[off : off + 1] = b"\1"
+    slab_mm[: 2 * top] = os.urandom(MiB) * (2 * top // MiB)
+    cfg = BrokerConfig(remote_url=srv.url("unix"), remote_timeout_s=30.0)
+    (tier,) = make_lower_tiers(cfg, len(slab_mm))
+
+    class Events:
+        def added(self, tier: object, key: str) -> None: ...
+        def removed(self, tier: object, key: str) -> None: ...
+
+    tier.open()
+    tier.start(asyncio.get_running_loop(), SlabAccess(slab_mm), Events())
+    bare = redis.Redis(unix_socket_path=srv.unix_path)
+    view = memoryview(slab_mm)
+
+    def extents(n: int, pieces: int, base: int = 0) -> list[tuple[int, int]]:
+        step = -(-n // pieces)
+        return [(base + i * step, min(step, n - i * step)) for i in range(pieces) if i * step < n]
+
+    rows: list[dict[str, float]] = []
+    for n in sizes:
+        meta = EntryMeta(n, "uint8", (n,))
+        ts: dict[str, list[float]] = {k: [] for k in ROW_KEYS}
+        for r in range(-1, repeat):  # run -1 warms connections and is not kept
+            key = f"tier-{n}-{r}"
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            fut = tier.write(key, meta, extents(n, 4))
+            assert fut is not None
+            await fut
+            t["tier_put"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            bare.set("bare:" + key, view[:n])
+            t["bare_put"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            raw = bare.get("bare:" + key)
+            t["bare_get"] = time.perf_counter() - t0
+            assert raw is not None and len(raw) == n
+            del raw
+            for pieces in (1, 4):
+                t0 = time.perf_counter()
+                await tier.read_into(key, meta, extents(n, pieces, base=top + 4 * MiB))
+                t[f"tier_get{pieces}"] = time.perf_counter() - t0
+            assert slab_mm[top + 4 * MiB : top + 4 * MiB + n] == slab_mm[:n]
+            tier.delete([key])
+            bare.delete("bare:" + key)
+            if r >= 0:
+                for k in ROW_KEYS:
+                    ts[k].append(t[k])
+        rows.append({"size": n, **{k: median(v) for k, v in ts.items()}})
+    await tier.shutdown(10)
+    tier.close()
+    bare.close()
+    view.release()
+    return rows
+
+
+def print_tier_alone(results: dict[str, list[dict[str, float]]]) -> str:
+    names = list(results)
+    bare = {"Redis": ("redis-py GET", "redis-py SET"), "Mooncake": ("get_into", "put_from")}
+    headers = ["size"]
+    for name in names:
+        headers += [f"{name}: tier read_into GB/s", f"{bare[name][0]} GB/s", "bare/tier"]
+    for name in names:
+        headers += [f"{name}: tier write GB/s", f"{bare[name][1]} GB/s", "bare/tier"]
+    rows = []
+    for j, size in enumerate(int(r["size"]) for r in results[names[0]]):
+        row = [fmt_size(size)]
+        for op in (("tier_get1", "bare_get"), ("tier_put", "bare_put")):
+            for name in names:
+                r = results[name][j]
+                row += [
+                    f"{size / r[op[0]] / 1e9:.2f}",
+                    f"{size / r[op[1]] / 1e9:.2f}",
+                    f"{r[op[1]] / r[op[0]]:.2f}x",
+                ]
+        rows.append(row)
+    # columns are in (get: names..., put: names...) order; headers were built the same way
+    return (
+        "the tier alone (in process: no broker round trip, no client copy): promotion into "
+        "slab extents with header check and checksum, and write-behind from them, against "
+        "each store's own client moving the same bytes between ordinary buffers (medians)\n\n"
+        + table(headers, rows)
+    )
+
+
 def mooncake_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "needs root (Mooncake runs in a private network namespace: unshare -n)"
@@ -548,6 +659,16 @@ def main() -> int:
             os.environ.setdefault("LMCACHE_EC_REMOTE_TIMEOUT_S", "10")  # see below
             # The brokers inherit this: a loaded benchmark machine must not turn slow transfers
             # into timeouts (the default, 1 s, bounds a 130 MiB read at ~3 s).
+            alone: dict[str, list[dict[str, float]]] = {}
+            for name in backends:
+                if name == "redis":
+                    alone["Redis"] = asyncio.run(redis_tier_rows(srv, sizes, args.runs))
+                else:
+                    from benchmarks.remote_mooncake import tier_rows
+
+                    alone["Mooncake"] = tier_rows(sizes, args.runs)
+            print(print_tier_alone(alone), flush=True)
+            print()
             results: dict[str, dict[str, Any]] = {}
             off = put_latency([], args.puts, "off", args.pace_ms / 1000)
             for name in backends:
@@ -561,7 +682,7 @@ def main() -> int:
                     )
                 finally:
                     backend.close()
-            out["tier"] = {"backends": results, "put_latency_off": off}
+            out["tier"] = {"alone": alone, "backends": results, "put_latency_off": off}
             print(print_tier(results, off), flush=True)
     if args.json:
         with open(args.json, "w") as f:

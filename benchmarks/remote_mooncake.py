@@ -36,6 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import MiB, die_with_parent, fmt_size, median, parse_sizes, table  # noqa: E402
 
 MASTER = "127.0.0.1:50051"
+COPIES = (
+    "copies per byte: promotion 1 (transfer engine into the slab) + 1 checksum read; "
+    "write-behind 1 (transfer engine from the slab) + 1 checksum read; no copy by the tier"
+)
 
 
 def _master_binary() -> str:
@@ -66,7 +70,8 @@ def _addr(m: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
-async def measure(sizes: list[int], repeat: int) -> list[list[object]]:
+async def measure(sizes: list[int], repeat: int) -> list[dict[str, float]]:
+    """Per size, the medians in seconds: bare_get, tier_get1, tier_get4, bare_put, tier_put."""
     from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
     from lmcache_ec_broker.broker.tiers.mooncake import MooncakeTier
     from lmcache_ec_broker.broker.tiers.mooncake_config import MooncakeSettings
@@ -98,7 +103,7 @@ async def measure(sizes: list[int], repeat: int) -> list[list[object]]:
         step = -(-n // pieces)
         return [(base + i * step, min(step, n - i * step)) for i in range(pieces) if i * step < n]
 
-    rows: list[list[object]] = []
+    rows: list[dict[str, float]] = []
     for n in sizes:
         meta = EntryMeta(n, "uint8", (n,))
         t_bare_put, t_tier_put, t_bare_get, t_tier_get1, t_tier_get4 = [], [], [], [], []
@@ -145,20 +150,15 @@ async def measure(sizes: list[int], repeat: int) -> list[list[object]]:
                 t_tier_get1.append(timed["tier_get1"])
                 t_tier_get4.append(timed["tier_get4"])
 
-        def gbs(ts: list[float], n: int = n) -> float:
-            return n / median(ts) / 1e9
-
         rows.append(
-            [
-                fmt_size(n),
-                f"{gbs(t_bare_get):.2f}",
-                f"{gbs(t_tier_get1):.2f}",
-                f"{gbs(t_tier_get4):.2f}",
-                f"{median(t_bare_get) / median(t_tier_get1):.2f}x",
-                f"{gbs(t_bare_put):.2f}",
-                f"{gbs(t_tier_put):.2f}",
-                f"{median(t_bare_put) / median(t_tier_put):.2f}x",
-            ]
+            {
+                "size": n,
+                "bare_get": median(t_bare_get),
+                "tier_get1": median(t_tier_get1),
+                "tier_get4": median(t_tier_get4),
+                "bare_put": median(t_bare_put),
+                "tier_put": median(t_tier_put),
+            }
         )
     await tier.shutdown(10)
     tier.close()
@@ -166,8 +166,9 @@ async def measure(sizes: list[int], repeat: int) -> list[list[object]]:
     return rows
 
 
-def inner(args: argparse.Namespace) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+def tier_rows(sizes: list[int], repeat: int) -> list[dict[str, float]]:
+    """Start a master and a holder on 127.0.0.1 (the caller is in a private network
+    namespace with only lo), measure, stop them."""
     master = subprocess.Popen(
         [
             _master_binary(),
@@ -182,7 +183,6 @@ def inner(args: argparse.Namespace) -> None:
     )
     hold = None
     try:
-        sizes = parse_sizes(args.sizes)
         segment = 4 * max(sizes) + 64 * MiB  # each run's objects are removed after it
         deadline = time.monotonic() + 30
         while b"127.0.0.1:50051" not in subprocess.run(["ss", "-Hltn"], capture_output=True).stdout:
@@ -197,31 +197,49 @@ def inner(args: argparse.Namespace) -> None:
             preexec_fn=die_with_parent,
         )
         assert hold.stdout is not None and hold.stdout.readline().strip() == b"ready"
-        rows = asyncio.run(measure(sizes, args.repeat))
-        print(
-            table(
-                [
-                    "size",
-                    "bare get_into GB/s",
-                    "tier promote 1 ext",
-                    "4 ext",
-                    "promote/bare",
-                    "bare put_from GB/s",
-                    "tier write-behind",
-                    "write/bare",
-                ],
-                rows,
-            )
-        )
-        print(
-            "copies per byte: promotion 1 (transfer engine into the slab) + 1 checksum read; "
-            "write-behind 1 (transfer engine from the slab) + 1 checksum read; no copy by the tier"
-        )
+        return asyncio.run(measure(sizes, repeat))
     finally:
         if hold is not None:
             hold.communicate(timeout=30)
         master.kill()
         master.wait(10)
+
+
+def inner(args: argparse.Namespace) -> None:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    rows = tier_rows(parse_sizes(args.sizes), args.repeat)
+
+    def gbs(n: float, t: float) -> str:
+        return f"{n / t / 1e9:.2f}"
+
+    print(
+        table(
+            [
+                "size",
+                "bare get_into GB/s",
+                "tier promote 1 ext",
+                "4 ext",
+                "promote/bare",
+                "bare put_from GB/s",
+                "tier write-behind",
+                "write/bare",
+            ],
+            [
+                [
+                    fmt_size(int(r["size"])),
+                    gbs(r["size"], r["bare_get"]),
+                    gbs(r["size"], r["tier_get1"]),
+                    gbs(r["size"], r["tier_get4"]),
+                    f"{r['bare_get'] / r['tier_get1']:.2f}x",
+                    gbs(r["size"], r["bare_put"]),
+                    gbs(r["size"], r["tier_put"]),
+                    f"{r['bare_put'] / r['tier_put']:.2f}x",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    print(COPIES)
 
 
 def main() -> None:

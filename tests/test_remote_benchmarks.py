@@ -34,8 +34,13 @@ def test_remote_benchmark_smoke() -> None:
         ln for ln in r.stdout.splitlines() if ln.startswith("| size") and "B get_into" in ln
     )
     assert "Redis: B get_into" in header
+    alone = next(
+        ln for ln in r.stdout.splitlines() if ln.startswith("| size") and "tier read_into" in ln
+    )
+    assert "Redis: tier read_into" in alone
     if mooncake_unavailable() is None:
         assert "Mooncake: B get_into" in header and "on (Mooncake)" in r.stdout, r.stdout
+        assert "Mooncake: tier read_into" in alone, r.stdout
         wb = next(ln for ln in r.stdout.splitlines() if ln.strip("| ").startswith("Mooncake |"))
         cells = [c.strip() for c in wb.strip().strip("|").split("|")]
         assert cells[4] == "3" and cells[7] == "0", wb  # every write-behind written, no errors
