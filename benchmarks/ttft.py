@@ -27,7 +27,8 @@ of ``--reps`` distinct items:
 TTFT is the latency of a ``max_tokens=1`` chat completion (prefill + one token).
 Every warm figure is checked against the broker's hit counter (C's against its
 broker's remote-hit counter), so a warm request that silently recomputed the encoder
-is reported, not hidden. The servers'
+is reported, not hidden. With fewer cores than instances, a request is timed only
+once the instance sharing its core has been idle 1.5 s (see ``timed``). The servers'
 shared memory is removed when they stop (the run leaves /dev/shm as it found it).
 """
 
