@@ -4,6 +4,12 @@ Invariants kept here:
 - The broker creates the segment with O_CREX, so it never adopts a segment it
   did not create; a stale segment of a dead broker is removed explicitly first
   (``remove_stale``), never silently reused.
+- The creator holds an exclusive ``flock`` on the segment for as long as it lives
+  (the kernel drops it when the process dies), and ``remove_stale`` unlinks only
+  segments whose lock it can take. The socket lock alone cannot prove a segment
+  stale: two containers with their own /tmp but one shared /dev/shm derive the
+  same names from the same socket path, and each would see the other's live
+  segments as a dead broker's.
 - Pages are pre-faulted at creation (first-touch faults make later copies ~10x
   slower), and the room in /dev/shm is checked *before* creating, so a short
   /dev/shm is a clear refusal at start instead of SIGBUS on a later copy.
@@ -19,6 +25,8 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -105,11 +113,14 @@ def check_owner(fd: int, name: str, owners: Collection[int]) -> None:
 class Segment:
     """A mapped POSIX shared-memory segment."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(
+        self, name: str, size: int, mm: mmap.mmap, owner: bool, lock_fd: int | None = None
+    ) -> None:
         self.name = name
         self.size = size
         self.mm = mm
         self.owner = owner
+        self._lock_fd = lock_fd  # the creator's flock (see the invariants); closed last
         self._unlinked = False
 
     @classmethod
@@ -132,6 +143,8 @@ class Segment:
         except (OSError, posix_ipc.Error) as exc:
             raise ShmError(f"cannot create shared-memory segment {name}: {exc}") from exc
         try:
+            # Taken first: from here on no broker's remove_stale takes this segment for stale.
+            fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # The umask may have narrowed the mode; make it exactly what was asked.
             os.fchmod(shm.fd, mode)
             mm = mmap.mmap(shm.fd, size)
@@ -139,8 +152,7 @@ class Segment:
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
             raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
-        shm.close_fd()
-        seg = cls(name, size, mm, owner=True)
+        seg = cls(name, size, mm, owner=True, lock_fd=shm.fd)
         if prefault:
             try:
                 _populate_new(mm, size)
@@ -185,6 +197,11 @@ class Segment:
             self.mm.close()
         except BufferError:
             log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
+        if self._lock_fd is not None and self._unlinked:
+            # Only once unlinked: a closed but still-named segment must keep looking live
+            # until its owner removes it (the owner always unlinks on exit).
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def unlink(self) -> None:
         if self._unlinked:
@@ -194,10 +211,16 @@ class Segment:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink every segment whose name starts with ``prefix`` (no leading slash).
+    """Unlink every segment whose name starts with ``prefix`` (no leading slash) and
+    whose creator is dead: its flock can be taken. A segment still locked belongs to
+    a live broker that this one cannot see (another mount namespace sharing
+    /dev/shm): it is left alone, with a warning.
 
     Only called after the broker has established that no live broker serves the
     socket these segments belong to.
@@ -208,10 +231,31 @@ def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for fname in names:
-        if fname.startswith(prefix):
+        if not fname.startswith(prefix):
+            continue
+        try:
+            fd = os.open(os.path.join(shm_dir, fname), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or not ours to open (nor to unlink)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                log.warning(
+                    "shared-memory segment /dev/shm/%s has this socket path's name but a "
+                    "live owner (a broker in another container or mount namespace sharing "
+                    "/dev/shm with the same socket path?); leaving it alone. Give each "
+                    "broker its own socket path.",
+                    fname,
+                )
+                continue
             try:
                 posix_ipc.unlink_shared_memory("/" + fname)
                 removed.append(fname)
             except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
                 pass
+        finally:
+            os.close(fd)
     return removed

@@ -1,0 +1,182 @@
+"""Two brokers that cannot see each other's socket but share /dev/shm.
+
+Two containers with their own /tmp (or any private mount of the socket's
+directory) and one shared /dev/shm run brokers on the same socket path: their
+segment names derive from the same path. Each broker's start-up removes the
+segments a dead broker left under that name -- it must never remove the other,
+live broker's segments, whose clients would then fail to attach. Here each broker
+runs in its own mount namespace (``unshare --mount``) with a private tmpfs over the
+socket's directory; /dev/shm is the host's, shared by both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import shm_segments
+
+HERE = Path(__file__).resolve().parent
+
+# Runs inside a mount namespace: a private tmpfs over the socket's directory, a broker
+# on the shared path, then commands from stdin ("check": a new client attaches and
+# round-trips a tensor; "stop": the broker ends, its log is printed).
+RUNNER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    import torch
+    from lmcache_ec_broker import BrokerClient
+    from lmcache_ec_broker.broker.server import probe_socket
+
+    path = sys.argv[1]
+    b = subprocess.Popen([sys.executable, "-m", "lmcache_ec_broker.cli", "start",
+                          "--socket", path, "--shm-size", "16MiB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(600):
+        if probe_socket(path, timeout=0.2) or b.poll() is not None:
+            break
+        time.sleep(0.05)
+    print("ready" if b.poll() is None else "died", flush=True)
+    for n, line in enumerate(sys.stdin):
+        if line.strip() == "check":
+            t = torch.arange(256, dtype=torch.float32) + n
+            with BrokerClient(path, timeout_s=5) as c:
+                ok = c.put(f"k{n}", t) and torch.equal(c.get(f"k{n}"), t)
+            print("ok" if ok else "failed", flush=True)
+        elif line.strip() == "stop":
+            b.terminate()
+            out = b.communicate(timeout=60)[0]
+            print(out.replace("\\n", " | "), flush=True)
+            print("rc", b.returncode, flush=True)
+            break
+    """
+)
+
+
+class NamespacedBroker:
+    def __init__(self, socket_dir: str) -> None:
+        ns = 'mount -t tmpfs tmpfs "$1" && shift && exec "$@"'
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", ns, "sh",
+             socket_dir, sys.executable, "-c", RUNNER, os.path.join(socket_dir, "s.sock")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=str(HERE.parent),
+        )  # fmt: skip
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        got = self.proc.stdout.readline().strip()
+        if not got:
+            raise AssertionError(f"namespaced broker ended: {self.proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+        return got
+
+    def send(self, cmd: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.line()
+
+    def stop(self) -> str:
+        log = self.send("stop")
+        assert self.line() == "rc 0", log
+        self.proc.wait(30)
+        return log
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _can_unshare_mount() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for a mount namespace"
+    if shutil.which("unshare") is None:
+        return "needs unshare(1)"
+    d = tempfile.mkdtemp(prefix="ecb-ns-probe-", dir="/var/tmp")
+    try:
+        r = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "t", d],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.rmdir(d)
+    return None if r.returncode == 0 else f"cannot make a mount namespace here: {r.stderr}"
+
+
+def test_a_broker_never_removes_the_live_segments_of_a_twin_in_another_mount_namespace() -> None:
+    why = _can_unshare_mount()
+    if why:
+        pytest.skip(why)
+    socket_dir = tempfile.mkdtemp(prefix="ecb-twin-", dir="/var/tmp")
+    path = os.path.join(socket_dir, "s.sock")
+    a = b = None
+    try:
+        a = NamespacedBroker(socket_dir)
+        assert a.line() == "ready"
+        assert a.send("check") == "ok"
+        mine = set(shm_segments(path, include_filter=True))
+        assert len(mine) == 2  # slab and membership filter, under the path's name
+
+        b = NamespacedBroker(socket_dir)  # same path, its own private directory
+        assert b.line() == "ready"
+        both = set(shm_segments(path, include_filter=True))
+        assert mine < both and len(both) == 4, both  # A's are still there, B added its own
+        assert a.send("check") == "ok"  # a new client of A still attaches to A's slab
+        assert b.send("check") == "ok"
+
+        log_b = b.stop()
+        assert "live owner" in log_b and "Give each broker its own socket path" in log_b
+        assert "removed stale" not in log_b
+        assert set(shm_segments(path, include_filter=True)) == mine  # B took only its own
+        assert a.send("check") == "ok"
+        a.stop()
+        assert shm_segments(path, include_filter=True) == []
+    finally:
+        for x in (a, b):
+            if x is not None:
+                x.kill()
+        os.rmdir(socket_dir)
+
+
+def test_a_dead_brokers_segments_are_still_removed_at_the_next_start() -> None:
+    """The flock only protects live owners: SIGKILL drops it, and the next broker on
+    the path removes what the dead one left (as before)."""
+    why = _can_unshare_mount()
+    if why:
+        pytest.skip(why)
+    socket_dir = tempfile.mkdtemp(prefix="ecb-twin-", dir="/var/tmp")
+    path = os.path.join(socket_dir, "s.sock")
+    a = b = None
+    try:
+        a = NamespacedBroker(socket_dir)
+        assert a.line() == "ready"
+        dead = set(shm_segments(path, include_filter=True))
+        # Kill the broker itself (not only the runner): it must not get to clean up.
+        pids = subprocess.run(
+            ["pgrep", "-f", f"lmcache_ec_broker.cli start --socket {path}"],
+            capture_output=True,
+            text=True,
+        )
+        for pid in pids.stdout.split():
+            os.kill(int(pid), 9)
+        a.kill()
+        assert set(shm_segments(path, include_filter=True)) == dead  # left behind
+
+        b = NamespacedBroker(socket_dir)
+        assert b.line() == "ready"
+        assert not dead & set(shm_segments(path, include_filter=True))
+        log_b = b.stop()
+        assert "removed stale shared-memory segment" in log_b
+        assert shm_segments(path, include_filter=True) == []
+    finally:
+        for x in (a, b):
+            if x is not None:
+                x.kill()
+        os.rmdir(socket_dir)
