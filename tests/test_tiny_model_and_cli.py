@@ -228,3 +228,36 @@ def test_vllm_host_lock_is_not_taken_again_by_the_holders_children(tmp_path: Pat
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["holding", "1"]
+
+
+def test_vllm_server_notices_another_process_answering_on_its_port():
+    """A server whose port another process answers (it took the port between our pick
+    and our bind) is detected; the test would otherwise talk to the wrong server."""
+    from lmcache_ec_broker.testing import vllm_server as vs
+
+    ports = {vs.free_port() for _ in range(200)}
+    assert len(ports) == 200  # never the same port twice in one process
+    port = vs.free_port()
+    http = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+    other = subprocess.Popen(http, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+    ours = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        import time
+        import urllib.request
+
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        server = vs.VllmServer("unused-model", "/dev/null", port=port)
+        server.proc = ours  # type: ignore[assignment]
+        assert not server._owns_port()  # the listener is in another session
+        server.proc = other  # type: ignore[assignment]
+        assert server._owns_port()
+    finally:
+        for p in (other, ours):
+            p.kill()
+            p.wait(10)

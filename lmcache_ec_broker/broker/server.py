@@ -65,7 +65,7 @@ from ..protocol import (
     encode_frame,
 )
 from ..shm.filter import FilterWriter, slots_for
-from ..shm.segment import Segment, remove_stale
+from ..shm.segment import Segment, remove_stale, unlink_segment
 from .access import AccessPolicy
 from .coordinator import Coordinator
 from .lifecycle import (
@@ -280,6 +280,10 @@ class BrokerServer:
         self.access = AccessPolicy(os.getuid(), config.allowed_uids, None, config.max_connections)
         self.segment: Segment | None = None
         self.filter: FilterWriter | None = None
+        # Names of the segments this start is about to create (they carry this epoch, so
+        # nobody else's): cleanup() unlinks them by name too, because a stop signal can
+        # land after a segment exists but before its object is assigned anywhere.
+        self._segment_names: list[str] = []
         self.conn_ids = itertools.count(1)
         self.connections: dict[int, Connection] = {}
         self.decoder = msgspec.msgpack.Decoder(Request)
@@ -391,6 +395,7 @@ class BrokerServer:
             gid = resolve_group(cfg.socket_group)
             self.access.group_gid = gid
             name = "/" + segment_prefix(path) + self.epoch[:12]
+            self._segment_names = [name, name + "-f"]  # the slab, then its filter
             t0 = time.perf_counter()
             self.segment = Segment.create(name, self.store.capacity_bytes, mode=cfg.socket_mode)
             if gid is not None:
@@ -517,6 +522,9 @@ class BrokerServer:
             self.segment.unlink()
             self.segment.close()
             self.segment = None
+        for name in self._segment_names:
+            unlink_segment(name)
+        self._segment_names = []
         if self._lock is not None:
             self._lock.release()  # last: until here no other start may touch the path
             self._lock = None

@@ -148,10 +148,12 @@ class Segment:
             # The umask may have narrowed the mode; make it exactly what was asked.
             os.fchmod(shm.fd, mode)
             mm = mmap.mmap(shm.fd, size)
-        except OSError as exc:
+        except BaseException as exc:  # a stop signal during start-up included
             shm.close_fd()
-            posix_ipc.unlink_shared_memory(name)
-            raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
+            unlink_segment(name)
+            if isinstance(exc, OSError):
+                raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
+            raise
         seg = cls(name, size, mm, owner=True, lock_fd=shm.fd)
         if prefault:
             try:
@@ -214,6 +216,15 @@ class Segment:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def unlink_segment(name: str) -> None:
+    """Unlink ``name`` (leading slash) if it exists; for names only this process can
+    have created (they carry its random epoch)."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
 
 
 def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:

@@ -60,10 +60,57 @@ SMALL_MODEL_ARGS = [
 ]
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on 127.0.0.1, never one this process handed out before (the
+    kernel may hand a just-closed port out again; two servers started together would
+    then be told the same one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
+
+
+def _listener_inodes(port: int) -> set[str]:
+    """Socket inodes listening on 127.0.0.1:``port`` or a wildcard (from /proc/net)."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            addr, hexport = f[1].rsplit(":", 1)
+            if f[3] == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                if addr in ("0100007F", "00000000") or set(addr) == {"0"} or addr.endswith(
+                    "0100007F"
+                ):
+                    found.add(f[9])
+    return found
+
+
+def _session_socket_inodes(sid: int) -> set[str]:
+    """Socket inodes held by the processes of session ``sid`` (a server and its children)."""
+    inodes: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
 
 
 def ec_transfer_config(
@@ -181,7 +228,7 @@ class VllmServer:
             )
         return self
 
-    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+    def wait_ready(self, timeout: float = 300.0, _retries: int = 2) -> VllmServer:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -191,13 +238,29 @@ class VllmServer:
                 )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.note_shm()
-                        return self
+                    healthy = r.status == 200
             except (urllib.error.URLError, OSError):
-                pass
+                healthy = False
+            if healthy:
+                if self._owns_port():
+                    self.note_shm()
+                    return self
+                # Another process answers on our port (it took the port between our pick
+                # and our bind): our requests would silently reach the wrong server.
+                if _retries <= 0:
+                    raise RuntimeError(f"port {self.port} is served by another process")
+                self.stop()
+                self.port = free_port()
+                self.start()
+                return self.wait_ready(max(deadline - time.monotonic(), 60.0), _retries - 1)
             time.sleep(0.5)
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
+
+    def _owns_port(self) -> bool:
+        """The listener on our port belongs to this server's processes (its session)."""
+        assert self.proc is not None
+        listeners = _listener_inodes(self.port)
+        return bool(listeners) and listeners <= _session_socket_inodes(self.proc.pid)
 
     def note_shm(self) -> None:
         """Record the vLLM shared memory this server's processes use now."""
