@@ -87,10 +87,9 @@ def _listener_inodes(port: int) -> set[str]:
         for line in lines:
             f = line.split()
             addr, hexport = f[1].rsplit(":", 1)
-            if f[3] == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
-                if addr in ("0100007F", "00000000") or set(addr) == {"0"} or addr.endswith(
-                    "0100007F"
-                ):
+            # 0A: LISTEN; a wildcard (all zeros) or 127.0.0.1 (plain or v4-mapped)
+            if f[3] == "0A" and int(hexport, 16) == port:
+                if set(addr) == {"0"} or addr.endswith("0100007F"):
                     found.add(f[9])
     return found
 
