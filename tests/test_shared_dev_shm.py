@@ -11,12 +11,15 @@ socket's directory; /dev/shm is the host's, shared by both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -66,7 +69,7 @@ class NamespacedBroker:
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", ns, "sh",
              socket_dir, sys.executable, "-c", RUNNER, os.path.join(socket_dir, "s.sock")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=str(HERE.parent),
+            cwd=str(HERE.parent), start_new_session=True,  # kill() reaches the broker too
         )  # fmt: skip
 
     def line(self) -> str:
@@ -88,10 +91,15 @@ class NamespacedBroker:
         self.proc.wait(30)
         return log
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the runner and the broker it started (one process group): SIGTERM lets
+        the broker clean up (a failed test leaves nothing), SIGKILL plays a crash."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        time.sleep(0.5 if sig == signal.SIGTERM else 0)  # the broker's own cleanup
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
 
 
 def _can_unshare_mount() -> str | None:
@@ -158,15 +166,7 @@ def test_a_dead_brokers_segments_are_still_removed_at_the_next_start() -> None:
         a = NamespacedBroker(socket_dir)
         assert a.line() == "ready"
         dead = set(shm_segments(path, include_filter=True))
-        # Kill the broker itself (not only the runner): it must not get to clean up.
-        pids = subprocess.run(
-            ["pgrep", "-f", f"lmcache_ec_broker.cli start --socket {path}"],
-            capture_output=True,
-            text=True,
-        )
-        for pid in pids.stdout.split():
-            os.kill(int(pid), 9)
-        a.kill()
+        a.kill(signal.SIGKILL)  # the broker too: it must not get to clean up
         assert set(shm_segments(path, include_filter=True)) == dead  # left behind
 
         b = NamespacedBroker(socket_dir)
