@@ -509,6 +509,7 @@ async def redis_tier_rows(
 
     import redis
 
+    from benchmarks.remote_mooncake import extents
     from lmcache_ec_broker.broker.tiers import make_lower_tiers
     from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
     from lmcache_ec_broker.config import BrokerConfig
@@ -529,10 +530,6 @@ async def redis_tier_rows(
     tier.start(asyncio.get_running_loop(), SlabAccess(slab_mm), Events())
     bare = redis.Redis(unix_socket_path=srv.unix_path)
     view = memoryview(slab_mm)
-
-    def extents(n: int, pieces: int, base: int = 0) -> list[tuple[int, int]]:
-        step = -(-n // pieces)
-        return [(base + i * step, min(step, n - i * step)) for i in range(pieces) if i * step < n]
 
     rows: list[dict[str, float]] = []
     for n in sizes:

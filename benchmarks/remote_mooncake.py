@@ -69,6 +69,12 @@ def holder(segment: int) -> None:
     s.close()
 
 
+def extents(n: int, pieces: int, base: int = 0) -> list[tuple[int, int]]:
+    """``n`` bytes at ``base`` as ``pieces`` adjacent extents (start, length)."""
+    step = -(-n // pieces)
+    return [(base + i * step, min(step, n - i * step)) for i in range(pieces) if i * step < n]
+
+
 def _addr(m: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
@@ -104,10 +110,6 @@ async def measure(sizes: list[int], repeat: int) -> list[dict[str, float]]:
     tier.start(loop, SlabAccess(slab_mm), Events())
     while not tier.stats()["remote_up"]:
         await asyncio.sleep(0.05)
-
-    def extents(n: int, pieces: int, base: int = 0) -> list[tuple[int, int]]:
-        step = -(-n // pieces)
-        return [(base + i * step, min(step, n - i * step)) for i in range(pieces) if i * step < n]
 
     rows: list[dict[str, float]] = []
     for n in sizes:

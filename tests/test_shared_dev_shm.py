@@ -20,6 +20,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -118,65 +119,68 @@ def _can_unshare_mount() -> str | None:
     return None if r.returncode == 0 else f"cannot make a mount namespace here: {r.stderr}"
 
 
-def test_a_broker_never_removes_the_live_segments_of_a_twin_in_another_mount_namespace() -> None:
+@pytest.fixture
+def twin() -> Iterator[Callable[[], NamespacedBroker]]:
+    """Factory of namespaced brokers on one shared socket path (``twin.path``); all are
+    stopped at teardown."""
     why = _can_unshare_mount()
     if why:
         pytest.skip(why)
     socket_dir = tempfile.mkdtemp(prefix="ecb-twin-", dir="/var/tmp")
-    path = os.path.join(socket_dir, "s.sock")
-    a = b = None
+    started: list[NamespacedBroker] = []
+
+    def make() -> NamespacedBroker:
+        started.append(NamespacedBroker(socket_dir))
+        return started[-1]
+
+    make.path = os.path.join(socket_dir, "s.sock")  # type: ignore[attr-defined]
     try:
-        a = NamespacedBroker(socket_dir)
-        assert a.line() == "ready"
-        assert a.send("check") == "ok"
-        mine = set(shm_segments(path, include_filter=True))
-        assert len(mine) == 2  # slab and membership filter, under the path's name
-
-        b = NamespacedBroker(socket_dir)  # same path, its own private directory
-        assert b.line() == "ready"
-        both = set(shm_segments(path, include_filter=True))
-        assert mine < both and len(both) == 4, both  # A's are still there, B added its own
-        assert a.send("check") == "ok"  # a new client of A still attaches to A's slab
-        assert b.send("check") == "ok"
-
-        log_b = b.stop()
-        assert "live owner" in log_b and "Give each broker its own socket path" in log_b
-        assert "removed stale" not in log_b
-        assert set(shm_segments(path, include_filter=True)) == mine  # B took only its own
-        assert a.send("check") == "ok"
-        a.stop()
-        assert shm_segments(path, include_filter=True) == []
+        yield make
     finally:
-        for x in (a, b):
-            if x is not None:
-                x.kill()
+        for x in started:
+            x.kill()
         os.rmdir(socket_dir)
 
 
-def test_a_dead_brokers_segments_are_still_removed_at_the_next_start() -> None:
+def test_a_broker_never_removes_the_live_segments_of_a_twin_in_another_mount_namespace(
+    twin,
+) -> None:
+    path = twin.path
+    a = twin()
+    assert a.line() == "ready"
+    assert a.send("check") == "ok"
+    mine = set(shm_segments(path, include_filter=True))
+    assert len(mine) == 2  # slab and membership filter, under the path's name
+
+    b = twin()  # same path, its own private directory
+    assert b.line() == "ready"
+    both = set(shm_segments(path, include_filter=True))
+    assert mine < both and len(both) == 4, both  # A's are still there, B added its own
+    assert a.send("check") == "ok"  # a new client of A still attaches to A's slab
+    assert b.send("check") == "ok"
+
+    log_b = b.stop()
+    assert "live owner" in log_b and "Give each broker its own socket path" in log_b
+    assert "removed stale" not in log_b
+    assert set(shm_segments(path, include_filter=True)) == mine  # B took only its own
+    assert a.send("check") == "ok"
+    a.stop()
+    assert shm_segments(path, include_filter=True) == []
+
+
+def test_a_dead_brokers_segments_are_still_removed_at_the_next_start(twin) -> None:
     """The flock only protects live owners: SIGKILL drops it, and the next broker on
     the path removes what the dead one left (as before)."""
-    why = _can_unshare_mount()
-    if why:
-        pytest.skip(why)
-    socket_dir = tempfile.mkdtemp(prefix="ecb-twin-", dir="/var/tmp")
-    path = os.path.join(socket_dir, "s.sock")
-    a = b = None
-    try:
-        a = NamespacedBroker(socket_dir)
-        assert a.line() == "ready"
-        dead = set(shm_segments(path, include_filter=True))
-        a.kill(signal.SIGKILL)  # the broker too: it must not get to clean up
-        assert set(shm_segments(path, include_filter=True)) == dead  # left behind
+    path = twin.path
+    a = twin()
+    assert a.line() == "ready"
+    dead = set(shm_segments(path, include_filter=True))
+    a.kill(signal.SIGKILL)  # the broker too: it must not get to clean up
+    assert set(shm_segments(path, include_filter=True)) == dead  # left behind
 
-        b = NamespacedBroker(socket_dir)
-        assert b.line() == "ready"
-        assert not dead & set(shm_segments(path, include_filter=True))
-        log_b = b.stop()
-        assert "removed stale shared-memory segment" in log_b
-        assert shm_segments(path, include_filter=True) == []
-    finally:
-        for x in (a, b):
-            if x is not None:
-                x.kill()
-        os.rmdir(socket_dir)
+    b = twin()
+    assert b.line() == "ready"
+    assert not dead & set(shm_segments(path, include_filter=True))
+    log_b = b.stop()
+    assert "removed stale shared-memory segment" in log_b
+    assert shm_segments(path, include_filter=True) == []
