@@ -199,20 +199,14 @@ class Segment:
             self.mm.close()
         except BufferError:
             log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
-        if self._lock_fd is not None and self._unlinked:
-            # Only once unlinked: a closed but still-named segment must keep looking live
-            # until its owner removes it (the owner always unlinks on exit).
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     def unlink(self) -> None:
         if self._unlinked:
             return
         self._unlinked = True
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_segment(self.name)
+        # The flock goes only with the name: a closed but still-named segment keeps
+        # looking live until its owner removes it (the owner always unlinks on exit).
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
