@@ -2,33 +2,47 @@
 
 A key is ``<model id>@1@0@<mm_hash>@<dtype>``. The disk and remote tiers keep
 entries across restarts, and weights are often replaced in place at the same path,
-so the model id must change whenever the encoder's output can: by default it is
-``<model>#<fingerprint>``, where the fingerprint is the first 16 hex digits of a
-SHA-256 over
+so the model id must change whenever the encoder's output can, and must not
+change with anything else (every instance, rank and host serving the same weights
+has to agree, whatever is downloaded yet):
 
-- the configured HF ``revision``, if any;
-- the bytes of ``config.json`` and of every ``*processor*config*.json`` /
-  ``preprocessor_config.json`` at the top of the model directory (architecture,
-  vision tower, image/video/audio preprocessing);
-- for each weight file at the top of the directory (``*.safetensors``, ``*.bin``,
-  ``*.pt``, ``*.pth``, ``*.gguf``; or the model itself when it is one file), sorted
-  by name: its name and size, and
+- a local directory (or single weights file, e.g. a GGUF): ``<model>#<fingerprint>``,
+  the first 16 hex digits of a SHA-256 over
 
-  - safetensors: its JSON header (every tensor's name, dtype, shape, offsets) and
-    64 bytes at the start and 64 at the middle of every tensor's data;
-  - other formats: 16 evenly spaced samples of 4 KiB.
+  - the configured HF ``revision``, if any;
+  - the bytes of ``config.json`` and of every ``*processor*config*.json`` /
+    ``preprocessor_config.json`` at the top of the directory (architecture,
+    vision tower, image/video/audio preprocessing);
+  - for each weight file at the top of the directory (``*.safetensors``, ``*.bin``,
+    ``*.pt``, ``*.pth``, ``*.gguf``; or the model itself when it is one file),
+    sorted by name: its name and size, and
 
-So a fingerprint reads a few bytes per tensor, never the whole multi-GB weights
-(milliseconds per shard). Paths, mtimes and owners are not hashed: copies of one
-model on several hosts, every TP rank and every instance agree on the id, and a
-fleet sharing a remote tier shares entries.
+    - safetensors: its JSON header (every tensor's name, dtype, shape, offsets)
+      and 64 bytes at the start and 64 at the middle of every tensor's data;
+    - other formats: 16 evenly spaced samples of 4 KiB.
 
-For a hub model id (not a local directory) the snapshot in the local HF cache is
-fingerprinted; if none can be found only the revision is used, and a warning
-says that the key does not follow weight updates.
+  So a fingerprint reads a few bytes per tensor, never the whole multi-GB weights
+  (milliseconds per shard). Paths, mtimes and owners are not hashed: copies of one
+  model on several hosts agree.
+
+- a hub model id found in the local Hugging Face cache: ``<model>#<commit>``, the
+  first 16 hex digits of the snapshot's commit (``--revision`` or ``refs/main``
+  resolved). A commit names every file of the repository, so this follows weight
+  updates without reading any file, and it does not depend on which files of the
+  snapshot are downloaded yet, on how the revision was spelled (branch, tag or
+  hash) or on where the cache is. Files edited in place inside the cache are not
+  noticed (serve such weights from a directory, or set ``model_name``).
+
+- a hub model id not in the cache: ``<model>`` (``<model>#rev=<revision>`` with a
+  revision), and a warning that the key does not follow weight updates.
 
 ``model_name`` in the connector's extra config replaces all of this: the string is
 used verbatim (a fleet that names its model versions itself).
+
+Which process computes it matters as much as what is hashed: vLLM builds a
+worker's connector before ``load_model`` downloads the weights and the
+scheduler's after, so the connector computes the field in the scheduler only and
+sends it to the workers with each step's metadata (:mod:`.vllm`).
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -48,6 +63,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TENSOR_SAMPLE = 64
 FILE_SAMPLES = 16
 FILE_SAMPLE_BYTES = 4096
+# A snapshot directory of the HF cache is named after its commit (git SHA-1, or SHA-256).
+COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 # A safetensors header larger than this is not a header we should trust (the format's
 # own reference reader refuses headers over 100 MB).
 MAX_SAFETENSORS_HEADER = 100 << 20
@@ -68,11 +85,15 @@ def check_model_name(name: object) -> str:
 
 
 def model_id(model: str, revision: str | None = None, explicit: str | None = None) -> str:
-    """The model field of every key this instance reads and writes."""
+    """The model field of every key this instance reads and writes (see the module doc).
+    Reads the model's files: call it once the weights are in place."""
     if explicit is not None:
         return check_model_name(explicit)
-    directory = _model_dir(model, revision)
-    if directory is None:
+    path = Path(model).expanduser()
+    if path.is_dir() or path.is_file():
+        return f"{model}#{fingerprint(str(path), revision)}"
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is None:
         log.warning(
             "EC broker: cannot find the files of model %r locally; its cache keys will not "
             "change when its weights do (set ec_connector_extra_config model_name to a "
@@ -80,14 +101,14 @@ def model_id(model: str, revision: str | None = None, explicit: str | None = Non
             model,
         )
         return f"{model}#rev={revision}" if revision else model
-    return f"{model}#{fingerprint(str(directory), revision)}"
+    if COMMIT.fullmatch(snapshot.name) and snapshot.parent.name == "snapshots":
+        return f"{model}#{snapshot.name[:FINGERPRINT_HEX]}"
+    return f"{model}#{fingerprint(str(snapshot), revision)}"  # not the usual cache layout
 
 
-def _model_dir(model: str, revision: str | None) -> Path | None:
-    """The local directory of the model (or its single weights file, e.g. a GGUF)."""
-    path = Path(model).expanduser()
-    if path.is_dir() or path.is_file():
-        return path
+def _hub_snapshot(model: str, revision: str | None) -> Path | None:
+    """The directory in the local HF cache that ``config.json`` of ``model`` at
+    ``revision`` (default ``main``) was read from, or None."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:

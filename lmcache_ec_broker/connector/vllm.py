@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover - older vLLM
     ECConnectorStats = None  # type: ignore[assignment,misc]
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
-from lmcache_ec_broker.connector.model_id import model_id
+from lmcache_ec_broker.connector.model_id import check_model_name, model_id
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class LoadSpec:
 @dataclass
 class ECBrokerConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    # The scheduler's model field: every worker keys with it (see ECBrokerConnector.model_id).
+    model: str = ""
 
 
 @dataclass
@@ -194,10 +196,18 @@ class ECBrokerConnector(ECConnectorBase):
                 f"(got lease_ms={self._lease_ms}, max_defer_s={self._max_defer_s})"
             )
         model_config = vllm_config.model_config
-        self._model = model_id(
-            str(model_config.model),
-            getattr(model_config, "revision", None),
-            extra("model_name", None),
+        self._model_source = (str(model_config.model), getattr(model_config, "revision", None))
+        explicit = extra("model_name", None)
+        # The scheduler is the one source of the model field: vLLM builds it after the
+        # workers' load_model (the weights are downloaded by then), a worker before, so
+        # a worker never computes it here; it keys with the field of each step's
+        # metadata (see model_id).
+        self._model: str | None = (
+            check_model_name(explicit)
+            if explicit is not None
+            else model_id(*self._model_source)
+            if role == ECConnectorRole.SCHEDULER
+            else None
         )
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
@@ -246,11 +256,19 @@ class ECBrokerConnector(ECConnectorBase):
 
     @property
     def model_id(self) -> str:
-        """The model field of this instance's keys."""
+        """The model field of this instance's keys. On a worker: the scheduler's, from
+        the step's metadata, kept for later; computed here (lazily, after load_model)
+        only if vLLM calls a hook before any step told it (encoder-decoder models save
+        outside the step's metadata)."""
+        meta = self._connector_metadata
+        if isinstance(meta, ECBrokerConnectorMetadata) and meta.model:
+            self._model = meta.model
+        elif self._model is None:
+            self._model = model_id(*self._model_source)
         return self._model
 
     def key(self, mm_hash: str) -> str:
-        return make_key(self._model, mm_hash, self._dtype)
+        return make_key(self.model_id, mm_hash, self._dtype)
 
     @property
     def client(self) -> BrokerClient:
@@ -464,7 +482,7 @@ class ECBrokerConnector(ECConnectorBase):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        meta = ECBrokerConnectorMetadata(loads=self._pending_loads)
+        meta = ECBrokerConnectorMetadata(loads=self._pending_loads, model=self.model_id)
         now = time.monotonic()
         if self._inflight:
             # A report that never came (a failed step): the broker ended that lease at
