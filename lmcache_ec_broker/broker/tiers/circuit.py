@@ -96,3 +96,56 @@ class CircuitBreaker:
         self.state = state
         if self._on_change is not None:
             self._on_change(state)
+
+    def refusing(self) -> bool:
+        """Would ``allow`` refuse now? (No side effect: takes no probe.)"""
+        with self._lock:
+            if self.state is State.CLOSED:
+                return False
+            if self.state is State.OPEN:
+                return self._clock() < self.retry_at
+            return self._probing and self._clock() - self._probe_at < self.max_backoff
+
+
+class Breakers:
+    """One breaker per node of a store (a Redis Cluster's masters; one for a store
+    that is a single service), created on first use: a dead node opens its own
+    breaker only, the keys on healthy nodes keep being served."""
+
+    def __init__(
+        self,
+        threshold: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[object, State], None] | None = None,
+    ) -> None:
+        self._args = (threshold, backoff_s, max_backoff_s, clock)
+        self._on_change = on_change
+        self._by_node: dict[object, CircuitBreaker] = {}
+
+    def __getitem__(self, node: object) -> CircuitBreaker:
+        cb = self._by_node.get(node)
+        if cb is None:
+            threshold, backoff_s, max_backoff_s, clock = self._args
+            hook = self._on_change
+
+            def changed(state: State, node: object = node) -> None:
+                if hook is not None:
+                    hook(node, state)
+
+            cb = CircuitBreaker(threshold, backoff_s, max_backoff_s, clock, changed)
+            self._by_node[node] = cb
+        return cb
+
+    def items(self) -> list[tuple[object, CircuitBreaker]]:
+        return list(self._by_node.items())
+
+    @property
+    def up(self) -> bool:
+        """No node's breaker is open."""
+        return all(cb.up for cb in self._by_node.values())
+
+    @property
+    def opened(self) -> int:
+        return sum(cb.opened for cb in self._by_node.values())

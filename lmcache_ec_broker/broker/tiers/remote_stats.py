@@ -22,10 +22,20 @@ REMOTE_COUNTERS = (
     "remote_circuit_opens",
     "remote_ask_redirects",  # Redis/Valkey Cluster: -ASK followed (a slot being migrated)
     "remote_moved_redirects",  # Redis/Valkey Cluster: -MOVED followed (slot map updated)
+    "remote_writes_cancelled",  # a delete or clear of the key came before the write ran
+    "remote_lookups_shed",  # lookups answered as a miss at once: too many waiting
+    "remote_lookup_timeouts",  # lookups answered as a miss at their deadline
+    "remote_lease_conflicts",  # Mooncake: deletes deferred by a reader's lease
     *LATENCY_KEYS,
     "remote_latency_seconds_sum",
 )
-REMOTE_GAUGES = ("remote_up", "remote_known_keys", "remote_pending_writes")
+REMOTE_GAUGES = (
+    "remote_up",
+    "remote_known_keys",
+    "remote_pending_writes",
+    "remote_pending_bytes",
+    "remote_lookups_running",
+)
 
 
 def record_latency(counters: dict[str, int | float], seconds: float) -> None:

@@ -232,6 +232,19 @@ def parse_header(
     return Header(meta.dtype, tuple(meta.shape), payload_len, algo, digest, size, signed)
 
 
+def stored_key(data: bytes | memoryview) -> str | None:
+    """The key a value's header says it was written for, without checking anything
+    else (no signature): None when the header does not parse. Used only to tell
+    apart namespaces that nest (``remote_transport.owned``), never to serve."""
+    try:
+        data = bytes(data[:MAX_HEADER])
+        size, _ = fixed_lengths(data)
+        meta_len = FIXED.unpack_from(data, 0)[4]
+        return _decode_meta(data[FIXED.size : FIXED.size + meta_len]).key
+    except (BadValue, msgspec.DecodeError, msgspec.ValidationError, struct.error):
+        return None
+
+
 class Verifier:
     """Checksum of a payload streamed in pieces; ``finish`` raises BadValue on mismatch."""
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 MAX_LINE = 64 * 1024
 MAX_SMALL_BULK = 1 << 20  # replies that are not streamed (headers, SCAN pages, INFO)
 MAX_ARRAY = 100_000
+MAX_REPLY = 16 << 20  # bytes of bulk strings in one (non-streamed) reply, arrays included
 MAX_REDIRECTS = 3  # MOVED/ASK hops followed for one command before giving up
 _RECV_CHUNK = 4 << 20
 CLUSTER_SLOTS = 16384
@@ -148,6 +149,10 @@ class Connection:
         # preceded by ASKING, whose +OK reply the reading side consumes unseen.
         self.asking = False
         self._asking_replies = 0
+        # True from the first line of a reply until all of it is read: a timeout in
+        # between leaves the stream out of step (the caller must not read on).
+        self.partial = False
+        self._reply_bytes = 0
         if ep.unix_path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -185,7 +190,7 @@ class Connection:
     @property
     def idle(self) -> bool:
         """Nothing unread: the connection can go back to the pool."""
-        return not (self.closed or self._buf or self._asking_replies)
+        return not (self.closed or self._buf or self._asking_replies or self.partial)
 
     def send(self, args: Sequence[Arg]) -> None:
         self.send_pieces(pack(args))
@@ -293,7 +298,21 @@ class Connection:
     def read_reply(self, max_bulk: int = MAX_SMALL_BULK, depth: int = 0) -> Reply:
         if depth == 0:
             self._skip_asking()
+            self._reply_bytes = 0
         line = self._line()
+        if depth == 0:
+            self.partial = True
+        try:
+            reply = self._parse(line, max_bulk, depth)
+        except RespError:
+            if depth == 0 and line[:1] == b"-":
+                self.partial = False  # a top-level error reply is a whole reply
+            raise
+        if depth == 0:
+            self.partial = False
+        return reply
+
+    def _parse(self, line: bytes, max_bulk: int, depth: int) -> Reply:
         kind, rest = line[:1], line[1:]
         try:
             if kind == b"+":
@@ -308,6 +327,9 @@ class Connection:
                     return None
                 if not 0 <= n <= max_bulk:
                     raise ProtocolViolation(f"{self.ep} sent a {n}-byte reply (limit {max_bulk})")
+                self._reply_bytes += n
+                if self._reply_bytes > MAX_REPLY:
+                    raise ProtocolViolation(f"{self.ep} sent a reply over {MAX_REPLY} bytes")
                 data = self.read_exact(n)
                 self.skip_crlf()
                 return data
@@ -456,6 +478,18 @@ class Router:
         if not ep.host and not ep.unix_path:
             raise ConnectionError("the cluster has no node for this key's slot")
         return ep
+
+    def cached_node(self, key: bytes) -> Endpoint | None:
+        """The node owning ``key`` from the slot map in memory (no I/O); None before
+        the map is loaded."""
+        if not self.cluster:
+            return self.seeds[0]
+        with self._lock:
+            slots = self._slots
+        if not slots:
+            return None
+        ep = slots[key_slot(key)]
+        return ep if (ep.host or ep.unix_path) else None
 
     def masters(self) -> list[Endpoint]:
         if not self.cluster:

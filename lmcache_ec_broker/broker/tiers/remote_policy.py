@@ -1,0 +1,681 @@
+"""The remote tier's policy: one set of rules for every store (Redis/Valkey, Mooncake).
+
+The transport (``remote_transport.py``) moves bytes; this module decides what is
+written, in which order, what is known, what is refused and when the store is
+left alone. It is plain single-threaded state, driven by the event loop (the
+runtime, ``remote_tier.py``) or by a test: it *asks* for I/O through
+``Runner.dispatch`` and hears back through ``finished``; time comes from ``clock``.
+
+The promises (``tests/test_remote_policy_machine.py`` checks each of them):
+
+1. Ordering. Writes, deletes and clears run in arrival order per key: a job starts
+   only when no earlier job on one of its keys is queued or running, and a clear
+   only when it is first and nothing runs (nothing after it passes it). A delete
+   cancels a queued write of its key and waits for a running one; so does a clear
+   for every key. A deleted key is never served again unless written after the
+   delete: lookups answer a miss for it while its delete is pending (and, after a
+   delete that failed for good, until the next write of it).
+2. Outcomes. Each accepted write ends exactly once: STORED, PRESENT, FAILED,
+   CANCELLED or ABANDONED, one counter each. Only STORED or PRESENT (a valid value
+   was there) makes the key known -- and not if a delete or clear came meanwhile.
+3. Refused values. A value that fails validation is never served; its key is
+   remembered as refused and the next write of it overwrites whatever is stored.
+4. Budget. Writes queued or running hold at most ``max_pending_bytes`` (one entry
+   larger than the budget is accepted only into an empty queue) and at most
+   ``write_queue`` entries; beyond that they are dropped (counted), never waited for.
+5. Lookups. At most ``lookup_concurrency`` run and ``lookup_backlog`` wait; more are
+   shed at once (a miss). Every lookup is answered by its deadline
+   (``timeout_s``); one that had not started by then is dropped and never runs;
+   one that had is abandoned (its slot stays taken until its thread returns, so a
+   slow store cannot pile up work) and counts as a failure of its nodes' breakers.
+6. Breakers. One per node: failures and timeouts open it, a probe lets one call
+   through after the backoff and a success closes it (then the keys are listed
+   again: the store may have restarted empty).
+7. Key discovery. Rescans are coalesced (one at a time; requests meanwhile make one
+   more) and their results, like announcements, are folded into the filter in
+   slices of ``fold_slice`` keys per loop turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from ...protocol import Extent
+from .base import EntryMeta, TierMiss, TierUnavailable
+from .circuit import Breakers, State
+from .remote_jobs import (
+    ClearJob,
+    DeleteJob,
+    Job,
+    Limits,
+    LookupJob,
+    ProbeJob,
+    QueueJob,
+    Runner,
+    ScanJob,
+    WriteBatch,
+    WriteJob,
+)
+from .remote_transport import Node, Outcome, Retry, StoreDown
+from .remote_value import BadValue
+
+log = logging.getLogger("lmcache_ec_broker.remote")
+
+MAX_DELETE_TRIES = 6
+REFUSED_CAP = 65536
+GONE_CAP = 65536
+
+
+# ---------------------------------------------------------------- the policy
+
+
+class RemotePolicy:
+    """Loop-thread state of one remote tier (see the module docstring)."""
+
+    def __init__(
+        self,
+        limits: Limits,
+        runner: Runner,
+        node_of: Callable[[str], Node],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self.runner = runner
+        self.node_of = node_of
+        self.clock = clock
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.breakers = Breakers(
+            limits.breaker_threshold,
+            limits.breaker_backoff_s,
+            limits.breaker_max_backoff_s,
+            clock,
+            self._breaker_changed,
+        )
+        self._ids = 0
+        self.closing = False
+        # write-behind, deletes, clears: arrival order; running ones apart
+        self.queue: list[QueueJob] = []
+        self.running: set[Job] = set()
+        self.pending_writes: dict[str, WriteJob] = {}  # key -> its queued or running write
+        self.pending_bytes = 0
+        self.deleting: collections.Counter[str] = collections.Counter()  # pending deletes
+        self.clearing = 0
+        self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.refused: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # jobs whose result may teach keys: a delete/clear meanwhile must reach them
+        self.live: set[LookupJob | ScanJob | WriteJob] = set()
+        # lookups
+        self.lookups_running: set[LookupJob] = set()
+        self.lookups_waiting: collections.deque[LookupJob] = collections.deque()
+        # keys known to be in the store -> sequence number of when learned
+        self.known: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._seq = 0
+        self.complete = limits.announces and limits.filter_cap > 0
+        self._scan: ScanJob | None = None
+        self._scan_again = False
+        self._fold: Iterator[None] | None = None
+        self._probing: set[Node] = set()
+        self._timer_at = 0.0
+
+    # ------------------------------------------------------------ helpers
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def _breaker_changed(self, node: object, state: State) -> None:
+        if state is State.OPEN:
+            self.counters["remote_circuit_opens"] += 1
+            log.warning("remote tier: store node %s is unavailable; serving local tiers", node)
+        elif state is State.CLOSED:
+            log.info("remote tier: store node %s is reachable again", node)
+            self.want_scan()  # it may have restarted empty: re-learn what it holds
+
+    def _fail(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            self.breakers[node].failure()
+
+    def _ok(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            cb = self.breakers[node]
+            if not cb.up or cb.failures:
+                cb.success()
+
+    def _learn(self, key: str) -> bool:
+        """Fold ``key`` into the filter; True if it was new."""
+        if self.limits.filter_cap <= 0:
+            return False
+        self._seq += 1
+        if key in self.known:
+            self.known.move_to_end(key)
+            self.known[key] = self._seq
+            return False
+        if len(self.known) >= self.limits.filter_cap:
+            old, _ = self.known.popitem(last=False)
+            self.runner.removed(old)
+            self.complete = False  # forgotten keys may still be in the store: ask for all
+        self.runner.added(key)
+        self.known[key] = self._seq
+        return True
+
+    def _forget(self, key: str) -> bool:
+        if key in self.known:
+            del self.known[key]
+            self.runner.removed(key)
+            return True
+        return False
+
+    def _blocked(self, key: str) -> bool:
+        """A lookup must miss ``key`` without asking: a delete of it is pending or
+        failed for good, or a clear is pending."""
+        return self.clearing > 0 or key in self.deleting or key in self.gone
+
+    def refuse(self, key: str, why: object) -> None:
+        self.counters["remote_refused_values"] += 1
+        self.refused[key] = None
+        self.refused.move_to_end(key)
+        while len(self.refused) > REFUSED_CAP:
+            self.refused.popitem(last=False)
+        self._forget(key)
+        log.debug("remote tier: refusing the value of %r: %s", key[:200], why)
+
+    # ------------------------------------------------------------ write-behind
+
+    def write(
+        self, key: str, meta: EntryMeta, extents: list[Extent], waiter: Any = None
+    ) -> WriteJob | None:
+        """Accept a write-behind (None: skipped or dropped, counted)."""
+        if self.closing or meta.nbytes > self.limits.max_entry_bytes:
+            return None
+        if key in self.pending_writes or (key in self.known and key not in self.refused):
+            self.counters["remote_writes_skipped"] += 1
+            return None
+        full = len(self.pending_writes) >= self.limits.write_queue or (
+            self.pending_writes and self.pending_bytes + meta.nbytes > self.limits.max_pending_bytes
+        )
+        if full or self.breakers[self.node_of(key)].refusing():
+            self.counters["remote_write_drops"] += 1
+            return None
+        job = WriteJob(
+            self._next_id(), key, meta, list(extents), overwrite=key in self.refused, waiter=waiter
+        )
+        self.gone.pop(key, None)  # written after its delete: servable again once stored
+        self.pending_writes[key] = job
+        self.pending_bytes += meta.nbytes
+        self.live.add(job)
+        self.queue.append(job)
+        self.pump()
+        return job
+
+    def _end_write(self, job: WriteJob, outcome: Outcome) -> None:
+        assert job.outcome is None, "a write outcome is recorded exactly once"
+        job.outcome = outcome
+        self.counters[
+            {
+                Outcome.STORED: "remote_writes",
+                Outcome.PRESENT: "remote_writes_skipped",
+                Outcome.FAILED: "remote_write_errors",
+                Outcome.CANCELLED: "remote_writes_cancelled",
+                Outcome.ABANDONED: "remote_write_drops",
+            }[outcome]
+        ] += 1
+        if self.pending_writes.get(job.key) is job:
+            del self.pending_writes[job.key]
+        self.pending_bytes -= job.meta.nbytes
+        self.live.discard(job)
+        if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
+            if outcome is Outcome.STORED:
+                self.refused.pop(job.key, None)
+            if job.key not in self.refused and not self._blocked(job.key):
+                self._learn(job.key)
+        self.runner.write_ended(job)
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Forget ``keys`` now; their deletes run after any earlier write of them."""
+        out = []
+        keys = list(dict.fromkeys(keys))
+        for key in keys:
+            held = self._forget(key)
+            job = self.pending_writes.get(key)
+            if job is not None:
+                held = True
+                job.superseded = True
+                if job in self.queue:
+                    self.queue.remove(job)
+                    self._end_write(job, Outcome.CANCELLED)
+            for live in self.live:
+                if isinstance(live, LookupJob | ScanJob):
+                    live.gone.add(key)
+            self.deleting[key] += 1
+            out.append(held)
+        if keys and not self.closing:
+            self.queue.append(DeleteJob(self._next_id(), keys))
+            self.pump()
+        elif keys:
+            for key in keys:
+                self._delete_ended(key, gave_up=True)
+        return out
+
+    def clear(self) -> int:
+        """Forget every key; remove the namespace from the store after every
+        earlier job (queued writes are cancelled)."""
+        n = len(self.known)
+        for job in [j for j in self.queue if isinstance(j, WriteJob)]:
+            self.queue.remove(job)
+            job.superseded = True
+            self._end_write(job, Outcome.CANCELLED)
+        for live in self.live:
+            if isinstance(live, WriteJob):
+                live.superseded = True
+            else:
+                live.cleared = True
+        for key in list(self.known):
+            self._forget(key)
+        if not self.closing:
+            self.clearing += 1
+            self.queue.append(ClearJob(self._next_id()))
+            self.pump()
+        return n
+
+    def _delete_ended(self, key: str, gave_up: bool) -> None:
+        self.deleting[key] -= 1
+        if self.deleting[key] <= 0:
+            del self.deleting[key]
+        if gave_up and key not in self.pending_writes:
+            # The old value may still be there: never serve it until written again.
+            self.gone[key] = None
+            while len(self.gone) > GONE_CAP:
+                self.gone.popitem(last=False)
+
+    def pump(self) -> None:
+        """Start every queue job that may start now (ordering rule 1)."""
+        now = self.clock()
+        busy: set[str] = set()
+        queue_jobs = [j for j in self.running if isinstance(j, WriteBatch | DeleteJob | ClearJob)]
+        slots = self.limits.write_workers - len(queue_jobs)
+        for job in self.running:
+            if isinstance(job, WriteBatch):
+                busy.update(w.key for w in job.writes)
+            elif isinstance(job, DeleteJob):
+                busy.update(job.keys)
+        clear_running = any(isinstance(j, ClearJob) for j in self.running)
+        wake = 0.0
+        i = 0
+        while i < len(self.queue) and slots > 0 and not clear_running:
+            job = self.queue[i]
+            if isinstance(job, ClearJob):
+                if i == 0 and not queue_jobs and job.not_before <= now:
+                    self.queue.pop(0)
+                    self._start(job)
+                elif job.not_before > now:
+                    wake = job.not_before
+                break  # nothing passes a clear
+            keys = [job.key] if isinstance(job, WriteJob) else job.keys
+            if isinstance(job, DeleteJob) and job.not_before > now:
+                wake = min(wake or job.not_before, job.not_before)
+                busy.update(keys)
+                i += 1
+                continue
+            if any(k in busy for k in keys):
+                busy.update(keys)
+                i += 1
+                continue
+            self.queue.pop(i)
+            busy.update(keys)
+            if isinstance(job, DeleteJob):
+                self._start(job)
+            else:
+                batch = [job]
+                nbytes = job.meta.nbytes
+                j = i
+                while (
+                    j < len(self.queue)
+                    and len(batch) < self.limits.write_batch
+                    and nbytes < self.limits.write_batch_bytes
+                ):
+                    nxt = self.queue[j]
+                    if not isinstance(nxt, WriteJob):
+                        break
+                    if nxt.key in busy:
+                        break
+                    self.queue.pop(j)
+                    busy.add(nxt.key)
+                    batch.append(nxt)
+                    nbytes += nxt.meta.nbytes
+                self._start(WriteBatch(self._next_id(), batch))
+            slots -= 1
+        if wake and wake != self._timer_at:
+            self._timer_at = wake
+            self.runner.later(max(wake - now, 0.0), self.pump)
+
+    def _start(self, job: Job) -> None:
+        if isinstance(job, WriteBatch):
+            # a write whose node is known down ends now, without I/O
+            down = [w for w in job.writes if self.breakers[self.node_of(w.key)].refusing()]
+            for w in down:
+                self._end_write(w, Outcome.FAILED)
+            job.writes = [w for w in job.writes if w not in down]
+            if not job.writes:
+                return
+        self.running.add(job)
+        self.runner.dispatch(job)
+
+    # ------------------------------------------------------------ lookups
+
+    def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None] | LookupJob:
+        """Answer now (a list) or admit a lookup job that ``answered`` will end by
+        its deadline. Raises TierUnavailable when shed or every node is down."""
+        if self.closing:
+            raise TierUnavailable("remote tier is shutting down")
+        keys = list(keys)
+        ask = [
+            k
+            for k in dict.fromkeys(keys)
+            if not self._blocked(k) and (not self.complete or k in self.known)
+        ]
+        if ask:
+            up = [k for k in ask if not self.breakers[self.node_of(k)].refusing()]
+            if not up:
+                raise TierUnavailable("remote store unavailable (circuit open)")
+            ask = up
+        if not ask:
+            self.counters["remote_misses"] += len(keys)
+            return [None] * len(keys)
+        if len(self.lookups_running) >= self.limits.lookup_concurrency and (
+            len(self.lookups_waiting) >= self.limits.lookup_backlog
+        ):
+            self.counters["remote_lookups_shed"] += 1
+            raise TierUnavailable("remote lookups are backed up: answered as a miss")
+        job = LookupJob(self._next_id(), ask, keys, deadline=self.clock() + self.limits.timeout_s)
+        self.live.add(job)
+        self.lookups_waiting.append(job)
+        self.runner.later(self.limits.timeout_s, self.expire_lookups)
+        self._start_lookups()
+        return job
+
+    def _start_lookups(self) -> None:
+        now = self.clock()
+        while self.lookups_waiting and len(self.lookups_running) < self.limits.lookup_concurrency:
+            job = self.lookups_waiting.popleft()
+            if job.deadline <= now:
+                self._answer(job, TierUnavailable("remote lookup could not start in time"))
+                self.counters["remote_lookup_timeouts"] += 1
+                continue
+            nodes = {self.node_of(k) for k in job.keys}
+            refused = {n for n in nodes if not self.breakers[n].allow()}
+            if refused:
+                job.keys = [k for k in job.keys if self.node_of(k) not in refused]
+            if not job.keys:
+                self._answer(job, TierUnavailable("remote store unavailable (circuit open)"))
+                continue
+            job.started = True
+            self.lookups_running.add(job)
+            self.runner.dispatch(job)
+
+    def expire_lookups(self) -> None:
+        """Answer every lookup past its deadline (timer; rule 5)."""
+        now = self.clock()
+        for job in [j for j in self.lookups_waiting if j.deadline <= now]:
+            self.lookups_waiting.remove(job)  # never runs
+            self.counters["remote_lookup_timeouts"] += 1
+            self._answer(job, TierUnavailable("remote lookup could not start in time"))
+        for job in [j for j in self.lookups_running if not j.expired and j.deadline <= now]:
+            job.expired = True  # its slot stays taken until its thread returns
+            self.counters["remote_lookup_timeouts"] += 1
+            self._fail(sorted({self.node_of(k) for k in job.keys}, key=str))
+            self._answer(
+                job, TierUnavailable(f"remote lookup took longer than {self.limits.timeout_s}s")
+            )
+
+    def _answer(self, job: LookupJob, answer: list[EntryMeta | None] | Exception) -> None:
+        self.live.discard(job)
+        if isinstance(answer, list):
+            got = dict(zip(job.keys, answer, strict=True))
+            answer = [got.get(k) for k in job.asked]
+            hits = sum(m is not None for m in answer)
+            self.counters["remote_hits"] += hits
+            self.counters["remote_misses"] += len(answer) - hits
+        job.answer = answer
+        self.runner.answered(job)
+
+    def _lookup_finished(self, job: LookupJob, result: Any) -> None:
+        self.lookups_running.discard(job)
+        nodes = sorted({self.node_of(k) for k in job.keys}, key=str)
+        if job.expired:  # answered at its deadline; the late result is not used
+            self._start_lookups()
+            return
+        if isinstance(result, StoreDown):
+            self._fail(result.nodes or nodes)
+            self._answer(job, TierUnavailable(str(result)))
+            self._start_lookups()
+            return
+        self._ok(nodes)
+        metas: list[EntryMeta | None] = []
+        for key, res in zip(job.keys, result, strict=True):
+            if isinstance(res, BadValue):
+                self.refuse(key, res)
+                metas.append(None)
+            elif isinstance(res, EntryMeta) and not (
+                job.cleared or key in job.gone or self._blocked(key)
+            ):
+                self.refused.pop(key, None)
+                self._learn(key)  # before the coordinator can answer a hit for it
+                metas.append(res)
+            else:
+                if res is None:
+                    self._forget(key)
+                metas.append(None)
+        self._answer(job, metas)
+        self._start_lookups()
+
+    # ------------------------------------------------------------ promotion
+
+    def read_start(self, key: str) -> None:
+        """May a promotion read ``key`` now? Raises TierMiss / TierUnavailable."""
+        if self.closing:
+            raise TierUnavailable("remote tier is shutting down")
+        if self._blocked(key):
+            raise TierMiss(key)
+        if not self.breakers[self.node_of(key)].allow():
+            raise TierUnavailable("remote store unavailable (circuit open)")
+
+    def read_ended(self, key: str, exc: BaseException | None) -> None:
+        node = self.node_of(key)
+        if isinstance(exc, StoreDown):
+            self.counters["remote_read_errors"] += 1
+            self._fail(exc.nodes or [node])
+            return
+        self._ok([node])
+        if isinstance(exc, BadValue):
+            self.refuse(key, exc)
+        elif isinstance(exc, TierMiss):
+            self._forget(key)
+
+    # ------------------------------------------------------------ key discovery
+
+    def want_scan(self) -> None:
+        """List the store's keys (coalesced: one at a time, one more if asked meanwhile)."""
+        if self.closing or self.limits.filter_cap <= 0:
+            return
+        if self._scan is not None:
+            self._scan_again = True
+            return
+        self._scan = ScanJob(self._next_id(), since=self._seq)
+        self.live.add(self._scan)
+        self.runner.dispatch(self._scan)
+
+    def _scan_finished(self, job: ScanJob, result: Any) -> None:
+        if isinstance(result, Exception):
+            log.info("remote tier: listing keys failed (%s); learning them as they come", result)
+            if isinstance(result, StoreDown):
+                self._fail(result.nodes)
+            self._scan_done()
+            return
+        self._fold = self._fold_scan(job, result)
+        self.step_fold()
+
+    def step_fold(self) -> None:
+        """Fold one slice of a listing; schedules the next slice (rule 7)."""
+        if self._fold is None:
+            return
+        try:
+            next(self._fold)
+        except StopIteration:
+            self._fold = None
+            self._scan_done()
+            return
+        self.runner.later(0.0, self.step_fold)
+
+    def _fold_scan(self, job: ScanJob, found: set[str]) -> Iterator[None]:
+        n = 0
+        step = self.limits.fold_slice
+        for key in list(self.known):  # gone from the store: evicted, expired, restarted
+            n += 1
+            if n % step == 0:
+                yield
+            seq = self.known.get(key)
+            if seq is not None and seq <= job.since and key not in found:
+                self._forget(key)
+        if not job.cleared:
+            learned = 0
+            for key in found:
+                n += 1
+                if n % step == 0:
+                    yield
+                if job.cleared:
+                    break
+                if key not in job.gone and not self._blocked(key) and key not in self.refused:
+                    learned += self._learn(key)
+            self.counters["remote_announcements"] += learned
+            if self.limits.announces:
+                self.complete = 0 <= len(found) < self.limits.filter_cap
+
+    def _scan_done(self) -> None:
+        if self._scan is not None:
+            self.live.discard(self._scan)
+        self._scan = None
+        if self._scan_again:
+            self._scan_again = False
+            self.want_scan()
+
+    def announced(self, keys: Sequence[str]) -> None:
+        """Keys other brokers wrote (from the announcement stream; a bounded batch)."""
+        if self.closing:
+            return
+        for key in keys[: self.limits.fold_slice]:
+            self.counters["remote_announcements"] += 1
+            if not self._blocked(key) and key not in self.refused:
+                self._learn(key)
+
+    # ------------------------------------------------------------ probes
+
+    def maintain(self) -> None:
+        """Periodic: probe every node whose breaker lets a probe through (rule 6)."""
+        if self.closing:
+            return
+        for node, cb in self.breakers.items():
+            if not cb.up and node not in self._probing and cb.allow():
+                self._probing.add(node)
+                job = ProbeJob(self._next_id(), node)
+                self.running.add(job)
+                self.runner.dispatch(job)
+
+    def health(self, node: Node, ok: bool) -> None:
+        """The transport saw ``node`` answer (or not) outside any job (a subscriber)."""
+        if ok:
+            self._ok([node])
+        else:
+            self._fail([node])
+
+    # ------------------------------------------------------------ results
+
+    def finished(self, job: Job, result: Any) -> None:
+        """A dispatched job returned (loop thread): ``result`` as ``execute`` gave it."""
+        self.running.discard(job)
+        if isinstance(job, LookupJob):
+            self._lookup_finished(job, result)
+            return
+        if isinstance(job, ScanJob):
+            self._scan_finished(job, result)
+            return
+        if isinstance(job, ProbeJob):
+            self._probing.discard(job.node)
+            if isinstance(result, StoreDown):
+                self._fail([job.node])
+            else:
+                self._ok([job.node])
+            return
+        if isinstance(job, WriteBatch):
+            nodes = sorted({self.node_of(w.key) for w in job.writes}, key=str)
+            if isinstance(result, StoreDown | Retry):
+                self._fail(getattr(result, "nodes", None) or nodes)
+                for w in job.writes:
+                    self._end_write(w, Outcome.FAILED)
+                log.debug("remote tier: write-behind failed: %s", result)
+            else:
+                failed = {self.node_of(w.key) for w, o in zip(job.writes, result, strict=True)
+                          if o is Outcome.FAILED}  # fmt: skip
+                self._fail(sorted(failed, key=str))
+                self._ok([n for n in nodes if n not in failed])
+                for w, outcome in zip(job.writes, result, strict=True):
+                    self._end_write(w, outcome)
+        elif isinstance(job, DeleteJob):
+            again: list[str] = []
+            wait = 0.0
+            for key in job.keys:
+                res = result.get(key) if isinstance(result, dict) else result
+                if res is None:
+                    self._delete_ended(key, gave_up=False)
+                    continue
+                if isinstance(res, StoreDown):
+                    self._fail(res.nodes or [self.node_of(key)])
+                if job.tries + 1 >= MAX_DELETE_TRIES or self.closing:
+                    log.warning("remote tier: deleting %r failed for good: %s", key[:200], res)
+                    self._delete_ended(key, gave_up=True)
+                    continue
+                if isinstance(res, Retry):
+                    self.counters["remote_lease_conflicts"] += 1
+                    wait = max(wait, res.after_s)
+                else:
+                    wait = max(wait, self.limits.breaker_backoff_s * 2**job.tries)
+                again.append(key)
+            if again:
+                retry = DeleteJob(
+                    self._next_id(), again, job.tries + 1, self.clock() + max(wait, 0.05)
+                )
+                self.queue.insert(0, retry)  # before any later job of these keys
+        elif isinstance(job, ClearJob):
+            if isinstance(result, StoreDown | Retry) and not self.closing:
+                if isinstance(result, StoreDown):
+                    self._fail(result.nodes)
+                if job.tries + 1 < MAX_DELETE_TRIES:
+                    job.tries += 1
+                    job.not_before = self.clock() + self.limits.breaker_backoff_s * 2**job.tries
+                    self.queue.insert(0, job)
+                    self.pump()
+                    return
+                log.warning("remote tier: clearing the namespace failed: %s", result)
+            self.clearing -= 1
+        self.pump()
+
+    # ------------------------------------------------------------ shutdown
+
+    def abandon(self) -> None:
+        """Shutdown: end every queued write without running it; lookups miss."""
+        self.closing = True
+        for job in [j for j in self.queue if isinstance(j, WriteJob)]:
+            self.queue.remove(job)
+            self._end_write(job, Outcome.ABANDONED)
+        while self.lookups_waiting:
+            self._answer(self.lookups_waiting.popleft(), TierUnavailable("shutting down"))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running (writes, deletes, clears)."""
+        return not self.queue and not any(
+            isinstance(j, WriteBatch | DeleteJob | ClearJob) for j in self.running
+        )
