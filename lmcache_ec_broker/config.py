@@ -153,6 +153,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mooncake_local_buffer_size: int = 16 * MiB  # Mooncake's own transfer buffer
     mooncake_admin_port: int = 9003  # the master's metrics/admin port (lists keys for the filter)
     mooncake_key_poll_s: float = 5.0  # how often the store's keys are folded in; 0: never
+    # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
+    # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
+    events_port: int = 0  # 0: no events
+    events_host: str = "127.0.0.1"  # like metrics: local only unless set (0.0.0.0: all)
+    events_node: str = ""  # node name in the topics; "": this host's name
+    events_queue: int = 1024  # batches waiting for the publisher thread; more are dropped
+    events_replay: int = 10_000  # batches kept for replay requests
+    events_heartbeat_s: float = 1.0  # a heartbeat batch (with the epoch) this often
+    events_lookup_port: int = 0  # HTTP/JSON lookup of this broker's residency; 0: off
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid value."""
@@ -199,6 +208,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
         self._validate_remote()
+        from .events.settings import validate_events
+
+        validate_events(self)
 
     def _validate_remote(self) -> None:
         if not self.remote_url:

@@ -44,6 +44,7 @@ from .tiers.base import (
     LowerTier,
     SlabAccess,
     TierCorrupt,
+    TierEvents,
     TierMiss,
     TierUnavailable,
 )
@@ -85,6 +86,8 @@ class Coordinator:
         self.sync_tiers = [t for t in self.tiers if not t.remote]
         self.remote_tiers = [t for t in self.tiers if t.remote]
         self.membership: Membership | None = None
+        # Residency events (events/ package): sees every lower tier's added/removed.
+        self.observer: TierEvents | None = None
         self.counters = dict.fromkeys(COORDINATOR_COUNTERS, 0)
         self._promoting: dict[str, _Promotion] = {}
         self._leases: dict[int, dict[str, _TierLease]] = {}
@@ -98,10 +101,14 @@ class Coordinator:
     def added(self, tier: LowerTier, key: str) -> None:
         if self.membership is not None:
             self.membership.add(key)
+        if self.observer is not None:
+            self.observer.added(tier, key)
 
     def removed(self, tier: LowerTier, key: str) -> None:
         if self.membership is not None:
             self.membership.remove(key)
+        if self.observer is not None:
+            self.observer.removed(tier, key)
 
     # ---------------------------------------------------------------- lifecycle
 

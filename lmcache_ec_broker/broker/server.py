@@ -410,6 +410,10 @@ class BrokerServer:
             self._publish_filter(name, gid)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
                 self._start_metrics(cfg.metrics_port)
+            if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
+                from ..events.install import install as install_events
+
+                install_events(self)  # BrokerError naming the fix if it cannot start
             try:
                 self.tiers.open()
             except TierError as exc:

@@ -98,6 +98,13 @@ class Membership(Protocol):
     def remove(self, key: str) -> None: ...
 
 
+class StoreObserver(Protocol):
+    """Told of slab residency changes on the loop thread; must not block."""
+
+    def slab_stored(self, key: str, nbytes: int) -> None: ...
+    def slab_removed(self, key: str) -> None: ...
+
+
 class Store:
     def __init__(
         self,
@@ -124,6 +131,9 @@ class Store:
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
         self.membership: Membership | None = None
+        # Residency events (events/ package): told of every entry that became READY
+        # (commit) and every READY entry that left the index (evict, delete, clear).
+        self.observer: StoreObserver | None = None
         self._clock = clock
         self._ids = itertools.count(1)
         self._lease_heap: list[tuple[float, int]] = []
@@ -205,6 +215,8 @@ class Store:
         del self.entries[entry.key]
         if self.membership is not None:
             self.membership.remove(entry.key)
+        if self.observer is not None:
+            self.observer.slab_removed(entry.key)
         self.lru.remove(entry.key)
         if entry.pins:
             for state in self.conns.values():
@@ -336,6 +348,8 @@ class Store:
         self.counters["bytes_stored"] += entry.nbytes
         if self.membership is not None:
             self.membership.add(entry.key)
+        if self.observer is not None:
+            self.observer.slab_stored(entry.key, entry.nbytes)
         return None
 
     def abort(self, conn: int, token: int) -> ErrorReply | None:

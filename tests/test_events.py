@@ -1,0 +1,422 @@
+"""Residency events and the lookup API against real brokers (started through the CLI),
+a real ZMQ subscriber in the test, and the real aggregator process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import msgspec
+import pytest
+import torch
+from conftest import run_cli, wait_until
+
+from lmcache_ec_broker.connector.client import BrokerClient
+from lmcache_ec_broker.events.publisher import ZmqPublisher
+from lmcache_ec_broker.events.schema import (
+    END_SEQ,
+    EncoderCacheRemoved,
+    EncoderCacheStored,
+    EventBatch,
+    Heartbeat,
+    SnapshotRequest,
+    batch_decoder,
+    parse_topic,
+    snapshot_decoder,
+)
+from lmcache_ec_broker.events.tracker import ResidencyTracker
+
+zmq = pytest.importorskip("zmq")
+
+MODEL = "tiny/model"
+FP_MODEL = MODEL + "#0123456789abcdef"
+
+
+def key(h: str, model: str = FP_MODEL) -> str:
+    return f"{model}@1@0@{h}@bfloat16"
+
+
+def port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (and p + 2 for a lookup port)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p > 65000:
+            continue
+        try:
+            socks = []
+            for q in (p, p + 1, p + 2):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
+def events_env(port: int, node: str, lookup: bool = True, **extra: str) -> dict[str, str]:
+    env = {
+        "LMCACHE_EC_EVENTS_PORT": str(port),
+        "LMCACHE_EC_EVENTS_NODE": node,
+        "LMCACHE_EC_EVENTS_HEARTBEAT_S": "0.2",
+    }
+    if lookup:
+        env["LMCACHE_EC_EVENTS_LOOKUP_PORT"] = str(port + 2)
+    env.update(extra)
+    return env
+
+
+def put(client: BrokerClient, h: str, kib: int = 64, model: str = FP_MODEL) -> None:
+    t = torch.full((kib * 512,), 1.0, dtype=torch.bfloat16)  # kib KiB
+    assert client.put(key(h, model), t)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def where(base: str, *hashes: str, model: str = MODEL) -> list[dict]:
+    q = urllib.parse.urlencode([("model", model)] + [("mm_hash", h) for h in hashes])
+    return [r["nodes"] for r in get_json(f"{base}/v1/lookup?{q}")["results"]]
+
+
+class Sub:
+    """A raw subscriber, as a router would write one."""
+
+    def __init__(self, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"encoder-cache/v1/")
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.replay = f"tcp://127.0.0.1:{port + 1}"
+        self.msgs: list[tuple[bytes, int, EventBatch]] = []
+
+    def pump(self, timeout_ms: int = 200) -> None:
+        while self.sub.poll(timeout_ms):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert len(seq) == 8
+            self.msgs.append((topic, int.from_bytes(seq, "big"), batch_decoder.decode(payload)))
+            timeout_ms = 50
+
+    def events(self, kind: type) -> list:
+        return [e for _, _, b in self.msgs for e in b.events if isinstance(e, kind)]
+
+    def request(self, body: bytes) -> list[list[bytes]]:
+        d = self.ctx.socket(zmq.DEALER)
+        d.connect(self.replay)
+        d.send_multipart((b"", body))
+        out = []
+        while True:
+            assert d.poll(5000), "no answer from the replay socket"
+            frames = d.recv_multipart()
+            out.append(frames[1:])
+            if frames[2] == END_SEQ or len(body) != 8:
+                break
+        d.close(linger=0)
+        return out
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def test_events_are_off_by_default(broker) -> None:
+    out = run_cli("stats", "--json", "--socket", broker.socket_path)
+    stats = json.loads(out.stdout)
+    assert not [k for k in stats if k.startswith("events_")]
+    assert "residency events" not in broker.read_log()
+
+
+def test_stream_stored_evicted_deleted_in_vllm_wire_format(make_broker) -> None:
+    port = port_pair()
+    b = make_broker("--shm-size", "1MiB", env=events_env(port, "node-a"))
+    sub = Sub(port)
+    wait_until(lambda: (sub.pump(), sub.events(Heartbeat))[1], "a heartbeat")
+    client = BrokerClient(b.socket_path)
+    try:
+        for i in range(20):  # 64 KiB each: a 1 MiB slab evicts the oldest
+            put(client, f"h{i}")
+        assert client.delete(key("h19"))
+        assert client.put("not-a-connector-key", torch.zeros(8, dtype=torch.bfloat16))
+        wait_until(lambda: (sub.pump(), len(sub.events(EncoderCacheStored)) >= 20)[1], "stored")
+        sub.pump()
+    finally:
+        client.close()
+    seqs = [s for _, s, _ in sub.msgs]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers +1 per message"
+    stored = sub.events(EncoderCacheStored)
+    assert [e.mm_hash for e in stored] == [f"h{i}" for i in range(20)]
+    assert {(e.model, e.dtype, e.tier, e.medium, e.nbytes) for e in stored} == {
+        (FP_MODEL, "bfloat16", "slab", "CPU", 64 << 10)
+    }
+    removed = [e.mm_hash for e in sub.events(EncoderCacheRemoved)]
+    assert "h0" in removed and "h19" in removed  # evicted, deleted
+    assert "h18" not in removed
+    topics = {
+        parse_topic(t)
+        for t, _, b in sub.msgs
+        if b.events and not isinstance(b.events[0], Heartbeat)
+    }
+    assert topics == {("node-a", FP_MODEL)}
+    # The payload is vLLM's EventBatch layout: [ts, events]; each event a map with 'type'.
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(sub.msgs[-1][2]))
+    assert isinstance(raw, list) and isinstance(raw[0], float) and isinstance(raw[1], list)
+    assert all("type" in e for e in raw[1])
+    stats = json.loads(run_cli("stats", "--json", "--socket", b.socket_path).stdout)
+    assert stats["events_unparsed_keys"] == 1 and stats["events_dropped"] == 0
+    sub.close()
+
+
+def test_vllm_decoder_reads_the_stream(make_broker) -> None:
+    from vllm.distributed.kv_events import EventBatch as VllmEventBatch
+
+    port = port_pair()
+    b = make_broker("--shm-size", "4MiB", env=events_env(port, "node-v", lookup=False))
+    sub = Sub(port)
+    wait_until(lambda: (sub.pump(), sub.msgs)[1], "a message")
+    client = BrokerClient(b.socket_path)
+    put(client, "v1")
+    client.close()
+    wait_until(lambda: (sub.pump(), sub.events(EncoderCacheStored))[1], "stored")
+    payload = msgspec.msgpack.encode(
+        next(b for _, _, b in sub.msgs if any(isinstance(e, EncoderCacheStored) for e in b.events))
+    )
+    got = msgspec.msgpack.decode(payload, type=VllmEventBatch)
+    assert got.events[0]["type"] == "EncoderCacheStored" and got.events[0]["mm_hash"] == "v1"
+    sub.close()
+
+
+def test_late_subscriber_snapshot_then_stream_and_replay(make_broker) -> None:
+    port = port_pair()
+    b = make_broker("--shm-size", "4MiB", env=events_env(port, "node-s"))
+    client = BrokerClient(b.socket_path)
+    for i in range(3):
+        put(client, f"s{i}")
+    sub = Sub(port)  # joins after the puts
+    time.sleep(0.3)
+    ((topic, seq_b, payload),) = sub.request(msgspec.msgpack.encode(SnapshotRequest()))
+    snap = snapshot_decoder.decode(payload)
+    assert parse_topic(topic) == ("node-s", "")
+    assert snap.node == "node-s" and snap.schema_version == 1
+    assert int.from_bytes(seq_b, "big") == snap.next_seq
+    assert sorted(e.mm_hash for e in snap.entries) == ["s0", "s1", "s2"]
+    put(client, "s3")
+    client.close()
+    wait_until(lambda: (sub.pump(), sub.events(EncoderCacheStored))[1], "the stream after it")
+    # what the snapshot holds came before next_seq; what follows it, from next_seq on
+    (seq_s3,) = {s for _, s, b in sub.msgs for e in b.events if getattr(e, "mm_hash", "") == "s3"}
+    assert seq_s3 >= snap.next_seq
+    # vLLM's replay request: 8 bytes, the first sequence number wanted; ends with seq -1.
+    replayed = sub.request((0).to_bytes(8, "big"))
+    assert replayed[-1] == [b"", END_SEQ, b""]
+    seqs = [int.from_bytes(f[1], "big") for f in replayed[:-1]]
+    assert seqs[0] == 0 and seqs == list(range(len(seqs)))
+    hashes = [
+        e.mm_hash
+        for f in replayed[:-1]
+        for e in batch_decoder.decode(f[2]).events
+        if isinstance(e, EncoderCacheStored)
+    ]
+    assert hashes[:4] == ["s0", "s1", "s2", "s3"]
+    sub.close()
+
+
+def test_broker_lookup_api_and_bad_input(make_broker) -> None:
+    port = port_pair()
+    b = make_broker("--shm-size", "4MiB", env=events_env(port, "node-l"))
+    base = f"http://127.0.0.1:{port + 2}"
+    client = BrokerClient(b.socket_path)
+    put(client, "x1")
+    put(client, "x2", model="other#ffff")
+    client.close()
+    assert where(base, "x1", "x2", "nope") == [
+        [{"node": "node-l", "tiers": {"slab": 65536}}],
+        [],
+        [],
+    ]
+    assert where(base, "x1", model=FP_MODEL)[0][0]["tiers"] == {"slab": 65536}
+    req = urllib.request.Request(
+        f"{base}/v1/lookup",
+        data=json.dumps({"model": "other", "mm_hashes": ["x2"]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read())["results"][0]["nodes"][0]["node"] == "node-l"
+    for bad in (
+        b'{"model": "", "mm_hashes": []}',
+        b'{"model": "m", "mm_hashes": "x"}',
+        b"[1]",
+        b"{",
+    ):
+        req = urllib.request.Request(f"{base}/v1/lookup", data=bad)
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(req, timeout=10)
+        assert exc.value.code == 400 and "error" in json.loads(exc.value.read())
+    # local only: the endpoint is not on the host's other addresses
+    assert get_json(f"{base}/v1/nodes")["nodes"]["node-l"]["up"] is True
+
+
+def test_bad_events_config_refuses_clearly(sock_dir) -> None:
+    for env, words in (
+        ({"LMCACHE_EC_EVENTS_NODE": "a/b"}, "events_node"),
+        ({"LMCACHE_EC_EVENTS_PORT": "5000", "LMCACHE_EC_EVENTS_LOOKUP_PORT": "5001"}, "collides"),
+        ({"LMCACHE_EC_EVENTS_HEARTBEAT_S": "0"}, "events_heartbeat_s"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lmcache_ec_broker.cli",
+                "start",
+                "--socket",
+                f"{sock_dir}/x.sock",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, **env),
+        )
+        assert out.returncode == 2 and words in out.stderr, out.stderr
+    # a taken port: the start is refused before the socket exists, naming the key
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lmcache_ec_broker.cli",
+                "start",
+                "--socket",
+                f"{sock_dir}/y.sock",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, LMCACHE_EC_EVENTS_PORT=str(taken)),
+        )
+    assert out.returncode != 0 and "events_port" in out.stderr, out.stderr
+    assert not os.path.exists(f"{sock_dir}/y.sock")
+
+
+def test_full_queue_drops_counts_and_leaves_a_sequence_gap() -> None:
+    port = port_pair()
+    pub = ZmqPublisher("127.0.0.1", port, "node-q", queue_size=1, replay=0, heartbeat_s=1.0)
+    try:
+        tracker = ResidencyTracker(
+            "node-q", "epoch", pub.offer
+        )  # thread not started: nothing drains
+        for i in range(3):
+            tracker.slab_stored(key(f"q{i}"), 10)
+        st = tracker.stats()
+        assert st["events_batches"] == 3 and st["events_seq"] == 3
+        assert st["events_dropped_batches"] == 2 and st["events_dropped"] == 2
+        assert pub._queue.get_nowait()[1] == 0  # the one queued is seq 0; 1 and 2 are a gap
+        assert sorted(tracker.residency.lookup(MODEL, "q2")) == ["slab"]  # state stays right
+    finally:
+        pub.close_now()
+
+
+def start_aggregator(*ports: int, down_after: float = 1.0) -> tuple[subprocess.Popen, str]:
+    http_port = port_pair()
+    args = [sys.executable, "-m", "lmcache_ec_broker.events.aggregator", "--port", str(http_port)]
+    args += ["--down-after", str(down_after)]
+    for p in ports:
+        args += ["--broker", f"tcp://127.0.0.1:{p}"]
+    log = open(f"/tmp/ec-aggregator-{http_port}.log", "w")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("ready"), line
+    return proc, f"http://127.0.0.1:{http_port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+
+
+def test_aggregator_follows_brokers_through_eviction_restart_and_reconnect(
+    make_broker, sock_dir
+) -> None:
+    pa, pb = port_pair(), port_pair()
+    a_sock, b_sock = f"{sock_dir}/a.sock", f"{sock_dir}/b.sock"
+    disk = f"{sock_dir}/disk-b"
+    disk_args = ["--shm-size", "4MiB", "--local-disk", disk, "--max-local-disk-size", "64MiB"]
+    a = make_broker("--shm-size", "1MiB", socket_path=a_sock, env=events_env(pa, "node-a", False))
+    b = make_broker(*disk_args, socket_path=b_sock, env=events_env(pb, "node-b", False))
+    agg, base = start_aggregator(pa, pb)
+    try:
+        ca, cb = BrokerClient(a_sock), BrokerClient(b_sock)
+        put(ca, "shared")
+        put(cb, "shared")
+        put(cb, "only-b")
+        wait_until(lambda: len(where(base, "shared")[0]) == 2, "both nodes hold 'shared'")
+        got = {w["node"]: w["tiers"] for w in where(base, "shared")[0]}
+        assert got["node-a"] == {"slab": 65536}
+        wait_until(
+            lambda: (
+                {w["node"]: w["tiers"] for w in where(base, "shared")[0]}["node-b"]
+                == {"slab": 65536, "disk": 65536}
+            ),
+            "B's disk copy",
+        )
+        # eviction on A: 20 more entries push 'shared' out of its 1 MiB slab
+        for i in range(20):
+            put(ca, f"fill{i}")
+        wait_until(
+            lambda: [w["node"] for w in where(base, "shared")[0]] == ["node-b"], "A evicted it"
+        )
+        ca.close()
+        cb.close()
+        # restart B with its disk: its entries leave, then come back from the disk
+        b.stop()
+        wait_until(lambda: where(base, "only-b") == [[]], "B's entries gone while it is down")
+        b2 = make_broker(*disk_args, socket_path=b_sock, env=events_env(pb, "node-b", False))
+        wait_until(
+            lambda: where(base, "only-b")[0] == [{"node": "node-b", "tiers": {"disk": 65536}}],
+            "B's disk entries back",
+        )
+        # restart A without a disk (kill -9: no farewell; the heartbeat timeout drops it)
+        a.kill9()
+        wait_until(lambda: where(base, "fill19") == [[]], "A's entries gone after the timeout")
+        make_broker("--shm-size", "1MiB", socket_path=a_sock, env=events_env(pa, "node-a", False))
+        wait_until(lambda: get_json(f"{base}/v1/nodes")["nodes"]["node-a"]["up"], "A back (empty)")
+        assert where(base, "fill19") == [[]]
+        # a subscriber reconnecting: a new aggregator learns the state from snapshots
+        stop(agg)
+        cb2 = BrokerClient(b_sock)
+        put(cb2, "while-away")
+        cb2.close()
+        agg, base = start_aggregator(pa, pb)
+        wait_until(
+            lambda: (
+                where(base, "only-b", "while-away")
+                == [
+                    [{"node": "node-b", "tiers": {"disk": 65536}}],
+                    [{"node": "node-b", "tiers": {"slab": 65536, "disk": 65536}}],
+                ]
+            ),
+            "state after reconnecting",
+        )
+        nodes = get_json(f"{base}/v1/nodes")["nodes"]
+        assert nodes["node-b"]["snapshots"] >= 1 and nodes["node-b"]["up"]
+        b2.stop()
+    finally:
+        stop(agg)
