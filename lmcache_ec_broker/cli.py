@@ -1,4 +1,4 @@
-"""Command line: ``lmcache-ec-broker start | stop | stats | ping``."""
+"""Command line: ``lmcache-ec-broker start | stop | stats | ping | clear``."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
+import struct
 import sys
 import time
 from typing import TYPE_CHECKING
 
-from .config import default_socket_path, format_size, load_config, parse_size
+from .config import (
+    LOG_LEVELS,
+    SIZE_FIELDS,
+    default_socket_path,
+    format_size,
+    load_config,
+    parse_size,
+)
 
 if TYPE_CHECKING:
     from .connector.client import BrokerClient
@@ -53,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="lmcache-ec-broker",
         description="Node-local, multi-process encoder cache for vLLM.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     start = sub.add_parser(
@@ -63,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--socket", dest="socket_path", help="Unix socket path")
     start.add_argument(
-        "--shm-size", type=_size, help="slab size: 512MiB, 2GiB, or a plain number of GiB"
+        "--shm-size",
+        type=_size,
+        help="slab size: 512MiB, 2GiB, 2GB (decimal: 2*10^9 bytes), or a plain number of GiB",
     )
     start.add_argument("--block-size", type=_bytes, help="allocation block size, e.g. 64KiB")
     start.add_argument(
@@ -89,29 +101,50 @@ def _parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--max-connections", type=int, help="most clients served at once")
     start.add_argument(
+        "--max-pins-per-connection",
+        type=int,
+        help="most get() pins one connection may hold unreleased (default 65536)",
+    )
+    start.add_argument(
+        "--max-leases-per-connection",
+        type=int,
+        help="most has()/lookup() leases one connection may hold (default 65536)",
+    )
+    start.add_argument(
         "--local-disk", help="directory (or file:// URL) of the disk tier; off by default"
     )
     start.add_argument("--max-local-disk-size", type=_size, help="disk tier capacity")
     start.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: off)")
-    start.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    start.add_argument("--log-level", help=", ".join(LOG_LEVELS) + " (default INFO)")
     start.add_argument(
         "--remote-url",
-        help="shared remote tier: redis://host:port[/db], rediss://, unix:///path.sock, "
-        "redis://h1:p1,h2:p2 (Cluster); password via remote_password_file, not here",
+        help="shared remote tier: redis://host:port[/db], rediss:// (TLS), valkey://, "
+        "valkeys://, unix:///path.sock, redis://h1:p1,h2:p2 (Cluster), "
+        "mooncakestore://master:port (Mooncake Store); password via remote_password_file, "
+        "not here",
     )
     start.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"
     )
 
     for name, text in (
-        ("stop", "ask the broker on the socket to stop and wait until it is gone"),
+        ("stop", "ask the broker on the socket to stop and wait until its process is gone"),
         ("stats", "print the broker's counters"),
         ("ping", "exit 0 if a broker answers on the socket, 1 otherwise"),
+        ("clear", "empty the broker's slab and disk tier (owner or root only)"),
     ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--socket", dest="socket_path", help="Unix socket path")
         if name == "stats":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "clear":
+            sp.add_argument(
+                "--shared",
+                action="store_true",
+                help="also remove the broker's key prefix from the shared remote store, for "
+                "every broker using it (says what it would remove unless --yes)",
+            )
+            sp.add_argument("--yes", action="store_true", help="confirm --shared")
         if name == "stop":
             sp.add_argument(
                 "--timeout",
@@ -133,6 +166,8 @@ _START_KEYS = (
     "max_key_length",
     "max_frame_bytes",
     "max_connections",
+    "max_pins_per_connection",
+    "max_leases_per_connection",
     "local_disk",
     "max_local_disk_size",
     "metrics_port",
@@ -141,10 +176,24 @@ _START_KEYS = (
 )
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def _shown(name: str, value: object) -> str:
-    """A config value as --print-config shows it: permission modes in octal."""
+    """A config value as --print-config shows it: permission modes in octal, sizes as
+    `stats` shows them (with the exact bytes when the rounding hides some)."""
     if name.endswith("_mode") and isinstance(value, int):
         return f"0o{value:03o}"
+    if name in SIZE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        if value == 0:
+            return "0"
+        shown = format_size(value)
+        number, _, unit = shown.partition(" ")
+        exact = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
+        return shown if float(number) * exact == value else f"{shown} ({value} bytes)"
     if name == "remote_url" and isinstance(value, str):
         from .broker.tiers.remote_url import mask_url
 
@@ -174,8 +223,12 @@ def _start(args: argparse.Namespace) -> int:
     if args.print_config:
         import msgspec
 
-        for name, value in msgspec.structs.asdict(cfg).items():
-            print(f"{name:22} {_shown(name, value):40} ({sources.get(name, 'default')})")
+        values = msgspec.structs.asdict(cfg)
+        width = max(map(len, values))
+        shown = {name: _shown(name, value) for name, value in values.items()}
+        vwidth = min(max(map(len, shown.values())), 48)
+        for name, text in shown.items():
+            print(f"{name:{width}}  {text:{vwidth}}  ({sources.get(name, 'default')})")
         return 0
     if cfg.metrics_port:
         # Checked before anything exists: the broker would otherwise fail half-way
@@ -191,7 +244,7 @@ def _start(args: argparse.Namespace) -> int:
             )
             return 2
     logging.basicConfig(
-        level=cfg.log_level.upper(),
+        level=cfg.log_level.upper(),  # a known level name: validated by load_config
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -288,11 +341,18 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    for key in sorted(stats):
+    width = max(map(len, stats), default=0)
+    for key in sorted(stats, key=_natural):
         value = stats[key]
         shown = format_size(value) if key.endswith("_bytes") and isinstance(value, int) else value
-        print(f"{key:24} {shown}")
+        print(f"{key:{width}}  {shown}")
     return 0
+
+
+def _natural(key: str) -> tuple:
+    """Sort key reading digit runs as numbers: le_2 before le_10, le_inf after them."""
+    parts = re.split(r"(\d+)", key)
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
 
 
 def _ping(args: argparse.Namespace) -> int:
@@ -317,6 +377,38 @@ def _socket_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+def _broker_process(path: str) -> tuple[int, str] | None:
+    """(pid, start time) of the process listening on ``path`` as this pid namespace
+    sees it, or None when it is not visible here (another pid namespace: the kernel
+    reports pid 0). The start time tells the broker from a later process reusing its pid."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(path)
+        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[
+            0
+        ]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    started = _start_time(pid) if pid > 0 else None
+    return None if started is None else (pid, started)
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time), None if the process is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:  # bytes: no codec import needed
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
 def _stop(args: argparse.Namespace) -> int:
     """Stop through the protocol, never by signalling a pid: the pid a broker reports
     is in its own pid namespace, which may not be ours (a DaemonSet and its sidecars).
@@ -329,6 +421,7 @@ def _stop(args: argparse.Namespace) -> int:
         return 1
     path = c.socket_path
     before = _socket_id(path)
+    proc = _broker_process(path)
     try:
         accepted = c.shutdown()
     except BrokerRefused as exc:
@@ -350,8 +443,7 @@ def _stop(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         now = _socket_id(path)
         if now is None or now != before:
-            print(f"stopped the broker at {path}")
-            return 0
+            return _wait_exit(path, proc, deadline)
         time.sleep(0.05)
     print(
         f"lmcache-ec-broker: the broker at {path} accepted the stop request but has not "
@@ -363,9 +455,89 @@ def _stop(args: argparse.Namespace) -> int:
     return 1
 
 
+def _wait_exit(path: str, proc: tuple[int, str] | None, deadline: float) -> int:
+    """The socket is gone (the broker's last shutdown step); wait for its process too,
+    when this pid namespace can see it."""
+    if proc is None:
+        print(
+            f"stopped the broker at {path}: its socket is removed; its process is not "
+            "visible from here (another pid namespace) and exits within a few seconds"
+        )
+        return 0
+    pid, started = proc
+    while _start_time(pid) == started:
+        if time.monotonic() >= deadline:
+            print(
+                f"lmcache-ec-broker: the broker at {path} removed its socket but its process "
+                f"(pid {pid}) has not exited yet; it may be stuck: read its log, or kill {pid}",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.05)
+    print(f"stopped the broker at {path} (pid {pid} exited)")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    """Empty the broker's local tiers, or with --shared also its prefix in the remote
+    store, which every broker using that prefix loses too: --shared first says what
+    it would remove and does it only with --yes."""
+    from .connector.client import BrokerRefused
+
+    c = _client(args)
+    if c is None:
+        return 1
+    try:
+        before = c.stats()
+        store = before.get("remote_store")
+        prefix = before.get("remote_key_prefix")
+        if args.shared and not store:
+            print(
+                f"lmcache-ec-broker: the broker at {c.socket_path} has no remote tier; "
+                "run `lmcache-ec-broker clear` without --shared",
+                file=sys.stderr,
+            )
+            return 2
+        if args.shared and not args.yes:
+            print(
+                f"this would remove every key under {prefix!r} in {store}: the entries of "
+                f"every broker using that prefix, not only this one's ({c.socket_path}), "
+                "plus this broker's slab and disk tier. Run again with --yes to do it.",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            done = c.clear(shared=args.shared)
+        except BrokerRefused as exc:
+            print(
+                f"lmcache-ec-broker: the broker at {c.socket_path} refused to clear: {exc.message}",
+                file=sys.stderr,
+            )
+            return 1
+    finally:
+        c.close()
+    if not done:
+        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        return 1
+    disk = before.get("disk_entries", 0)
+    what = f"{before.get('entries', 0)} slab entries" + (
+        f" and {disk} disk entries" if disk else ""
+    )
+    if args.shared:
+        print(f"cleared {what}, and every key under {prefix!r} in {store}")
+    elif store:
+        print(
+            f"cleared {what}; the remote store ({store}, prefix {prefix!r}) is kept "
+            "(clear --shared removes it)"
+        )
+    else:
+        print(f"cleared {what}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"start": _start, "stop": _stop, "stats": _stats, "ping": _ping}
+    handlers = {"start": _start, "stop": _stop, "stats": _stats, "ping": _ping, "clear": _clear}
     return handlers[args.command](args)
 
 

@@ -77,20 +77,51 @@ def ensure_private_dir(path: str) -> None:
     check_private_dir(path)
 
 
-def ensure_socket_dir(socket_path: str) -> None:
+def ensure_socket_dir(socket_path: str, socket_mode: int = 0o600, gid: int | None = None) -> None:
     """For a socket in its per-user default directory: create and check that directory.
-    Any other path is the operator's choice and is left as it is."""
+    Another path is the operator's choice: an existing directory is left as it is; a
+    missing one (its parent must exist) is created, owned by this user, searchable
+    only by whom ``socket_mode`` admits (group, with ``gid``; others)."""
     parent = os.path.dirname(os.path.abspath(socket_path))
     if parent == private_socket_dir():
         ensure_private_dir(parent)
+        return
+    if os.path.isdir(parent):
+        return
+    mode = 0o700 | (0o050 if socket_mode & 0o060 else 0) | (0o005 if socket_mode & 0o006 else 0)
+    try:
+        os.mkdir(parent, 0o700)
+    except FileExistsError:
+        return  # made meanwhile (another start): claim_socket_path checks the rest
+    except OSError as exc:
+        raise ValueError(
+            f"the socket's directory {parent} does not exist and cannot be created "
+            f"({exc.strerror}); create it for uid {os.getuid()}, e.g. "
+            f"sudo install -d -o {os.getuid()} -m 0700 {parent}"
+        ) from None
+    if gid is not None:
+        os.chown(parent, -1, gid)
+    os.chmod(parent, mode)  # after chown: never more open than it ends up
+    log.info("created the socket directory %s (mode %04o)", parent, mode)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt](?:ib?|b)?|b)?\s*$", re.IGNORECASE)
+_BINARY = {"b": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+_POWER = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def _unit_bytes(unit: str) -> int:
+    """KiB/Ki/K and friends are powers of 1024; KB, MB, GB, TB are powers of 1000, as
+    written (a '2GB' slab is 2,000,000,000 bytes, never silently 2 GiB)."""
+    u = unit.lower()
+    if len(u) == 2 and u[1] == "b" and u[0] in _POWER:
+        return 1000 ** _POWER[u[0]]
+    return _BINARY[u[0]]
 
 
 def parse_size(value: str | int | float, plain_unit: int = GiB) -> int:
-    """'512MiB', '2GiB', '64k', or a plain number of ``plain_unit`` (GiB by default)."""
+    """'512MiB', '2GiB', '64k' (binary), '2GB' (decimal: 2 * 10**9), or a plain number of
+    ``plain_unit`` (GiB by default)."""
     if isinstance(value, bool):
         raise ValueError(f"size must be a number or a string like 512MiB, got {value!r}")
     if isinstance(value, int | float):
@@ -102,10 +133,11 @@ def parse_size(value: str | int | float, plain_unit: int = GiB) -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ValueError(
-            f"cannot parse size {value!r}; use e.g. 512MiB, 2GiB or a plain number of GiB"
+            f"cannot parse size {value!r}; use e.g. 512MiB, 2GiB (binary), 2GB (decimal) "
+            "or a plain number of GiB"
         )
     number, unit = float(m.group(1)), m.group(2)
-    mult = plain_unit if unit is None else _UNITS[unit[0].lower()]
+    mult = plain_unit if unit is None else _unit_bytes(unit)
     return int(number * mult)
 
 
@@ -153,22 +185,20 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mooncake_local_buffer_size: int = 16 * MiB  # Mooncake's own transfer buffer
     mooncake_admin_port: int = 9003  # the master's metrics/admin port (lists keys for the filter)
     mooncake_key_poll_s: float = 5.0  # how often the store's keys are folded in; 0: never
-    # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
-    # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
-    events_port: int = 0  # 0: no events
-    events_host: str = "127.0.0.1"  # like metrics: local only unless set (0.0.0.0: all)
-    events_node: str = ""  # node name in the topics; "": this host's name
-    events_queue: int = 1024  # batches waiting for the publisher thread; more are dropped
-    events_replay: int = 10_000  # batches kept for replay requests
-    events_heartbeat_s: float = 1.0  # a heartbeat batch (with the epoch) this often
-    events_lookup_port: int = 0  # HTTP/JSON lookup of this broker's residency; 0: off
+    # What one connection may hold at once (a client that never releases is refused,
+    # not allowed to grow the broker's memory): get() pins and has()/lookup() leases.
+    max_pins_per_connection: int = 65536
+    max_leases_per_connection: int = 65536
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid value."""
         if self.shm_size <= 0:
             raise ValueError(f"shm_size must be positive, got {self.shm_size}")
         if self.block_size < 4096 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 4 KiB, got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two >= 4 KiB, got {self.block_size} bytes; "
+                "use e.g. 64KiB (KB, MB, GB are decimal units)"
+            )
         if self.block_size > self.shm_size:
             raise ValueError("block_size is larger than shm_size")
         if self.max_entry_size < 0:
@@ -207,10 +237,61 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level {self.log_level!r} is not a log level; use one of "
+                f"{', '.join(LOG_LEVELS)}"
+            )
+        if self.max_pins_per_connection < 1 or self.max_leases_per_connection < 1:
+            raise ValueError("max_pins_per_connection and max_leases_per_connection must be >= 1")
+        self._validate_access()
         self._validate_remote()
-        from .events.settings import validate_events
+        self._refuse_ignored_settings()
 
-        validate_events(self)
+    def _validate_access(self) -> None:
+        """Invariant: every principal the config admits can also pass the file
+        permissions of the socket and segment (connect and map need read+write)."""
+        group_rw = self.socket_mode & 0o060 == 0o060
+        other_rw = self.socket_mode & 0o006 == 0o006
+        mode = f"{self.socket_mode:04o}"
+        if self.socket_group is not None and not group_rw:
+            raise ValueError(
+                f"socket_group {self.socket_group!r} cannot use the broker: socket_mode {mode} "
+                "gives its group no read and write access; set socket_mode 0660"
+            )
+        if self.allowed_uids and not other_rw and not (self.socket_group and group_rw):
+            raise ValueError(
+                f"allowed_uids {','.join(map(str, self.allowed_uids))} cannot connect: "
+                f"socket_mode {mode} lets no other user open the socket; set socket_mode 0666 "
+                "(the broker still refuses uids it does not admit), or put those users in a "
+                "socket_group with socket_mode 0660"
+            )
+
+    def _refuse_ignored_settings(self) -> None:
+        """A setting the chosen remote backend would silently ignore is refused: every
+        key must do something. With the remote tier off (no remote_url) its settings
+        are left alone, so unsetting remote_url alone turns the tier off."""
+        url = (self.remote_url or "").strip().lower()
+        if not url:
+            return
+        default = BrokerConfig()
+        changed = {n for n in _BACKEND_KEYS if getattr(self, n) != getattr(default, n)}
+        if url.startswith("mooncakestore://"):
+            used: frozenset[str] = _SHARED_REMOTE_KEYS | _MOONCAKE_KEYS
+            backend = "the Mooncake backend (remote_url mooncakestore://)"
+        else:
+            used = _SHARED_REMOTE_KEYS | _REDIS_KEYS
+            if not url.startswith(("rediss", "valkeys")):
+                used -= {"remote_tls_ca_file"}
+            backend = "the Redis/Valkey backend" + (
+                "" if "remote_tls_ca_file" in used else " without TLS (use rediss:// for TLS)"
+            )
+        unused = sorted(changed - used)
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set but {backend} "
+                "does not use it; remove it"
+            )
 
     def _validate_remote(self) -> None:
         if not self.remote_url:
@@ -222,6 +303,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return
         from .broker.tiers.remote_url import parse_remote_url, read_hmac_key, resolve_password
 
+        _refuse_raw_slash_in_password(self.remote_url)
         target = parse_remote_url(self.remote_url)
         resolve_password(target, self.remote_password_file)
         if self.remote_hmac_key_file:
@@ -243,6 +325,49 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"remote_key_prefix must be 1-256 characters without spaces, "
                 f"got {self.remote_key_prefix!r}"
             )
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Remote-tier settings by the backend that reads them (anything else set is refused).
+_SHARED_REMOTE_KEYS = frozenset(
+    {
+        "remote_key_prefix",
+        "remote_timeout_s",
+        "remote_write_queue",
+        "remote_filter_keys",
+        "remote_hmac_key_file",
+    }
+)
+_REDIS_KEYS = frozenset({"remote_ttl_s", "remote_password_file", "remote_tls_ca_file"})
+_MOONCAKE_KEYS = frozenset(
+    {
+        "mooncake_local_hostname",
+        "mooncake_metadata_server",
+        "mooncake_protocol",
+        "mooncake_device_name",
+        "mooncake_global_segment_size",
+        "mooncake_local_buffer_size",
+        "mooncake_admin_port",
+        "mooncake_key_poll_s",
+    }
+)
+_BACKEND_KEYS = _SHARED_REMOTE_KEYS | _REDIS_KEYS | _MOONCAKE_KEYS
+
+
+def _refuse_raw_slash_in_password(url: str) -> None:
+    """A '/' in a URL's password ends its authority early, so the parser would read
+    part of the password as a host or port and echo it in its error. Refuse first,
+    without showing any of it."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme.lower() == "unix" or rest.startswith("/") or "@" not in rest:
+        return
+    if "@" not in rest.split("/", 1)[0]:
+        from .broker.tiers.remote_url import mask_url
+
+        raise ValueError(
+            f"remote_url {mask_url(url)!r}: its password contains '/'; percent-encode it "
+            "(%2F, and %40 for '@') or move the password to remote_password_file"
+        )
 
 
 ENV_PREFIX = "LMCACHE_EC_"
@@ -269,6 +394,8 @@ _BYTE_SIZES = frozenset(
         "mooncake_local_buffer_size",
     }
 )
+# Every size-valued field (--print-config shows them as sizes).
+SIZE_FIELDS = _GIB_SIZES | _BYTE_SIZES
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -403,6 +530,23 @@ def _yaml_layers(
     return plain, prefixed, unknown
 
 
+def describe_unknown(unknown: list[str], known: list[str]) -> str:
+    """'unknown key X (did you mean Y?)', naming the closest known key for each
+    misspelling instead of listing every key."""
+    import difflib
+
+    parts = []
+    for key in sorted(unknown):
+        prefix = "ec_" if key.startswith("ec_") else ""
+        close = difflib.get_close_matches(key.removeprefix(prefix), known, n=1, cutoff=0.75)
+        parts.append(f"{key} (did you mean {prefix}{close[0]}?)" if close else key)
+    noun = "unknown key" if len(parts) == 1 else "unknown keys"
+    return (
+        f"{noun} {', '.join(parts)}; `lmcache-ec-broker start --print-config` lists the "
+        "broker's settings"
+    )
+
+
 def _warn_retired(name: str, where: str) -> None:
     log.warning(
         "%s is ignored: %s is no longer a broker setting (it never had an effect); %s. "
@@ -457,10 +601,9 @@ def load_config(
         plain, prefixed, unknown = _yaml_layers(config_file, fields)
         if unknown:
             log.warning(
-                "config %s: ignoring unknown keys %s (known: %s)",
+                "config %s: ignoring %s",
                 config_file,
-                ", ".join(sorted(unknown)),
-                ", ".join(sorted([*fields, *_ALIASES, *_IGNORED])),
+                describe_unknown(unknown, [*fields, *_ALIASES, *_IGNORED, *_RETIRED]),
             )
     env = _env_layer(fields)
     values: dict[str, object] = {}

@@ -72,6 +72,10 @@ class ErrorCode:
     SHAPE_MISMATCH = "shape_mismatch"
     TOO_MANY_CONNECTIONS = "too_many_connections"
     PERMISSION_DENIED = "permission_denied"
+    # A connection already holds max_pins_per_connection pins or
+    # max_leases_per_connection leases: release some first.
+    TOO_MANY_PINS = "too_many_pins"
+    TOO_MANY_LEASES = "too_many_leases"
     INTERNAL = "internal"
 
 
@@ -119,7 +123,11 @@ class Delete(msgspec.Struct, tag="delete", tag_field="op", forbid_unknown_fields
 
 
 class Clear(msgspec.Struct, tag="clear", tag_field="op", forbid_unknown_fields=True):
-    pass
+    """Empty the local tiers (slab, disk). ``shared``: also remove this broker's key
+    prefix from the remote store, which every broker using that prefix shares.
+    Honoured for the broker's own uid or root only."""
+
+    shared: bool = False
 
 
 class Stats(msgspec.Struct, tag="stats", tag_field="op", forbid_unknown_fields=True):

@@ -93,6 +93,19 @@ def _segment_paths(sock: str) -> list[str]:
     return ["/dev/shm/" + n for n in names]
 
 
+def test_a_mode_that_cannot_admit_the_group_or_uids_is_refused_at_start(sock_dir) -> None:
+    sock = os.path.join(sock_dir, "m.sock")
+    for args, needle in (
+        (["--socket-group", GROUP.gr_name], f"socket_group '{GROUP.gr_name}' cannot use"),
+        (["--allowed-uids", str(NOBODY.pw_uid)], f"allowed_uids {NOBODY.pw_uid} cannot connect"),
+    ):
+        out = run_cli("start", "--socket", sock, "--shm-size", "16MiB", *args)
+        assert out.returncode == 2, out.stderr
+        assert needle in out.stderr and "socket_mode 0600" in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+        assert not os.path.exists(sock) and not shm_segments(sock)
+
+
 def test_socket_and_segment_are_private_by_default(broker) -> None:
     assert _mode(broker.socket_path) == 0o600
     for seg in _segment_paths(broker.socket_path):
@@ -115,6 +128,8 @@ def test_unknown_socket_group_is_a_clear_start_error(sock_dir) -> None:
         os.path.join(sock_dir, "g.sock"),
         "--shm-size",
         "64MiB",
+        "--socket-mode",
+        "0660",
         "--socket-group",
         "no-such-group-xyz",
     )

@@ -7,11 +7,12 @@ import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
-from conftest import run_cli, shm_segments
+from conftest import BrokerProcess, run_cli, shm_segments
 
 from lmcache_ec_broker.config import GiB, MiB, parse_size
 
@@ -20,7 +21,13 @@ cli = run_cli
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("512MiB", 512 * MiB), ("2GiB", 2 * GiB), ("2", 2 * GiB), ("0.5", GiB // 2), ("64k", 64 << 10)],
+    [
+        ("512MiB", 512 * MiB),
+        ("2GiB", 2 * GiB),
+        ("2", 2 * GiB),
+        ("0.5", GiB // 2),
+        ("64k", 64 << 10),
+    ],
 )
 def test_sizes(text: str, expected: int) -> None:
     assert parse_size(text) == expected
@@ -37,8 +44,17 @@ def test_ping_stats_stop(broker) -> None:
     r = cli("stats", "--socket", broker.socket_path)
     assert r.returncode == 0 and "capacity_bytes" in r.stdout and "64.00 MiB" in r.stdout
     st = json.loads(cli("stats", "--json", "--socket", broker.socket_path).stdout)
-    for key in ("entries", "used_bytes", "capacity_bytes", "reserved_bytes", "pinned_entries",
-                "hits", "misses", "evictions", "clients"):
+    for key in (
+        "entries",
+        "used_bytes",
+        "capacity_bytes",
+        "reserved_bytes",
+        "pinned_entries",
+        "hits",
+        "misses",
+        "evictions",
+        "clients",
+    ):
         assert key in st
     r = cli("stop", "--socket", broker.socket_path)
     assert r.returncode == 0, r.stderr
@@ -310,3 +326,136 @@ def test_one_shot_command_facing_a_squatter_names_its_uid(sock_dir) -> None:
         squatter.terminate()
         squatter.communicate(timeout=20)
         os.unlink(f"/dev/shm{segment}")
+
+
+# ------------------------------------------------------------ operator experience
+
+
+def test_version() -> None:
+    from lmcache_ec_broker import __version__
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"lmcache-ec-broker {__version__}"
+
+
+def test_unknown_log_level_is_a_one_line_error(sock_dir) -> None:
+    sock = os.path.join(sock_dir, "l.sock")
+    r = cli("start", "--socket", sock, "--shm-size", "16MiB", "--log-level", "verbose")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "log_level 'verbose'" in r.stderr and "DEBUG, INFO, WARNING" in r.stderr
+    assert not os.path.exists(sock) and shm_segments(sock, include_filter=True) == []
+    r = cli("start", "--print-config", "--socket", sock, "--log-level", "debug")
+    assert r.returncode == 0, r.stderr
+
+
+def test_decimal_units_are_decimal_and_shown_as_such(sock_dir) -> None:
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("2GiB") == 2 * GiB
+    assert parse_size("512MB") == 512 * 10**6 and parse_size("64KiB") == 64 << 10
+    r = cli("start", "--print-config", "--socket", os.path.join(sock_dir, "s"), "--shm-size", "2GB")
+    assert r.returncode == 0, r.stderr
+    shm = next(line for line in r.stdout.splitlines() if line.startswith("shm_size "))
+    assert "1.86 GiB (2000000000 bytes)" in shm, shm
+    r = cli(
+        "start", "--print-config", "--socket", os.path.join(sock_dir, "s"), "--block-size", "64KB"
+    )
+    assert r.returncode == 2 and "64000" in r.stderr and "64KiB" in r.stderr, r.stderr
+
+
+def test_print_config_shows_sizes_in_units_in_aligned_columns(sock_dir) -> None:
+    r = cli("start", "--print-config", "--socket", os.path.join(sock_dir, "b.sock"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    by_name = {line.split()[0]: line for line in lines}
+    assert by_name["shm_size"].split()[1:3] == ["2.00", "GiB"], by_name["shm_size"]
+    assert "1.00 GiB" in by_name["mooncake_global_segment_size"]
+    assert "2147483648" not in r.stdout
+    # The value column and the source column start at the same place on every line.
+    valued = [line for line in lines if not line.split()[1].startswith("(")]
+    value_cols = {len(line) - len(line[len(line.split()[0]) :].lstrip()) for line in valued}
+    source_cols = {line.rindex("(") for line in lines if line.endswith(")")}
+    assert len(value_cols) == 1 and len(source_cols) == 1, (value_cols, source_cols)
+
+
+def test_stats_sorts_numbered_keys_as_numbers(broker) -> None:
+    r = cli("stats", "--socket", broker.socket_path)
+    assert r.returncode == 0, r.stderr
+    keys = [line.split()[0] for line in r.stdout.splitlines()]
+    buckets = [k.removeprefix("remote_latency_ms_le_") for k in keys if "_ms_le_" in k]
+    assert len(buckets) > 3, keys
+    assert buckets[-1] == "inf"
+    numbers = [float(b) for b in buckets[:-1]]
+    assert numbers == sorted(numbers), buckets
+
+
+def test_remote_url_help_and_errors_name_every_scheme(sock_dir) -> None:
+    r = cli("start", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for scheme in ("redis://", "rediss://", "valkey://", "unix://", "mooncakestore://"):
+        assert scheme in text, scheme
+    r = run_cli("start", "--print-config", "--socket", os.path.join(sock_dir, "s"))
+    env = dict(os.environ, LMCACHE_EC_REMOTE_URL="memcached://h:1")
+    r = subprocess.run(
+        [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--print-config"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert r.returncode == 2
+    for scheme in ("redis://", "valkey://", "mooncakestore://"):
+        assert scheme in r.stderr, r.stderr
+
+
+def test_start_creates_a_missing_socket_directory_no_more_open_than_the_socket(sock_dir) -> None:
+    def start(subdir: str, *args: str) -> BrokerProcess:
+        b = BrokerProcess(os.path.join(sock_dir, subdir, "b.sock"), ["--shm-size", "16MiB", *args])
+        b.log_path = os.path.join(sock_dir, f"{subdir}.log")  # not in the missing directory
+        started.append(b)
+        return b.start()
+
+    started: list[BrokerProcess] = []
+    try:
+        private = start("run")
+        st = os.stat(os.path.dirname(private.socket_path))
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert cli("ping", "--socket", private.socket_path).returncode == 0
+        shared = start("o", "--socket-mode", "0666")
+        assert stat.S_IMODE(os.stat(os.path.dirname(shared.socket_path)).st_mode) == 0o755
+    finally:
+        for b in started:
+            assert b.stop() == 0
+    # Only the last component is created: a missing parent is the operator's typo.
+    r = cli("start", "--socket", os.path.join(sock_dir, "x", "y", "b.sock"), "--shm-size", "16MiB")
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+
+
+def test_stop_returns_after_the_process_has_exited(broker) -> None:
+    r = cli("stop", "--socket", broker.socket_path)
+    assert r.returncode == 0, r.stderr
+    # No wait here: `stop` itself waited for the process, not only for its socket.
+    assert broker.proc.poll() == 0, "stop returned while the broker process still ran"
+    assert f"(pid {broker.pid} exited)" in r.stdout
+
+
+def test_clear_by_an_admitted_other_uid_is_refused(make_broker, sock_dir) -> None:
+    # Any admitted client used to be able to empty the broker for everyone.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    import torch
+
+    from lmcache_ec_broker import BrokerClient
+
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(sock_dir, 0o755)
+    b = make_broker(
+        "--shm-size", "16MiB", "--socket-mode", "0666", "--allowed-uids", str(nobody.pw_uid)
+    )
+    with BrokerClient(b.socket_path) as c:
+        assert c.put("k", torch.ones(8))
+    r = _cli_as(nobody.pw_uid, nobody.pw_gid, "clear", "--socket", b.socket_path)
+    assert r.returncode == 1, r.stderr
+    assert "refused to clear" in r.stderr and "only the broker's owner" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    with BrokerClient(b.socket_path) as c:
+        assert c.stats()["entries"] == 1
+    r = cli("clear", "--socket", b.socket_path)  # the owner (root here) may
+    assert r.returncode == 0 and "cleared 1 slab entries" in r.stdout, r.stderr

@@ -124,11 +124,11 @@ def test_sizes_accept_units_and_fractions(tmp_path, monkeypatch):
 
 
 def test_other_types_from_text(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMCACHE_EC_SOCKET_MODE", "0660")
+    monkeypatch.setenv("LMCACHE_EC_SOCKET_MODE", "0666")
     monkeypatch.setenv("LMCACHE_EC_ALLOWED_UIDS", "1000, 1001")
     monkeypatch.setenv("LMCACHE_EC_MAX_KEY_LENGTH", "16384")
     cfg, _ = load_config({})
-    assert cfg.socket_mode == 0o660 and cfg.allowed_uids == [1000, 1001]
+    assert cfg.socket_mode == 0o666 and cfg.allowed_uids == [1000, 1001]
     assert cfg.max_key_length == 16384
 
 
@@ -232,7 +232,7 @@ def test_print_config_shows_each_layer(tmp_path):
     assert lines["socket_path"].endswith("(cli)")
     assert "(env LMCACHE_EC_MAX_CONNECTIONS)" in lines["max_connections"]
     assert "lease_ms" not in lines and "prefault" not in lines
-    assert str(64 * GiB) in lines["max_local_disk_size"]
+    assert "64.00 GiB" in lines["max_local_disk_size"]
     assert "ec_max_local_disk_size" in lines["max_local_disk_size"]
     assert f"(yaml {path}: max_local_cpu_size)" in lines["shm_size"]
     assert "(default)" in lines["block_size"]
@@ -248,3 +248,105 @@ def test_invalid_configuration_refused_before_anything_is_created(tmp_path):
     assert r.returncode == 2
     assert "max_local_disk_size" in r.stderr and "must not be negative" in r.stderr
     assert not os.path.exists(sock) and not disk.exists() and not shm_segments(sock)
+
+
+# ---------------------------------------------------------------- operator mistakes
+
+
+def test_misspelt_key_gets_a_suggestion_not_the_whole_list(tmp_path, caplog):
+    path = write_yaml(tmp_path, "max_local_cpu_sise: 2\nec_remote_ur: redis://h:1\ncolour: 1\n")
+    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
+        cfg, _ = load_config({}, path)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "max_local_cpu_sise (did you mean max_local_cpu_size?)" in warning
+    assert "ec_remote_ur (did you mean ec_remote_url?)" in warning
+    assert "colour" in warning and "colour (did you mean" not in warning
+    assert "mooncake_admin_port" not in warning  # not every known key
+    assert cfg.shm_size == 2 * GiB and cfg.remote_url is None  # ignored, as it says
+
+
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("redis://user:Qx7w/Zk9v@h:6379/0", "Qx7w/Zk9v"),
+        ("redis://:Qx7w/Zk9v:Jm2p@Rt5y@h:6379", "Qx7w/Zk9v:Jm2p@Rt5y"),
+        ("rediss://u:Qx7w:Zk9v@Jm2p@h:1,h2:2", "Qx7w:Zk9v@Jm2p"),
+        ("unix://:Qx7w/Zk9v@/run/redis.sock?db=1", "Qx7w/Zk9v"),
+    ],
+)
+def test_passwords_with_slash_at_colon_are_never_printed(tmp_path, monkeypatch, url, secret):
+    from lmcache_ec_broker.broker.tiers.remote_url import mask_url
+
+    assert secret not in mask_url(url) and "***" in mask_url(url)
+    monkeypatch.setenv("LMCACHE_EC_REMOTE_URL", url)
+    monkeypatch.setenv("LMCACHE_EC_REMOTE_TIMEOUT_S", "-1")  # any error that quotes the URL
+    with pytest.raises(ValueError) as info:
+        load_config({})
+    for fragment in {secret, *secret.replace("@", "/").replace(":", "/").split("/")}:
+        assert fragment not in str(info.value).replace("***", ""), (fragment, str(info.value))
+    r = _cli("start", "--print-config", env={"LMCACHE_EC_REMOTE_URL": url})
+    assert secret not in r.stdout + r.stderr
+
+
+def test_a_slash_in_a_url_password_is_refused_without_echoing_it(monkeypatch):
+    monkeypatch.setenv("LMCACHE_EC_REMOTE_URL", "redis://:hunter/2@h:6379/0")
+    with pytest.raises(ValueError, match="percent-encode") as info:
+        load_config({})
+    assert "hunter" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cli", "expected"),
+    [
+        ({"allowed_uids": [1000]}, "allowed_uids 1000 cannot connect: socket_mode 0600"),
+        ({"allowed_uids": [1000], "socket_mode": 0o660}, "allowed_uids 1000 cannot connect"),
+        ({"socket_group": "users"}, "socket_group 'users' cannot use the broker"),
+        ({"socket_group": "users", "socket_mode": 0o606}, "socket_mode 0606"),
+    ],
+)
+def test_principals_the_socket_mode_cannot_admit_are_refused(cli, expected):
+    with pytest.raises(ValueError, match=expected):
+        load_config(cli)
+
+
+def test_principals_the_socket_mode_admits_are_accepted():
+    load_config({"allowed_uids": [1000], "socket_mode": 0o666})
+    load_config({"socket_group": "users", "socket_mode": 0o660})
+    load_config({"allowed_uids": [1000], "socket_group": "users", "socket_mode": 0o660})
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("remote_url: mooncakestore://127.0.0.1:50051\nremote_ttl_s: 60\n", "remote_ttl_s is set"),
+        (
+            "remote_url: mooncakestore://127.0.0.1:50051\nremote_password_file: /etc/hostname\n",
+            "remote_password_file is set but the Mooncake backend",
+        ),
+        (
+            "remote_url: mooncakestore://127.0.0.1:50051\nremote_tls_ca_file: /etc/hostname\n",
+            "remote_tls_ca_file is set",
+        ),
+        ("remote_url: redis://h:1\nremote_tls_ca_file: /etc/hostname\n", "without TLS"),
+        ("remote_url: redis://h:1\nmooncake_protocol: rdma\n", "mooncake_protocol is set"),
+        (
+            "remote_url: valkey://h:1\nmooncake_admin_port: 1\nmooncake_key_poll_s: 1\n",
+            "mooncake_admin_port, mooncake_key_poll_s are set but the Redis/Valkey backend",
+        ),
+    ],
+)
+def test_settings_the_backend_ignores_are_refused(tmp_path, yaml_text, expected):
+    with pytest.raises(ValueError, match=expected) as info:
+        load_config({}, write_yaml(tmp_path, yaml_text))
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_settings_the_backend_uses_are_accepted(tmp_path):
+    load_config(
+        {}, write_yaml(tmp_path, "remote_url: rediss://h:1\nremote_tls_ca_file: /etc/hostname\n")
+    )
+    load_config(
+        {}, write_yaml(tmp_path, "remote_url: mooncakestore://h:1\nmooncake_key_poll_s: 1\n")
+    )
+    # The tier off: its settings are left alone (unsetting remote_url turns it off).
+    load_config({}, write_yaml(tmp_path, "remote_ttl_s: 60\nmooncake_protocol: tcp\n"))

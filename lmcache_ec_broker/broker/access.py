@@ -1,4 +1,5 @@
-"""Who may use the broker: peer credentials checked at connect, and who may stop it.
+"""Who may use the broker: peer credentials checked at connect, and who may stop or
+clear it.
 
 Admission is decided once per connection from what the kernel recorded at
 ``connect()`` (``SO_PEERCRED``, ``SO_PEERGROUPS``), never from anything the peer
@@ -68,6 +69,18 @@ class AccessPolicy:
         return ErrorReply(
             ErrorCode.PERMISSION_DENIED,
             f"only the broker's owner (uid {self.owner_uid}) or root may stop it; you are uid {uid}",
+        )
+
+    def may_clear(self, uid: int) -> ErrorReply | None:
+        """Only the broker's owner or root may empty it: a Clear drops every other
+        client's entries (and, with ``shared``, those of every broker sharing the
+        remote store). Admitted users and groups may read, write and delete keys."""
+        if uid in (self.owner_uid, 0):
+            return None
+        return ErrorReply(
+            ErrorCode.PERMISSION_DENIED,
+            f"only the broker's owner (uid {self.owner_uid}) or root may clear it; you are "
+            f"uid {uid} (delete the keys you own instead)",
         )
 
 

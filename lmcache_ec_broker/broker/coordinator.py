@@ -555,14 +555,21 @@ class Coordinator:
                 self._end_lease(conn, key)
         return deleted
 
-    def clear(self) -> None:
+    def clear(self, shared: bool = False) -> None:
+        """Empty the slab and the local tiers; remote tiers (a store other brokers
+        share) only when ``shared``."""
         self.store.clear()
         for tier in self.tiers:
-            tier.clear()
+            if shared or not tier.remote:
+                tier.clear()
         for prom in self._promoting.values():
             prom.cancelled = True
         for conn in list(self._leases):
             self._drop_leases(conn)
+
+    def leases_held(self, conn: int) -> int:
+        """Leases ``conn`` holds on lower-tier copies (the store counts its own)."""
+        return len(self._leases.get(conn, ()))
 
     # ---------------------------------------------------------------- inspection
 

@@ -11,7 +11,11 @@ Nothing a client does can grow the broker's memory without bound:
   we stop reading from it, and past a hard cap it is disconnected (which
   releases everything it held);
 - a client that pipelines requests behind a slow one: past ``MAX_QUEUED_FRAMES``
-  queued frames we stop reading from it until the queue drains.
+  queued frames we stop reading from it until the queue drains;
+- a client that never releases what it gets or leases: past
+  ``max_pins_per_connection`` pins or ``max_leases_per_connection`` leases its
+  gets and leasing lookups are refused (``too_many_pins``/``too_many_leases``,
+  counted) until it releases some.
 
 How the tiers combine is the coordinator's business (``coordinator.py``), who
 may connect is ``access.py``'s, starting and stopping the process is
@@ -274,6 +278,8 @@ class BrokerServer:
             block_size=config.block_size,
             max_entry_bytes=config.max_entry_size or None,
             max_key_length=config.max_key_length,
+            max_pins_per_conn=config.max_pins_per_connection,
+            max_leases_per_conn=config.max_leases_per_connection,
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
@@ -319,6 +325,8 @@ class BrokerServer:
         store = self.store
         match msg:
             case Lookup(keys=keys, lease_ms=lease_ms):
+                if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
+                    return refusal
                 got = tiers.lookup(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS))
                 return LookupReply(got) if isinstance(got, list) else _wrap(got, LookupReply)
             case Unlease(keys=keys):
@@ -333,6 +341,8 @@ class BrokerServer:
                     self.loop.call_soon(self.request_stop)
                 return OkReply()
             case Has(keys=keys, lease_ms=lease_ms):
+                if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
+                    return refusal
                 hits = tiers.has(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS))
                 return HasReply(hits) if isinstance(hits, list) else _wrap(hits, HasReply)
             case Reserve(key=key, nbytes=nbytes, dtype=dtype, shape=shape):
@@ -342,13 +352,19 @@ class BrokerServer:
             case Abort(token=token):
                 return store.abort(conn, token) or OkReply()
             case Get(keys=keys):
+                if (refusal := store.admit_pins(conn, len(keys))) is not None:
+                    return refusal
                 return tiers.get(conn, keys)  # awaitable when promoting from a lower tier
             case Release(pins=pins):
                 return store.release(conn, pins) or OkReply()
             case Delete(keys=keys):
                 return DeleteReply(tiers.delete(keys))
-            case Clear():
-                tiers.clear()
+            case Clear(shared=shared):
+                refusal = self.access.may_clear(peer_uid)
+                if refusal is not None:
+                    return refusal
+                log.info("clear requested by uid %d: %s", peer_uid, self.clear_scope(shared))
+                tiers.clear(shared=shared)
                 return OkReply()
             case Stats():
                 return StatsReply(self.stats())
@@ -357,6 +373,26 @@ class BrokerServer:
             case Hello():
                 return ErrorReply(ErrorCode.BAD_REQUEST, "hello was already received")
         return ErrorReply(ErrorCode.BAD_REQUEST, f"unsupported request {type(msg).__name__}")
+
+    def _admit_leases(self, conn: int, keys: list[str]) -> ErrorReply | None:
+        return self.store.admit_leases(conn, keys, self.tiers.leases_held(conn))
+
+    def clear_scope(self, shared: bool) -> str:
+        """What a Clear removes, in words (logged, and shown by `lmcache-ec-broker clear`)."""
+        local = "the slab" + (
+            f" and the disk tier ({self.config.local_disk})" if self.config.local_disk else ""
+        )
+        if not self.config.remote_url:
+            return local
+        where = f"every key under {self.config.remote_key_prefix!r} in {self._remote_shown()}"
+        if shared:
+            return f"{local}, and {where}, for every broker using that prefix"
+        return f"{local} (the remote store is kept: {where})"
+
+    def _remote_shown(self) -> str:
+        from .tiers.remote_url import mask_url
+
+        return mask_url(self.config.remote_url or "")
 
     def stats(self) -> dict[str, int | float | str]:
         out: dict[str, int | float | str] = dict(self.store.stats())
@@ -368,13 +404,31 @@ class BrokerServer:
             segment=self.segment.name if self.segment else "",
             socket=self.config.socket_path,
         )
+        out.update(
+            max_pins_per_connection=self.store.max_pins_per_conn,
+            max_leases_per_connection=self.store.max_leases_per_conn,
+        )
         out.update(self.counters)
         out.update(self.tiers.stats())
+        if self.config.remote_url:
+            out.update(
+                remote_store=self._remote_shown(),
+                remote_key_prefix=self.config.remote_key_prefix,
+                remote_down_reason=self._remote_down_reason(),
+            )
         if self.filter is not None:
             out.update(filter_slots=self.filter.nslots, filter_saturated=self.filter.saturated)
         for provide in self.stats_providers:
             out.update(provide())
         return out
+
+    def _remote_down_reason(self) -> str:
+        """Why the remote tier last failed to reach its store ("" while it is up)."""
+        for tier in self.tiers.remote_tiers:
+            reason = getattr(tier, "down_reason", "")
+            if reason and not tier.stats().get("remote_up", 1):
+                return str(reason)
+        return ""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -382,8 +436,11 @@ class BrokerServer:
         """Everything that can fail at start, before serving: refuse clearly or succeed."""
         cfg = self.config
         path = cfg.socket_path
+        gid = resolve_group(cfg.socket_group)
         try:
-            ensure_socket_dir(path)  # the per-user default directory: created 0700, checked
+            # The per-user default directory: created 0700 and checked; another missing
+            # directory (e.g. /run/lmcache-ec): created, open only as far as socket_mode.
+            ensure_socket_dir(path, cfg.socket_mode, gid)
         except ValueError as exc:
             raise BrokerError(str(exc)) from None
         self._lock = claim_socket_path(path)  # held until cleanup(): no start races us
@@ -392,7 +449,6 @@ class BrokerServer:
                 log.warning(
                     "removed stale shared-memory segment /dev/shm/%s of a dead broker", name
                 )
-            gid = resolve_group(cfg.socket_group)
             self.access.group_gid = gid
             name = "/" + segment_prefix(path) + self.epoch[:12]
             self._segment_names = [name, name + "-f"]  # the slab, then its filter
@@ -410,10 +466,6 @@ class BrokerServer:
             self._publish_filter(name, gid)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
                 self._start_metrics(cfg.metrics_port)
-            if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
-                from ..events.install import install as install_events
-
-                install_events(self)  # BrokerError naming the fix if it cannot start
             try:
                 self.tiers.open()
             except TierError as exc:

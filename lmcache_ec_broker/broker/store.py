@@ -54,6 +54,8 @@ STORE_COUNTERS = (
     "bytes_stored",
     "bytes_loaded",
     "no_space",
+    "pin_limit_refusals",  # requests refused: the connection held max_pins_per_connection
+    "lease_limit_refusals",  # requests refused: the connection held max_leases_per_connection
 )
 
 
@@ -113,6 +115,8 @@ class Store:
         max_entry_bytes: int | None = None,
         max_key_length: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        max_pins_per_conn: int = 1 << 16,
+        max_leases_per_conn: int = 1 << 16,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block size must be positive")
@@ -121,6 +125,10 @@ class Store:
         self.capacity_bytes = self.nblocks * block_size
         self.max_entry_bytes = min(max_entry_bytes or self.capacity_bytes, self.capacity_bytes)
         self.max_key_length = max_key_length
+        # What one client connection may hold at once (see admit_pins/admit_leases):
+        # every pin and lease costs broker memory until released.
+        self.max_pins_per_conn = max_pins_per_conn
+        self.max_leases_per_conn = max_leases_per_conn
         self.allocator = BlockAllocator(self.nblocks)
         self.lru = LRUPolicy()
         self.entries: dict[str, Entry] = {}
@@ -259,6 +267,40 @@ class Store:
                 f"key is {len(key)} characters long; the maximum is {self.max_key_length}",
             )
         return None
+
+    def admit_pins(self, conn: int, n: int) -> ErrorReply | None:
+        """Refuse a get that could take ``n`` more pins than ``conn`` may hold.
+        Invariant: a client connection never holds more than max_pins_per_conn get
+        pins (leases are counted apart), so a client that never releases cannot
+        grow the broker's memory without bound."""
+        state = self.conns.get(conn)
+        held = 0 if state is None else len(state.pins) - len(state.leases)
+        if held + n <= self.max_pins_per_conn:
+            return None
+        self.counters["pin_limit_refusals"] += 1
+        return ErrorReply(
+            ErrorCode.TOO_MANY_PINS,
+            f"this connection holds {held} pins and asked for {n} more; the limit is "
+            f"{self.max_pins_per_conn} (max_pins_per_connection): release the pins of "
+            "earlier gets (BrokerClient does after each copy) or raise the limit",
+        )
+
+    def admit_leases(self, conn: int, keys: list[str], extra_held: int = 0) -> ErrorReply | None:
+        """Refuse a leasing has/lookup that could take ``conn`` past max_leases_per_conn
+        leases (``extra_held``: leases the caller keeps elsewhere, on lower tiers)."""
+        state = self.conns.get(conn)
+        leases = {} if state is None else state.leases
+        held = len(leases) + extra_held
+        new = len({k for k in keys if k not in leases})
+        if held + new <= self.max_leases_per_conn:
+            return None
+        self.counters["lease_limit_refusals"] += 1
+        return ErrorReply(
+            ErrorCode.TOO_MANY_LEASES,
+            f"this connection holds {held} leases and asked for up to {new} more; the limit "
+            f"is {self.max_leases_per_conn} (max_leases_per_connection): end leases with "
+            "unlease once loaded, use a shorter lease_ms, or raise the limit",
+        )
 
     # ------------------------------------------------------------ operations
 

@@ -686,10 +686,13 @@ class BrokerClient:
             except BrokerUnavailable:
                 return [False] * len(keys)
 
-    def clear(self) -> bool:
+    def clear(self, shared: bool = False) -> bool:
+        """Empty the broker's local tiers (slab, disk); ``shared`` also removes its key
+        prefix from the remote store, for every broker using it. Owner or root only
+        (BrokerRefused otherwise); False while the broker is unavailable."""
         with self._lock:
             try:
-                self._call(Clear())
+                self._call(Clear(shared=shared))
                 return True
             except BrokerUnavailable:
                 return False

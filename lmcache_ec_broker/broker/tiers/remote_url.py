@@ -89,7 +89,8 @@ def parse_remote_url(url: str) -> RemoteTarget:
     forms = (
         "redis://host:port[/db], rediss://host:port (TLS), unix:///path/redis.sock, "
         "redis://h1:p1,h2:p2 or redis-cluster://h1:p1,h2:p2 (Cluster); "
-        "valkey://, valkeys://, valkey-cluster:// are the same for Valkey"
+        "valkey://, valkeys://, valkey-cluster:// are the same for Valkey; "
+        "mooncakestore://master:port for Mooncake Store"
     )
     if not sep:
         raise ValueError(f"remote_url {mask_url(url)!r} has no scheme; use {forms}")
@@ -106,10 +107,7 @@ def parse_remote_url(url: str) -> RemoteTarget:
             db = _db(v, url)
         return RemoteTarget(unix_path=path, db=db, username=user, password=password)
     if scheme not in _SCHEMES:
-        raise ValueError(
-            f"remote_url scheme {scheme!r} is not supported; use {forms}"
-            + (" (mooncakestore:// needs the Mooncake backend)" if "mooncake" in scheme else "")
-        )
+        raise ValueError(f"remote_url scheme {scheme!r} is not supported; use {forms}")
     tls, cluster = _SCHEMES[scheme]
     user, password, hostpart = _split_auth(rest.split("/", 1)[0] if "/" in rest else rest)
     path = rest.split("/", 1)[1] if "/" in rest else ""
@@ -139,17 +137,25 @@ def _db(text: str, url: str) -> int:
 
 
 def mask_url(url: str) -> str:
-    """The URL with its credentials part replaced (user kept, password -> ***)."""
+    """The URL with its password replaced by ``***`` (user kept), for anything printed.
+
+    The credentials end at the *last* ``@`` before the path: a password may hold
+    ``/``, ``@`` and ``:`` unescaped, and whatever it holds must never be shown.
+    A Unix socket URL without credentials starts its path right after ``//``.
+    """
     scheme, sep, rest = url.partition("://")
-    if not sep:
+    if not sep or "@" not in rest or rest.startswith("/"):
         return url
-    head, slash, tail = rest.partition("/")
-    if "@" not in head:
-        return url
-    auth, _, hostpart = head.rpartition("@")
+    if scheme.strip().lower() == "unix":
+        # unix://[user:pass@]/path: the path starts at the last "@/" ...
+        at = rest.rfind("@/")
+        at = at if at >= 0 else rest.rfind("@")
+    else:
+        at = rest.rfind("@")
+    auth, hostpart = rest[:at], rest[at + 1 :]
     user, colon, _ = auth.partition(":")
     masked = f"{user}:***" if colon else "***"
-    return f"{scheme}://{masked}@{hostpart}{slash}{tail}"
+    return f"{scheme}://{masked}@{hostpart}"
 
 
 def resolve_password(target: RemoteTarget, password_file: str | None) -> str | None:
