@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -150,3 +151,43 @@ def test_every_call_when_the_segment_cannot_be_mapped(make_broker, caplog) -> No
     assert control["stats"]["reserved_bytes"] == 0  # the failed puts' reservations ended
     warned = [r.getMessage() for r in caplog.records if "cannot map" in r.getMessage()]
     assert len(warned) == 1 and slab in warned[0], warned  # once, naming the segment
+
+
+def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
+    """SIGSTOP: the first call waits timeout_s, every later call answers the outage at
+    once (no reconnect, no second wait) until the background probe hears the broker
+    again after SIGCONT; then the same client serves hits again."""
+    b = make_broker("--shm-size", "64MiB")
+    c = BrokerClient(b.socket_path, timeout_s=0.2, probe_interval_s=0.1)
+    try:
+        assert c.put("hit", T)
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            waits = []
+            for _ in range(3):
+                for name in OUTAGE:
+                    if name == "shutdown":
+                        continue
+                    t0 = time.perf_counter()
+                    assert calls("hit")[name](c) == OUTAGE[name], name
+                    waits.append(time.perf_counter() - t0)
+            assert 0.15 < waits[0] < 1.0, waits[0]  # the one timeout of this outage
+            assert max(waits[1:]) < 0.02, f"later calls waited: {max(waits[1:]):.3f} s"
+            assert c.tripped and c.timeouts == 1
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while c.tripped:
+            assert time.monotonic() < deadline, "the probe did not find the broker again"
+            time.sleep(0.02)
+        assert c.has(["hit"]) == [True] and torch.equal(c.get("hit"), T)
+        assert c.timeouts == 1
+    finally:
+        c.close()
+
+
+def test_probe_interval_must_be_positive(sock_dir) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        BrokerClient(os.path.join(sock_dir, "x.sock"), probe_interval_s=0)

@@ -26,6 +26,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (  # noqa: E402
 )
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
@@ -57,7 +58,7 @@ def make_config(
             ec_connector="ECBrokerConnector",
             ec_role=role,
             ec_connector_module_path="lmcache_ec_broker.connector.vllm",
-            ec_connector_extra_config={"socket_path": socket_path, "timeout_s": 2.0, **extra},
+            ec_connector_extra_config={"socket_path": socket_path, **extra},
         ),
     )
 
@@ -73,26 +74,63 @@ class Pair:
         self.sched.shutdown()
         self.worker.shutdown()
 
-    def step(self, encoder_cache: dict, allocs: list[tuple[Request, int]]) -> set[str]:
+    def step(
+        self,
+        encoder_cache: dict,
+        allocs: list[tuple[Request, int]],
+        encode: dict[str, torch.Tensor] | None = None,
+    ) -> set[str]:
         """One engine step in vLLM 0.32's order: ensure_cache_available per request
         (False: deferred to a later step), has_cache_item per item, alloc, meta,
-        worker load, worker output back to the scheduler. Returns the deferred ids."""
+        worker load, the runner's encoder, worker output back to the scheduler.
+        ``encode``: mm_hash -> what the encoder computes for it. Returns the deferred ids."""
         deferred: set[str] = set()
+        so = SchedulerOutput.make_empty()
         for request, index in allocs:
             if request.request_id in deferred or not self.sched.ensure_cache_available(request, 0):
                 deferred.add(request.request_id)
                 continue
-            self.sched.has_cache_item(request.mm_features[index].identifier)
+            if not self.sched.has_cache_item(request.mm_features[index].identifier):
+                so.scheduled_encoder_inputs.setdefault(request.request_id, []).append(index)
             self.sched.update_state_after_alloc(request, index)
-        meta = self.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
-        meta = pickle.loads(pickle.dumps(meta))  # crosses a process boundary in vLLM
-        self.worker.bind_connector_metadata(meta)
-        if self.worker.is_consumer:
-            self.worker.start_load_caches(encoder_cache)
-        out = ECConnectorOutput(ec_connector_worker_meta=self.worker.build_connector_worker_meta())
-        self.worker.clear_connector_metadata()
-        self.sched.update_connector_output(pickle.loads(pickle.dumps(out)))
+        self.last = run_worker_step(self.sched, self.worker, so, encoder_cache, allocs, encode)
         return deferred
+
+
+def ship(sched: ECBrokerConnector, so: SchedulerOutput) -> SchedulerOutput:
+    """build_connector_meta, then the SchedulerOutput with its metadata pickled as one
+    message, as vLLM's executor sends it to each worker."""
+    so.ec_connector_metadata = sched.build_connector_meta(so)
+    return pickle.loads(pickle.dumps(so))
+
+
+def run_worker_step(
+    sched: ECBrokerConnector,
+    worker: ECBrokerConnector,
+    so: SchedulerOutput,
+    encoder_cache: dict,
+    allocs: list[tuple[Request, int]],
+    encode: dict[str, torch.Tensor] | None = None,
+) -> SchedulerOutput:
+    """The worker's half of a step, in the v1 model runner's order: bind, load, then
+    the runner encodes the step's scheduled_encoder_inputs (simulated: no encoder
+    here, ``encode`` gives its outputs) and save_caches each; the worker's output goes
+    back to the scheduler. Returns the worker's copy of the SchedulerOutput."""
+    shipped = ship(sched, so)
+    worker.bind_connector_metadata(shipped.ec_connector_metadata)
+    if worker.is_consumer:
+        worker.start_load_caches(encoder_cache)
+    requests = {r.request_id: r for r, _ in allocs}
+    for req_id, indices in shipped.scheduled_encoder_inputs.items():
+        for index in indices:
+            mm_hash = requests[req_id].mm_features[index].identifier
+            if encode is not None and mm_hash in encode:
+                encoder_cache[mm_hash] = encode[mm_hash]
+                worker.save_caches(encoder_cache, mm_hash)
+    out = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    sched.update_connector_output(pickle.loads(pickle.dumps(out)))
+    return shipped
 
 
 @pytest.fixture
@@ -208,7 +246,7 @@ def test_locally_encoded_items_are_not_loaded(pairs):
     request = make_request("req-1", "b" * 64)
     assert not p.sched.has_cache_item("b" * 64)
     p.sched.update_state_after_alloc(request, 0)  # vLLM calls it for encoded items too
-    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    meta = p.sched.build_connector_meta(SchedulerOutput.make_empty())
     assert isinstance(meta, ECBrokerConnectorMetadata) and meta.loads == []
     assert p.sched.ec_misses == 1
 
@@ -223,7 +261,7 @@ def test_scheduler_decision_is_kept_within_a_step(pairs, broker):
     with BrokerClient(broker.socket_path) as c:
         assert c.delete(p.sched.key(h))
     p.sched.update_state_after_alloc(make_request("r", h), 0)
-    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    meta = p.sched.build_connector_meta(SchedulerOutput.make_empty())
     assert [(s.req_id, s.mm_hash, s.num_embeds) for s in meta.loads] == [("r", h, NUM_EMBEDS)]
     # The next step asks the broker again.
     assert not p.sched.has_cache_item(h)
@@ -252,65 +290,224 @@ def test_tp_ranks_store_once(pairs, broker):
         assert c.stats()["entries"] == 1
 
 
-def test_vanished_entry_fails_the_request_not_the_engine(pairs, broker):
+def test_vanished_entry_is_encoded_in_the_same_step(pairs, broker):
+    """The entry disappears between the scheduler's check and the worker's load: the
+    worker adds the item to the step's scheduled_encoder_inputs (the runner's own
+    dict, reached through the metadata across the pickle), inserts nothing, fails
+    nothing; the runner encodes it and it is put again. The next request is normal."""
     p = pairs()
     h = "f" * 64
     tensor = embedding(5)
     p.worker.save_caches({h: tensor}, h)
     request = make_request("doomed", h)
-
-    # The entry disappears between the scheduler's check and the worker's load.
+    assert p.sched.ensure_cache_available(request, 0)
     assert p.sched.has_cache_item(h)
     p.sched.update_state_after_alloc(request, 0)
     with BrokerClient(broker.socket_path) as c:
         assert c.delete(p.sched.key(h))
+    so = SchedulerOutput.make_empty()
+    so.scheduled_encoder_inputs["bystander"] = [2]  # another request's encode this step
+    shipped = ship(p.sched, so)
+    assert shipped.ec_connector_metadata.encoder_inputs is shipped.scheduled_encoder_inputs
     cache: dict[str, torch.Tensor] = {}
-    p.worker.bind_connector_metadata(p.sched.build_connector_meta(scheduler_output=None))  # type: ignore[arg-type]
+    p.worker.bind_connector_metadata(shipped.ec_connector_metadata)
     p.worker.start_load_caches(cache)
-    # vLLM's gather raises on a missing entry; a placeholder keeps the step alive.
-    assert cache[h].shape == (NUM_EMBEDS, HIDDEN)
-    assert p.worker.load_failures == 1
+    assert h not in cache, "something the model did not compute reached the encoder cache"
+    assert shipped.scheduled_encoder_inputs == {"bystander": [2], "doomed": [0]}
+    assert so.scheduled_encoder_inputs == {"bystander": [2]}  # the scheduler's copy
+    assert p.worker.load_failures == 1 and p.worker.reencoded == 1
+    cache[h] = tensor  # what the runner's encoder computes, then save_caches
+    p.worker.save_caches(cache, h)
+    assert p.worker.puts_stored == 2, "the re-encoded item was not put again"
     p.sched.update_connector_output(
         ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
     )
     p.worker.clear_connector_metadata()
-
-    # The scheduler refuses to run it (or anything else on that placeholder) and fails it.
-    assert not p.sched.ensure_cache_available(request, 0)
-    later = make_request("later", h)
-    assert not p.sched.ensure_cache_available(later, 0)
-    assert p.sched.take_unavailable_requests() == {"doomed", "later"}
     assert p.sched.take_unavailable_requests() == set()
-    assert p.sched.ensure_cache_available(make_request("other", "0" * 64), 0)
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
 
-    # Once the broker has the entry again, the worker repairs its placeholder.
-    p.worker.save_caches(cache, h)  # a placeholder is never published
-    assert p.worker.puts_stored == 1
-    pairs().worker.save_caches({h: tensor}, h)  # another instance re-encoded it
-    p.step(cache, [])
-    assert torch.equal(cache[h], tensor)
-    assert p.sched.ensure_cache_available(make_request("again", h), 0)
+    # Recovered by itself: the next request with the item loads it.
+    other = pairs()
+    cache2: dict[str, torch.Tensor] = {}
+    other.step(cache2, [(make_request("again", h), 0)])
+    assert torch.equal(cache2[h], tensor) and other.worker.loads == 1
 
 
-def test_freed_placeholder_is_forgotten(pairs, broker):
+def test_requests_that_consumed_the_item_are_never_touched(pairs, broker):
+    """A request decoding after using item X, and a new one loading X whose load
+    fails: nothing is failed or deferred, then or later (before: every running
+    request with X was failed)."""
     p = pairs()
     h = "9" * 64
-    request = make_request("r", h)
-    p.worker.save_caches({h: embedding(6)}, h)
+    tensor = embedding(6)
+    p.worker.save_caches({h: tensor}, h)
+    decoding = make_request("decoding", h)
+    past_prompt = len(decoding.prompt_token_ids)
+    newcomer = make_request("new", h)
+    assert p.sched.ensure_cache_available(newcomer, 0)
     assert p.sched.has_cache_item(h)
-    p.sched.update_state_after_alloc(request, 0)
+    p.sched.update_state_after_alloc(newcomer, 0)
     with BrokerClient(broker.socket_path) as c:
         c.delete(p.sched.key(h))
     cache: dict[str, torch.Tensor] = {}
-    p.worker.bind_connector_metadata(p.sched.build_connector_meta(scheduler_output=None))  # type: ignore[arg-type]
-    p.worker.start_load_caches(cache)
-    p.sched.update_connector_output(
-        ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
+    so = SchedulerOutput.make_empty()
+    run_worker_step(p.sched, p.worker, so, cache, [(newcomer, 0)], {h: tensor})
+    assert torch.equal(cache[h], tensor)
+    for _ in range(3):
+        assert p.sched.ensure_cache_available(decoding, past_prompt)
+        assert p.sched.ensure_cache_available(newcomer, 0)
+        p.step(cache, [])
+    assert p.sched.take_unavailable_requests() == set()
+
+
+def test_tp_ranks_agree_without_a_group_is_the_local_answer():
+    from lmcache_ec_broker.connector.tp_agree import union_over_tp
+
+    assert union_over_tp(["a", "b"], {"b"}) == {"b"}
+    assert union_over_tp([], set()) == set()
+
+
+def test_deepstack_width_on_a_consumer(pairs, broker):
+    """A consumer never measures the encoder's output width (vLLM measures it on
+    producers only), and DeepStack models (Qwen3-VL) output wider rows than the
+    text hidden size. A stored entry of such width loads; a failed load inserts
+    nothing of any width (before: zeros of the text hidden size, which the
+    model's DeepStack split rejects, killing the engine) and is encoded instead."""
+    producer, consumer = pairs("ec_producer"), pairs("ec_consumer")
+    assert consumer.sched._widths == {}
+    wide = torch.randn(NUM_EMBEDS, HIDDEN * 4).to(torch.bfloat16)  # 3 DeepStack levels
+    h, gone = "d5" * 32, "d6" * 32
+    producer.worker.save_caches({h: wide, gone: wide}, h)
+    producer.worker.save_caches({h: wide, gone: wide}, gone)
+    cache: dict[str, torch.Tensor] = {}
+    consumer.step(cache, [(make_request("r", h), 0)])
+    assert torch.equal(cache[h], wide)
+
+    request = make_request("r2", gone)
+    assert consumer.sched.ensure_cache_available(request, 0)
+    assert consumer.sched.has_cache_item(gone)
+    consumer.sched.update_state_after_alloc(request, 0)
+    with BrokerClient(broker.socket_path) as c:
+        c.delete(consumer.sched.key(gone))
+    shipped = run_worker_step(
+        consumer.sched,
+        consumer.worker,
+        SchedulerOutput.make_empty(),
+        cache,
+        [(request, 0)],
+        {gone: wide},
     )
-    assert not p.sched.ensure_cache_available(make_request("r2", h), 0)
-    del cache[h]  # vLLM evicted it from its encoder cache
-    p.step(cache, [])
-    assert p.sched.ensure_cache_available(make_request("r3", h), 0)
+    assert shipped.scheduled_encoder_inputs == {"r2": [0]}
+    assert torch.equal(cache[gone], wide)  # the encoder's output, never a placeholder
+    assert consumer.worker.puts_stored == 0  # a consumer does not put
+
+
+def test_async_scheduling_step_built_before_the_failed_one_ran(pairs, broker):
+    """--async-scheduling: step N+1 is scheduled before step N's worker output comes
+    back. N's load of X fails and is encoded in N; N+1's request with X finds X in
+    vLLM's encoder cache (no lookup, no lease, no load) and reads the encoder's
+    output; nothing is failed. (Before: N+1 ran on N's zero placeholder.)"""
+    p = pairs()
+    x = "a5" * 32
+    tensor = embedding(30)
+    p.worker.save_caches({x: tensor}, x)
+    r1, r2 = make_request("r1", x), make_request("r2", x)
+    assert p.sched.ensure_cache_available(r1, 0) and p.sched.has_cache_item(x)
+    p.sched.update_state_after_alloc(r1, 0)
+    so_n = ship(p.sched, SchedulerOutput.make_empty())
+    with BrokerClient(broker.socket_path) as c:
+        lookups = lookups_of(c.stats())
+        c.delete(p.sched.key(x))
+    # Step N+1, scheduled now: vLLM's encoder cache holds X (allocated in N).
+    assert p.sched.ensure_cache_available(r2, 0)
+    so_n1 = ship(p.sched, SchedulerOutput.make_empty())
+    assert so_n1.ec_connector_metadata.loads == []
+    with BrokerClient(broker.socket_path) as c:
+        assert lookups_of(c.stats()) == lookups, "an item vLLM holds was looked up"
+    cache: dict[str, torch.Tensor] = {}
+    outs = []
+    for so in (so_n, so_n1):
+        p.worker.bind_connector_metadata(so.ec_connector_metadata)
+        p.worker.start_load_caches(cache)
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            assert (req_id, indices) == ("r1", [0])
+            cache[x] = tensor  # the runner encodes it
+        assert torch.equal(cache[x], tensor)
+        outs.append(
+            ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
+        )
+        p.worker.clear_connector_metadata()
+    for out in outs:
+        p.sched.update_connector_output(out)
+    assert p.sched.take_unavailable_requests() == set()
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
+
+
+def test_items_vllm_holds_are_not_looked_up_until_freed(pairs, broker):
+    p = pairs()
+    x = "b7" * 32
+    p.worker.save_caches({x: embedding(31)}, x)
+    cache: dict[str, torch.Tensor] = {}
+    p.step(cache, [(make_request("r1", x), 0)])
+    assert p.worker.loads == 1
+    lookups = lookups_of(broker_stats(broker.socket_path, p))
+    for i in range(3):  # later requests (or chunks) with X: vLLM has it
+        assert p.sched.ensure_cache_available(make_request(f"r{i + 2}", x), 0)
+        p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    s = broker_stats(broker.socket_path, p)
+    assert lookups_of(s) == lookups and s["pins"] == 0
+    freed = SchedulerOutput.make_empty()
+    freed.free_encoder_mm_hashes = [x]  # vLLM evicted X from its encoder cache
+    p.sched.build_connector_meta(freed)
+    assert p.sched.ensure_cache_available(make_request("r9", x), 0)
+    assert lookups_of(broker_stats(broker.socket_path, p)) == lookups + 1
+
+
+def test_a_stale_mirror_after_reset_encoder_cache_still_loads(pairs, broker):
+    """vLLM's reset_encoder_cache tells the connector nothing: the first has_cache_item
+    for an item the mirror calls held shows it is stale; the item is looked up and
+    loaded (not encoded), and the mirror starts over."""
+    p = pairs()
+    x = "c8" * 32
+    tensor = embedding(32)
+    p.worker.save_caches({x: tensor}, x)
+    p.step({}, [(make_request("r1", x), 0)])
+    cache: dict[str, torch.Tensor] = {}  # the worker's cache after the reset
+    p.step(cache, [(make_request("r2", x), 0)])
+    assert torch.equal(cache[x], tensor) and p.worker.loads == 2
+
+
+def test_items_beyond_the_steps_reach_are_not_looked_up(pairs, broker, model_config):
+    """A chunked prefill: the second image starts past max_num_batched_tokens from
+    the computed tokens; it is looked up in the step that can reach it, once."""
+    p = pairs()
+    near, far = "e1" * 32, "e2" * 32
+    for i, h in enumerate((near, far)):
+        p.worker.save_caches({h: embedding(40 + i)}, h)
+    reach = p.sched._reach
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=h,
+            mm_position=PlaceholderRange(offset=off, length=NUM_EMBEDS),
+        )
+        for h, off in ((near, 3), (far, reach + 10))
+    ]
+    request = Request(
+        request_id="long",
+        prompt_token_ids=[7] * (reach + 40),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=features,
+    )
+    before = lookups_of(broker_stats(broker.socket_path, p))
+    assert p.sched.ensure_cache_available(request, 0)
+    assert p.sched._step_state.keys() == {near}
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert p.sched.ensure_cache_available(request, reach)
+    assert p.sched._step_state.keys() == {far}
+    assert lookups_of(broker_stats(broker.socket_path, p)) == before + 2
 
 
 def test_broker_down_means_misses_not_crashes(pairs, sock_dir, connector_log):
@@ -330,12 +527,12 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir, connector_lo
     h, h2 = "5" * 64, "6" * 64
     p.worker.save_caches({h: embedding(8)}, h)
     assert p.sched.has_cache_item(h)
-    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     first.stop()
 
     assert not p.sched.has_cache_item(h)  # broker away: a miss, no exception
     assert any("not reachable" in line for line in connector_log.lines)
-    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     make_broker("--shm-size", "64MiB", socket_path=path)
     deadline = time.monotonic() + 10
     tensor = embedding(9)
@@ -384,7 +581,7 @@ def test_counters_reach_vllm_stats(pairs):
     p = pairs()
     h = "3" * 64
     assert not p.sched.has_cache_item(h)
-    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     p.worker.save_caches({h: embedding(10)}, h)
     assert p.sched.has_cache_item(h)
     assert p.sched.stats()["ec_hits"] == 1 and p.sched.stats()["ec_misses"] == 1
@@ -444,6 +641,11 @@ def broker_stats(socket_path: str, *settle: Pair) -> dict:
         return c.stats()
 
 
+def lookups_of(stats: dict) -> int:
+    """Keys the broker was asked about by has/lookup."""
+    return stats["has_hits"] + stats["has_misses"]
+
+
 def load_cycle(p: Pair, request: Request) -> dict[str, torch.Tensor]:
     cache: dict[str, torch.Tensor] = {}
     assert p.step(cache, [(request, 0)]) == set()
@@ -478,7 +680,7 @@ def test_hits_not_loaded_this_step_release_their_lease(pairs, broker):
     assert p.sched.ensure_cache_available(make_request("r", h), 0)
     assert p.sched.has_cache_item(h)
     assert broker_stats(broker.socket_path, p)["pins"] == 1
-    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     assert broker_stats(broker.socket_path, p)["pins"] == 0
 
 
@@ -494,7 +696,7 @@ def test_a_lease_still_needed_by_a_later_step_is_kept(pairs, broker):
         assert p.sched.ensure_cache_available(request, 0)
         assert p.sched.has_cache_item(h)
         p.sched.update_state_after_alloc(request, 0)
-        metas.append(p.sched.build_connector_meta(scheduler_output=None))  # type: ignore[arg-type]
+        metas.append(p.sched.build_connector_meta(SchedulerOutput.make_empty()))
     for n, meta in enumerate(metas):
         cache: dict[str, torch.Tensor] = {}
         p.worker.bind_connector_metadata(meta)
@@ -580,12 +782,12 @@ def test_promoted_hit_survives_a_full_slab_and_disk_until_loaded(pairs, make_bro
     request = make_request("r", h)
     deadline = time.monotonic() + 30
     while not p.sched.ensure_cache_available(request, 0):
-        p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+        p.sched.build_connector_meta(SchedulerOutput.make_empty())
         assert time.monotonic() < deadline, "never promoted"
         time.sleep(0.01)
     assert p.sched.has_cache_item(h)
     p.sched.update_state_after_alloc(request, 0)
-    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    meta = p.sched.build_connector_meta(SchedulerOutput.make_empty())
     filler = torch.zeros(256, 1024, dtype=torch.bfloat16)  # 512 KiB: 16 fill the slab
     with BrokerClient(b.socket_path) as c:
         for i in range(160):  # 80 MiB: more than the 8 MiB slab and the 64 MiB disk
@@ -633,7 +835,7 @@ def test_a_request_aborted_while_waiting_releases_its_lease(pairs, make_broker, 
     p = pairs(socket_path=b.socket_path)
     request = make_request("r", h)
     assert not p.sched.ensure_cache_available(request, 0)
-    p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     deadline = time.monotonic() + 30
     while broker_stats(b.socket_path)["entries"] == 0:  # promoted: the lease pins it
         assert time.monotonic() < deadline, "never promoted"
@@ -697,32 +899,32 @@ def test_wrong_entry_on_disk_is_deleted_from_every_tier(pairs, make_broker, sock
         assert c.stats()["disk_entries"] == 0
 
 
-def test_wrong_entry_at_load_time_fails_the_request_and_is_deleted(pairs, broker):
+def test_wrong_entry_at_load_time_is_encoded_instead_and_deleted(pairs, broker):
     """The scheduler saw a good entry; by the worker's load it was replaced by a wrong
-    one: the worker deletes it and the request fails (never runs on a wrong tensor)."""
+    one: the worker deletes it and the item is encoded in the same step (never run
+    on a wrong tensor, no request failed)."""
     p = pairs()
     h = "e6" * 32
-    p.worker.save_caches({h: embedding(41)}, h)
-    request = make_request("doomed", h)
+    good = embedding(41)
+    p.worker.save_caches({h: good}, h)
+    request = make_request("r", h)
     assert p.sched.ensure_cache_available(request, 0)
     assert p.sched.has_cache_item(h)
     p.sched.update_state_after_alloc(request, 0)
-    meta = p.sched.build_connector_meta(scheduler_output=None)  # type: ignore[arg-type]
     key = p.sched.key(h)
+    so = SchedulerOutput.make_empty()
+    so.ec_connector_metadata = p.sched.build_connector_meta(so)
     with BrokerClient(broker.socket_path) as c:
         assert c.delete(key)
         assert c.put(key, WRONG["rows"])
+    shipped = pickle.loads(pickle.dumps(so))
     cache: dict[str, torch.Tensor] = {}
-    p.worker.bind_connector_metadata(meta)
+    p.worker.bind_connector_metadata(shipped.ec_connector_metadata)
     p.worker.start_load_caches(cache)
     assert p.worker.load_failures == 1 and p.worker.invalid_deleted == 1
-    assert cache[h].shape == (NUM_EMBEDS, HIDDEN)  # a placeholder keeps the step alive
-    p.sched.update_connector_output(
-        ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
-    )
+    assert h not in cache and shipped.scheduled_encoder_inputs == {"r": [0]}
     p.worker.clear_connector_metadata()
-    assert not p.sched.ensure_cache_available(request, 0)
-    assert p.sched.take_unavailable_requests() == {"doomed"}
+    assert p.sched.take_unavailable_requests() == set()
     with BrokerClient(broker.socket_path) as c:
         assert c.has([key]) == [False]
 

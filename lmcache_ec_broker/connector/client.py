@@ -2,8 +2,13 @@
 
 Failure model (what a serving engine can rely on):
 - A broker outage never raises: ``has`` answers all-False, ``get`` None, ``put``
-  False, quickly (bounded socket timeouts, then a reconnect backoff during which
-  calls return at once). A warning is logged once per outage.
+  False, quickly. A broker that is gone (connection refused or reset) is retried
+  with a growing reconnect backoff during which calls return at once. A broker
+  that hangs (alive, not answering) costs one ``timeout_s`` wait per outage, not
+  one per call: the first timeout opens a circuit, every later call answers a
+  miss at once without touching the socket, and a background thread probes the
+  broker every ``probe_interval_s`` (a throwaway connection and handshake) and
+  closes the circuit when it answers. A warning is logged once per outage.
 - A refusal by the broker (entry too large, no space, bad dtype/key, ...) raises
   ``BrokerRefused`` carrying the broker's code and message, so the caller can
   tell "not stored because of X" from "not stored because someone else did".
@@ -111,9 +116,17 @@ class BrokerClient:
         prefault: bool = True,
         filter_trust_s: float = 1.0,
         broker_uid: int | str | None = None,
+        probe_interval_s: float = 0.5,
     ) -> None:
-        """``broker_uid`` (else $LMCACHE_EC_BROKER_UID): a uid or user name, besides this
+        """``timeout_s``: the longest one wait for the broker may take (each reply of a
+        call; a hung broker costs it once per outage, see the module docstring).
+        ``probe_interval_s``: how often a hung broker is probed in the background.
+        ``broker_uid`` (else $LMCACHE_EC_BROKER_UID): a uid or user name, besides this
         process's own and root's, that the broker may run as."""
+        if timeout_s <= 0 or probe_interval_s <= 0:
+            raise ValueError(
+                f"timeout_s and probe_interval_s must be > 0 (got {timeout_s}, {probe_interval_s})"
+            )
         self.socket_path = socket_path or default_socket_path()
         self.trusted_uids = trusted_uids(broker_uid)
         self.timeout_s = timeout_s
@@ -147,6 +160,14 @@ class BrokerClient:
         self._outage_logged = False
         self._attach_error: str | None = None  # set while the segment cannot be mapped
         self.reconnects = 0
+        # Circuit: set by a timeout, cleared by the prober thread when the broker answers
+        # again. While set, no call touches the socket (invariant: _tripped => _sock is None).
+        self.probe_interval_s = probe_interval_s
+        self._tripped = False
+        self._prober: threading.Thread | None = None
+        self._prober_pid = -1
+        self._closing = threading.Event()
+        self.timeouts = 0  # outages that cost a timeout (one per outage)
         with self._lock:
             self._ensure_connected(raise_refusal=True)
 
@@ -157,6 +178,60 @@ class BrokerClient:
         return self._sock is not None
 
     @property
+    def tripped(self) -> bool:
+        """True while a hung broker is being probed: calls answer misses at once."""
+        return self._tripped
+
+    def _trip(self) -> None:
+        """A wait timed out: stop using the broker until the prober hears from it."""
+        self._drop_socket()
+        if self._tripped:
+            return
+        self._tripped = True
+        self.timeouts += 1
+        log.warning(
+            "lmcache-ec-broker at %s did not answer within %.3f s; serving misses without "
+            "waiting until it answers a probe again (every %.2f s)",
+            self.socket_path,
+            self.timeout_s,
+            self.probe_interval_s,
+        )
+        if self._prober is None or self._prober_pid != os.getpid():  # once per process
+            self._prober_pid = os.getpid()
+            self._prober = threading.Thread(
+                target=self._probe_loop, name="lmcache-ec-probe", daemon=True
+            )
+            self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while not self._closing.wait(self.probe_interval_s):
+            if self._tripped and self._probe_once():
+                self._next_attempt = 0.0
+                self._backoff = 0.0
+                self._tripped = False
+                log.info("lmcache-ec-broker at %s answers again", self.socket_path)
+
+    def _probe_once(self) -> bool:
+        """A throwaway connection and handshake, never under the client's lock."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(self.timeout_s, self.connect_timeout_s))
+            sock.connect(self.socket_path)
+            self._check_peer(sock)
+            body = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, uuid.uuid4().hex, os.getpid()))
+            sock.sendall(FRAME_HEADER.pack(len(body)) + body)
+            header = _recv_exact(sock, FRAME_HEADER.size)
+            (length,) = FRAME_HEADER.unpack(header)
+            if length > 1 << 20:
+                return False
+            reply = msgspec.msgpack.decode(_recv_exact(sock, length), type=Reply)
+            return isinstance(reply, HelloReply)
+        except (OSError, BrokerUnavailable, msgspec.MsgspecError):
+            return False
+        finally:
+            sock.close()
+
+    @property
     def epoch(self) -> str | None:
         return self._hello.epoch if self._hello else None
 
@@ -165,6 +240,8 @@ class BrokerClient:
         when asked (at construction); later it is an outage like any other."""
         if self._sock is not None:
             return True
+        if self._tripped:
+            return False
         now = time.monotonic()
         if now < self._next_attempt:
             return False
@@ -173,6 +250,8 @@ class BrokerClient:
         except (OSError, BrokerUnavailable, BrokerRefused, ShmError) as exc:
             if raise_refusal and isinstance(exc, BrokerRefused):
                 raise
+            if isinstance(exc, TimeoutError):  # connect or handshake hung
+                self._trip()
             # Let go of the old mappings now: unlinked shared memory stays charged to
             # /dev/shm while anyone maps it, and a restarting broker needs that room.
             self._unmap()
@@ -352,6 +431,8 @@ class BrokerClient:
             sock.sendall(data)
         except OSError as exc:
             self._drop_socket()
+            if isinstance(exc, TimeoutError):
+                self._trip()
             raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def _frame(self, msg: msgspec.Struct) -> bytes:
@@ -377,8 +458,10 @@ class BrokerClient:
                     log.debug("deferred request refused: %s: %s", owed.code, owed.message)
             out = [self._read_reply() for _ in range(n)]
         except (OSError, msgspec.MsgspecError) as exc:
-            # Timeouts land here too: the stream position is unknown, so start over.
+            # The stream position is unknown, so start over; a timeout also trips.
             self._drop_socket()
+            if isinstance(exc, TimeoutError):
+                self._trip()
             raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
         except BrokerUnavailable:
             self._drop_socket()
@@ -405,6 +488,8 @@ class BrokerClient:
                     return reply
         except (OSError, msgspec.MsgspecError) as exc:
             self._drop_socket()
+            if isinstance(exc, TimeoutError):
+                self._trip()
             raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
         if n == 0:
             self._drop_socket()
@@ -715,6 +800,7 @@ class BrokerClient:
                 return False
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             self._drop_socket()
             self._unmap()
@@ -771,6 +857,16 @@ def _user_name(uid: int) -> str:
         return "user " + pwd.getpwuid(uid).pw_name
     except KeyError:
         return "no user name"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise BrokerUnavailable("the broker closed the connection")
+        data += chunk
+    return data
 
 
 def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:

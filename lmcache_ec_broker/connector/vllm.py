@@ -10,7 +10,10 @@ Enable with (the package registers the name as a vLLM plugin)::
 is needed where vLLM plugins are disabled through ``VLLM_PLUGINS``.)
 
 Extra config keys: ``socket_path`` (default: $LMCACHE_EC_BROKER_SOCKET, then the
-broker's default), ``timeout_s`` (5.0), ``lease_ms`` (30000: how long a hit the
+broker's default), ``scheduler_budget_ms`` (50: the longest the scheduler's hooks
+wait for the broker, once per outage), ``worker_budget_ms`` (500: the same for a
+worker's loads and puts), ``probe_interval_ms`` (500: how often a broker that
+timed out is probed in the background), ``lease_ms`` (30000: how long a hit the
 scheduler saw is protected from eviction if nothing releases it earlier),
 ``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
 from a lower tier before they are encoded instead), ``model_name`` (the model field
@@ -20,7 +23,9 @@ configuration, see :mod:`lmcache_ec_broker.connector.model_id`).
 Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
 
 - scheduler ``ensure_cache_available`` (per multimodal request): one ``lookup``
-  with a lease for the request's items still ahead of its computed tokens.
+  with a lease for the request's items still ahead of its computed tokens, within
+  this step's reach (its token budget) and not held by vLLM's own encoder cache
+  (mirrored from ``update_state_after_alloc`` and the step's freed hashes).
   READY with the expected dtype and shape: a hit. PENDING (being promoted from
   the disk tier): the request waits for a later step, so the worker's load never
   waits on a promotion. A wrong dtype or shape: the entry is deleted from every
@@ -39,11 +44,14 @@ Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
   exactly one of them copy.
 
 If an entry the scheduler counted as a hit is gone (or wrong) when the worker
-loads it, vLLM would raise on the missing embedding and kill the engine. The worker
-instead inserts a zero placeholder so the step can run and reports the request;
-the scheduler fails it via ``take_unavailable_requests`` (vLLM >= 0.31) and refuses,
-through ``ensure_cache_available``, to run any request against that placeholder
-until the worker has repaired or dropped it.
+loads it, the worker has the runner encode the item in the same step: the
+metadata carries a reference to the step's ``scheduled_encoder_inputs`` (the same
+dict the runner reads right after ``start_load_caches``; one pickled message keeps
+the identity), and the failed ``(request, item index)`` is added to it. Under
+tensor parallelism the ranks first agree (a max all-reduce over the TP group's CPU
+group) so that every rank runs the encoder on the same items. Nothing is ever
+inserted that the model did not compute; no request is failed; see
+docs/design.md, "A load that fails".
 """
 
 from __future__ import annotations
@@ -64,8 +72,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.logger import init_logger
 
 # Hooks a given vLLM does not have are simply never called (``update_connector_output``
-# and ``build_connector_worker_meta`` from 0.29, ``take_unavailable_requests`` from
-# 0.31, ``ensure_cache_available`` from 0.24); only imports need a guard.
+# and ``build_connector_worker_meta`` from 0.29, ``ensure_cache_available`` from 0.24);
+# only imports need a guard.
 try:  # vLLM >= 0.29
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - older vLLM
@@ -78,6 +86,7 @@ except ImportError:  # pragma: no cover - older vLLM
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
+from lmcache_ec_broker.connector.tp_agree import union_over_tp
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -90,6 +99,10 @@ logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_MAX_DEFER_S = 10.0
+# Chosen from benchmarks/hung_broker.py (README, "When the broker fails").
+DEFAULT_SCHEDULER_BUDGET_MS = 50.0
+DEFAULT_WORKER_BUDGET_MS = 500.0
+DEFAULT_PROBE_INTERVAL_MS = 500.0
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
@@ -111,30 +124,28 @@ class LoadSpec:
     mm_hash: str
     num_embeds: int
     width: int | None = None  # the encoder's output width when vLLM measured it
+    index: int = 0  # the item's index in the request's mm_features
 
 
 @dataclass
 class ECBrokerConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    # Invariant: the very dict object of the step's SchedulerOutput.scheduled_encoder_inputs
+    # (req_id -> item indices the runner encodes). It travels in the same pickled
+    # message as the SchedulerOutput, so the worker's copy is the runner's copy too.
+    encoder_inputs: dict[str, list[int]] | None = None
     # The scheduler's model field: every worker keys with it (see ECBrokerConnector.model_id).
     model: str = ""
 
 
 @dataclass
 class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
-    # mm_hash -> request ids whose load found the entry gone (placeholder inserted)
-    failed: dict[str, set[str]] = field(default_factory=dict)
-    # placeholders that are no longer in the worker's encoder cache (repaired or freed)
-    cleared: set[str] = field(default_factory=set)
-    # every mm_hash of the step's loads, loaded or not: their leases can end
+    # every mm_hash of the step's loads, loaded or encoded instead: their leases can end
     done: set[str] = field(default_factory=set)
 
     def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
         # TP ranks load the same hashes in the same step: a union, not a sum.
         if isinstance(other, ECBrokerWorkerMetadata):
-            for mm_hash, reqs in other.failed.items():
-                self.failed.setdefault(mm_hash, set()).update(reqs)
-            self.cleared |= other.cleared
             self.done |= other.done
         return self
 
@@ -147,8 +158,11 @@ STAT_FIELDS = (
     "invalid_deleted",
     "loads",
     "load_failures",
+    "reencoded",
     "puts_stored",
     "put_errors",
+    "puts_skipped",
+    "broker_timeouts",
 )
 
 if ECConnectorStats is not None:
@@ -187,7 +201,25 @@ class ECBrokerConnector(ECConnectorBase):
         assert ec_config is not None  # the base class already raised otherwise
         extra = ec_config.get_from_extra_config
         self._socket_path: str | None = extra("socket_path", None)
-        self._timeout_s = float(extra("timeout_s", 5.0))
+        if extra("timeout_s", None) is not None:
+            raise ValueError(
+                "ec_connector_extra_config: timeout_s is gone; the broker's waits are bounded "
+                "by scheduler_budget_ms (default 50) and worker_budget_ms (default 500): "
+                "set those instead"
+            )
+        budget_ms = float(
+            extra("scheduler_budget_ms", DEFAULT_SCHEDULER_BUDGET_MS)
+            if role == ECConnectorRole.SCHEDULER
+            else extra("worker_budget_ms", DEFAULT_WORKER_BUDGET_MS)
+        )
+        probe_ms = float(extra("probe_interval_ms", DEFAULT_PROBE_INTERVAL_MS))
+        if budget_ms <= 0 or probe_ms <= 0:
+            raise ValueError(
+                "ec_connector_extra_config: scheduler_budget_ms, worker_budget_ms and "
+                f"probe_interval_ms must be > 0 (got {budget_ms} and {probe_ms})"
+            )
+        self._timeout_s = budget_ms / 1000
+        self._probe_interval_s = probe_ms / 1000
         self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
         self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
         if self._lease_ms <= 0 or self._max_defer_s < 0:
@@ -211,7 +243,18 @@ class ECBrokerConnector(ECConnectorBase):
         )
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
-        self._embed_width = _embed_width(model_config)
+        sched = getattr(vllm_config, "scheduler_config", None)
+        # How far past its computed tokens one step can take a request (the scheduler's
+        # token budget, capped by the long-prefill threshold): items beyond are not
+        # looked up yet.
+        self._reach = int(
+            getattr(sched, "max_num_scheduled_tokens", None)
+            or getattr(sched, "max_num_batched_tokens", None)
+            or 1 << 62
+        )
+        threshold = int(getattr(sched, "long_prefill_token_threshold", 0) or 0)
+        if threshold > 0:
+            self._reach = min(self._reach, threshold)
         self._client: BrokerClient | None = None
         self._client_pid = -1
         self._client_lock = threading.Lock()
@@ -225,8 +268,10 @@ class ECBrokerConnector(ECConnectorBase):
         self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
         self.loads = 0
         self.load_failures = 0
+        self.reencoded = 0  # failed loads encoded in the same step instead
         self.puts_stored = 0
         self.put_errors = 0
+        self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
         self._reported: dict[str, int] = {}
 
         # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
@@ -242,14 +287,14 @@ class ECBrokerConnector(ECConnectorBase):
         self._inflight: dict[str, list[float]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
-        self._unavailable: set[str] = set()
-        self._poisoned: set[str] = set()
+        # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
+        # reported freed): they are never looked up. It can only be stale towards
+        # "held" after vLLM's reset_encoder_cache; has_cache_item then sees a held
+        # hash (vLLM asks only about items it lacks) and drops the mirror.
+        self._held: set[str] = set()
 
         # Worker state.
-        self._placeholders: set[str] = set()
         self._unsaved: set[str] = set()
-        self._failed_this_step: dict[str, set[str]] = {}
-        self._cleared_this_step: set[str] = set()
         self._done_this_step: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -275,7 +320,12 @@ class ECBrokerConnector(ECConnectorBase):
         # Lazily, and again after a fork: a socket and mapping must not be shared.
         with self._client_lock:
             if self._client is None or self._client_pid != os.getpid():
-                self._client = BrokerClient(self._socket_path, timeout_s=self._timeout_s)
+                self._client = BrokerClient(
+                    self._socket_path,
+                    timeout_s=self._timeout_s,
+                    connect_timeout_s=self._timeout_s,
+                    probe_interval_s=self._probe_interval_s,
+                )
                 self._client_pid = os.getpid()
                 self._broker_up = True
                 self._note_health(self._client)
@@ -307,6 +357,12 @@ class ECBrokerConnector(ECConnectorBase):
             result = call(client)
         self._note_health(client)
         return result
+
+    @property
+    def broker_timeouts(self) -> int:
+        """Outages that cost this process a wait (one timeout each, see BrokerClient)."""
+        client = self._client
+        return client.timeouts if client is not None and self._client_pid == os.getpid() else 0
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters of this connector (this process, this role)."""
@@ -372,17 +428,18 @@ class ECBrokerConnector(ECConnectorBase):
     ) -> bool:
         """vLLM >= 0.24, every step before a multimodal request is scheduled: False
         defers the request to a later step."""
-        if self._poisoned and any(f.identifier in self._poisoned for f in request.mm_features):
-            # Never run a request against a placeholder embedding; fail it (retryable).
-            self._unavailable.add(request.request_id)
-            return False
         if not self.is_consumer:
             return True
         expected: dict[str, tuple[int, int | None]] = {}
+        reach = num_computed_tokens + self._reach
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already in the KV cache: no encoder output needed
+            if pos.offset >= reach:
+                continue  # not in this step's reach
+            if feature.identifier in self._held:
+                continue  # vLLM's own encoder cache has it: never looked up nor leased
             if feature.identifier not in expected:
                 width = self._widths.get(feature.modality)
                 expected[feature.identifier] = (_num_embeds(request, index), width)
@@ -452,6 +509,10 @@ class ECBrokerConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         if not self.is_consumer:
             return False
+        if identifier in self._held:
+            # vLLM asks only about items its encoder cache lacks: the mirror is stale
+            # (reset_encoder_cache), so forget it; it refills from the allocations.
+            self._held.clear()
         if identifier not in self._step_state:
             # vLLM did not call ensure_cache_available (older than 0.24) for this item:
             # without a way to defer, an entry still on a lower tier is encoded instead.
@@ -469,6 +530,7 @@ class ECBrokerConnector(ECConnectorBase):
         # Also called for items the scheduler chose to encode locally: only the
         # ones has_cache_item answered True for this step are external loads.
         mm_hash = request.mm_features[index].identifier
+        self._held.add(mm_hash)  # encoded or loaded, vLLM's encoder cache now has it
         if not self.is_consumer or self._step_state.get(mm_hash) != LookupState.READY:
             return
         modality = request.mm_features[index].modality
@@ -478,11 +540,17 @@ class ECBrokerConnector(ECConnectorBase):
                 mm_hash,
                 _num_embeds(request, index),
                 self._widths.get(modality),
+                index,
             )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        meta = ECBrokerConnectorMetadata(loads=self._pending_loads, model=self.model_id)
+        # Every vLLM with EC connectors passes its SchedulerOutput here.
+        encoder_inputs = getattr(scheduler_output, "scheduled_encoder_inputs", None)
+        self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
+        meta = ECBrokerConnectorMetadata(
+            loads=self._pending_loads, encoder_inputs=encoder_inputs, model=self.model_id
+        )
         now = time.monotonic()
         if self._inflight:
             # A report that never came (a failed step): the broker ended that lease at
@@ -522,10 +590,6 @@ class ECBrokerConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if not isinstance(meta, ECBrokerWorkerMetadata):
             return
-        for mm_hash, req_ids in meta.failed.items():
-            self._poisoned.add(mm_hash)
-            self._unavailable.update(req_ids)
-        self._poisoned -= meta.cleared
         ended = set()
         for mm_hash in meta.done:
             entry = self._inflight.get(mm_hash)
@@ -537,14 +601,6 @@ class ECBrokerConnector(ECConnectorBase):
                 ended.add(mm_hash)
         self._unlease(ended)
 
-    def take_unavailable_requests(self) -> set[str]:
-        taken, self._unavailable = self._unavailable, set()
-        if taken:
-            logger.warning(
-                "EC broker: failing %d request(s) whose cached encoder output vanished", len(taken)
-            )
-        return taken
-
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         waiting = self._waiting.pop(request.request_id, None)
         if waiting is not None:  # aborted or failed while waiting for a promotion
@@ -554,28 +610,41 @@ class ECBrokerConnector(ECConnectorBase):
     # ------------------------------------------------------------------- worker
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        self._check_placeholders(encoder_cache)
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
+        if not metadata.loads:
+            return
         todo: dict[str, list[LoadSpec]] = {}
         for spec in metadata.loads:
             self._done_this_step.add(spec.mm_hash)
-            if spec.mm_hash not in encoder_cache:
-                todo.setdefault(spec.mm_hash, []).append(spec)
-        if not todo:
-            return
-        hashes = list(todo)
-        device = _runner_device()
-        keys = [self.key(h) for h in hashes]
+            todo.setdefault(spec.mm_hash, []).append(spec)
+        missing = [h for h in todo if h not in encoder_cache]
+        failed: set[str] = set()
+        if missing:
+            failed = self._load(encoder_cache, {h: todo[h][0] for h in missing})
+        # Every rank, even one with nothing to load: the metadata, hence the call, is
+        # the same on all ranks of the TP group.
+        failed = union_over_tp(list(todo), failed)
+        if failed:
+            self._encode_instead(encoder_cache, metadata, {h: todo[h][0] for h in failed})
+
+    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
+        """The entries under ``keys`` on ``device``; None where one cannot be had."""
         try:
-            tensors = self._on_live_connection(lambda c: c.get_many(keys, device=device))
-        except Exception as exc:
+            return self._on_live_connection(lambda c: c.get_many(keys, device=device))
+        except Exception as exc:  # never take the worker down: the items are encoded
             logger.warning("EC broker get failed: %s", exc)
-            tensors = [None] * len(hashes)
+            return [None] * len(keys)
+
+    def _load(self, encoder_cache: dict[str, torch.Tensor], specs: dict[str, LoadSpec]) -> set[str]:
+        """Load ``specs`` into ``encoder_cache``; the hashes that could not be loaded."""
+        hashes = list(specs)
+        tensors = self._fetch([self.key(h) for h in hashes], _runner_device())
+        failed: set[str] = set()
         invalid: list[tuple[str, str]] = []
         for mm_hash, tensor in zip(hashes, tensors, strict=True):
-            spec = todo[mm_hash][0]
-            why = "entry gone"
+            spec = specs[mm_hash]
+            why = "entry gone or broker unavailable"
             if tensor is not None:
                 why = self._mismatch(
                     dtype_short_name(tensor.dtype), list(tensor.shape), spec.num_embeds, spec.width
@@ -588,41 +657,39 @@ class ECBrokerConnector(ECConnectorBase):
                     continue
                 invalid.append((mm_hash, why))
             self.load_failures += 1
-            logger.error(
-                "EC load failed for mm_hash=%s (%s); its request(s) will be failed", mm_hash, why
-            )
-            encoder_cache[mm_hash] = torch.zeros(
-                spec.num_embeds, spec.width or self._embed_width, dtype=self._dtype, device=device
-            )
-            self._placeholders.add(mm_hash)
-            self._failed_this_step.setdefault(mm_hash, set()).update(
-                s.req_id for s in todo[mm_hash]
-            )
+            logger.warning("EC load failed for mm_hash=%s (%s)", mm_hash, why)
+            failed.add(mm_hash)
         if invalid:
             self._delete_invalid(invalid)
+        return failed
 
-    def _check_placeholders(self, encoder_cache: dict[str, torch.Tensor]) -> None:
-        """Repair placeholders from the broker when possible; forget freed ones."""
-        if not self._placeholders:
-            return
-        for mm_hash in list(self._placeholders):
-            if mm_hash not in encoder_cache:
-                self._placeholders.discard(mm_hash)
-                self._cleared_this_step.add(mm_hash)
-                continue
-            placeholder = encoder_cache[mm_hash]
-            try:
-                tensor = self.client.get(self.key(mm_hash), device=placeholder.device)
-            except Exception:
-                tensor = None
-            if (
-                tensor is not None
-                and tensor.shape == placeholder.shape
-                and tensor.dtype == placeholder.dtype
-            ):
-                encoder_cache[mm_hash] = tensor
-                self._placeholders.discard(mm_hash)
-                self._cleared_this_step.add(mm_hash)
+    def _encode_instead(
+        self,
+        encoder_cache: dict[str, torch.Tensor],
+        metadata: ECBrokerConnectorMetadata,
+        specs: dict[str, LoadSpec],
+    ) -> None:
+        """Have the runner encode ``specs`` in this step: it encodes the step's
+        ``scheduled_encoder_inputs`` right after this hook returns, from the request's
+        own multimodal inputs, then puts the outputs (save_caches) as for any miss."""
+        inputs = metadata.encoder_inputs
+        if inputs is None:  # never with vLLM; a caller that built the metadata by hand
+            raise RuntimeError(
+                "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
+                "vLLM's SchedulerOutput to build_connector_meta"
+            )
+        for mm_hash, spec in specs.items():
+            # A rank that did load it drops its copy: all ranks must encode the same items
+            # (and vLLM's v2 runner skips items already in its cache).
+            encoder_cache.pop(mm_hash, None)
+            # A new list: in-process executors share the scheduler's own lists.
+            inputs[spec.req_id] = sorted({*inputs.get(spec.req_id, ()), spec.index})
+            self.reencoded += 1
+            logger.warning(
+                "EC load of mm_hash=%s failed; request %s encodes it in this step",
+                mm_hash,
+                spec.req_id,
+            )
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
@@ -651,7 +718,7 @@ class ECBrokerConnector(ECConnectorBase):
         """True: stored; False: not stored for good (present, being stored, refused);
         None: broker unavailable, worth retrying."""
         tensor = encoder_cache.get(mm_hash)
-        if tensor is None or mm_hash in self._placeholders:
+        if tensor is None:
             return False
         try:
             client = self.client
@@ -670,20 +737,19 @@ class ECBrokerConnector(ECConnectorBase):
             nbytes = tensor.numel() * tensor.element_size()
             logger.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
             return True
-        return False if client.connected else None
+        if client.connected:
+            return False
+        self.puts_skipped += 1
+        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
     def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
-        if not (self._failed_this_step or self._cleared_this_step or self._done_this_step):
+        if not self._done_this_step:
             return None
-        meta = ECBrokerWorkerMetadata(
-            failed=self._failed_this_step,
-            cleared=self._cleared_this_step,
-            done=self._done_this_step,
-        )
-        self._failed_this_step, self._cleared_this_step, self._done_this_step = {}, set(), set()
+        meta = ECBrokerWorkerMetadata(done=self._done_this_step)
+        self._done_this_step = set()
         return meta
 
 
@@ -693,13 +759,6 @@ def _num_embeds(request: Request, index: int) -> int:
         if method is not None:
             return int(method(index))
     return int(request.mm_features[index].mm_position.length)
-
-
-def _embed_width(model_config: Any) -> int:
-    getter = getattr(model_config, "get_inputs_embeds_size", None)
-    if getter is not None:
-        return int(getter())
-    return int(model_config.get_hidden_size())
 
 
 def _runner_device() -> str:
