@@ -420,3 +420,57 @@ def test_aggregator_follows_brokers_through_eviction_restart_and_reconnect(
         b2.stop()
     finally:
         stop(agg)
+
+
+def test_subscriber_recovers_from_a_dropped_batch_with_a_snapshot() -> None:
+    """A batch the broker dropped (full queue) leaves a sequence gap; the subscriber
+    notices it and takes a snapshot, so the entry of the lost batch is not missed."""
+    import asyncio
+    import threading
+
+    from lmcache_ec_broker.events.subscriber import Subscriber
+
+    port = port_pair()
+    pub = ZmqPublisher("127.0.0.1", port, "node-g", queue_size=64, replay=100, heartbeat_s=0.1)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    full = threading.Event()
+
+    def sink(topic: bytes, seq: int, payload: bytes) -> bool:
+        if full.is_set():  # the queue is full for this one batch
+            full.clear()
+            return False
+        return pub.offer(topic, seq, payload)
+
+    tracker = ResidencyTracker("node-g", "epoch-1", sink)
+    pub.start(lambda: loop, tracker.snapshot, tracker.heartbeat)
+    sub = Subscriber([f"tcp://127.0.0.1:{port}"], down_after_s=5.0)
+    sub.start()
+    try:
+
+        def store(h: str) -> None:
+            loop.call_soon_threadsafe(tracker.slab_stored, key(h), 100)
+
+        store("g0")
+        wait_until(lambda: sub.lookup(MODEL, ["g0"]) != [[]], "g0 seen")
+        full.set()
+        store("g1")  # dropped
+        wait_until(lambda: not full.is_set(), "the drop")
+        store("g2")
+        wait_until(
+            lambda: all(sub.lookup(MODEL, ["g1", "g2"])), "g1 (lost batch) and g2 after resync"
+        )
+        status = sub.nodes()["node-g"]
+        assert status["gaps"] >= 1 and status["snapshots"] >= 2, status
+        assert tracker.stats()["events_dropped_batches"] == 1
+    finally:
+        sub.close()
+        asyncio.run_coroutine_threadsafe(_stop(tracker, pub), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+async def _stop(tracker: ResidencyTracker, pub: ZmqPublisher) -> None:
+    tracker.close()
+    await pub.stop()
