@@ -65,7 +65,9 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
         from .mooncake import MooncakeTier
         from .mooncake_config import settings_from_config
 
-        tiers.append(MooncakeTier(settings_from_config(config)))
+        tiers.append(
+            MooncakeTier(settings_from_config(config), max_pending_bytes=max(slab_capacity // 4, 1))
+        )
     return tiers
 
 

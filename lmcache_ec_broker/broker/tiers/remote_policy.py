@@ -20,6 +20,8 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    was there) makes the key known -- and not if a delete or clear came meanwhile.
 3. Refused values. A value that fails validation is never served; its key is
    remembered as refused and the next write of it overwrites whatever is stored.
+   Lookups do not ask the store for a refused key for ``REFUSED_TTL_S`` -- unless
+   another broker announces a new value of it (or this one stored it).
 4. Budget. Writes queued or running hold at most ``max_pending_bytes`` (one entry
    larger than the budget is accepted only into an empty queue) and at most
    ``write_queue`` entries; beyond that they are dropped (counted), never waited for.
@@ -68,6 +70,7 @@ log = logging.getLogger("lmcache_ec_broker.remote")
 MAX_DELETE_TRIES = 6
 REFUSED_CAP = 65536
 GONE_CAP = 65536
+REFUSED_TTL_S = 60.0
 
 
 # ---------------------------------------------------------------- the policy
@@ -82,8 +85,10 @@ class RemotePolicy:
         runner: Runner,
         node_of: Callable[[str], Node],
         clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
         self.limits = limits
+        self.ready = ready  # False: no client yet (Mooncake connecting): writes are dropped
         self.runner = runner
         self.node_of = node_of
         self.clock = clock
@@ -105,7 +110,8 @@ class RemotePolicy:
         self.deleting: collections.Counter[str] = collections.Counter()  # pending deletes
         self.clearing = 0
         self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.refused: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # refused key -> until when lookups do not ask for it
+        self.refused: collections.OrderedDict[str, float] = collections.OrderedDict()
         # jobs whose result may teach keys: a delete/clear meanwhile must reach them
         self.live: set[LookupJob | ScanJob | WriteJob] = set()
         # lookups
@@ -119,6 +125,7 @@ class RemotePolicy:
         self._scan_again = False
         self._fold: Iterator[None] | None = None
         self._probing: set[Node] = set()
+        self._said_down: set[Node] = set()  # nodes whose outage was logged
         self._timer_at = 0.0
 
     # ------------------------------------------------------------ helpers
@@ -130,8 +137,11 @@ class RemotePolicy:
     def _breaker_changed(self, node: object, state: State) -> None:
         if state is State.OPEN:
             self.counters["remote_circuit_opens"] += 1
-            log.warning("remote tier: store node %s is unavailable; serving local tiers", node)
+            if node not in self._said_down:  # once per outage, not at every failed probe
+                self._said_down.add(node)
+                log.warning("remote tier: store node %s is unavailable; serving local tiers", node)
         elif state is State.CLOSED:
+            self._said_down.discard(node)
             log.info("remote tier: store node %s is reachable again", node)
             self.want_scan()  # it may have restarted empty: re-learn what it holds
 
@@ -176,7 +186,7 @@ class RemotePolicy:
 
     def refuse(self, key: str, why: object) -> None:
         self.counters["remote_refused_values"] += 1
-        self.refused[key] = None
+        self.refused[key] = self.clock() + REFUSED_TTL_S
         self.refused.move_to_end(key)
         while len(self.refused) > REFUSED_CAP:
             self.refused.popitem(last=False)
@@ -197,7 +207,7 @@ class RemotePolicy:
         full = len(self.pending_writes) >= self.limits.write_queue or (
             self.pending_writes and self.pending_bytes + meta.nbytes > self.limits.max_pending_bytes
         )
-        if full or self.breakers[self.node_of(key)].refusing():
+        if full or not self.ready() or self.breakers[self.node_of(key)].refusing():
             self.counters["remote_write_drops"] += 1
             return None
         job = WriteJob(
@@ -372,10 +382,13 @@ class RemotePolicy:
         if self.closing:
             raise TierUnavailable("remote tier is shutting down")
         keys = list(keys)
+        now = self.clock()
         ask = [
             k
             for k in dict.fromkeys(keys)
-            if not self._blocked(k) and (not self.complete or k in self.known)
+            if not self._blocked(k)
+            and (not self.complete or k in self.known)
+            and self.refused.get(k, 0.0) <= now
         ]
         if ask:
             up = [k for k in ask if not self.breakers[self.node_of(k)].refusing()]
@@ -448,8 +461,9 @@ class RemotePolicy:
         if job.expired:  # answered at its deadline; the late result is not used
             self._start_lookups()
             return
-        if isinstance(result, StoreDown):
-            self._fail(result.nodes or nodes)
+        if isinstance(result, Exception):  # StoreDown, or Retry (busy: not the store's fault)
+            if isinstance(result, StoreDown):
+                self._fail(result.nodes or nodes)
             self._answer(job, TierUnavailable(str(result)))
             self._start_lookups()
             return
@@ -568,7 +582,8 @@ class RemotePolicy:
             return
         for key in keys[: self.limits.fold_slice]:
             self.counters["remote_announcements"] += 1
-            if not self._blocked(key) and key not in self.refused:
+            self.refused.pop(key, None)  # a new value: worth asking for again
+            if not self._blocked(key):
                 self._learn(key)
 
     # ------------------------------------------------------------ probes

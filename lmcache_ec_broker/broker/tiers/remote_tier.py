@@ -43,7 +43,7 @@ from .remote_jobs import (
 )
 from .remote_policy import Limits, RemotePolicy
 from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
-from .remote_transport import StoreDown, Transport
+from .remote_transport import Retry, StoreDown, Transport
 from .remote_value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
@@ -110,7 +110,7 @@ class RemoteTier(LowerTier):
         self.limits = limits
         self.meter = meter
         self.describe = describe
-        self.policy = RemotePolicy(limits, self, transport.node_of)
+        self.policy = RemotePolicy(limits, self, transport.node_of, ready=transport.ready)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slab: SlabAccess | None = None
         self._events: TierEvents | None = None
@@ -278,7 +278,7 @@ class RemoteTier(LowerTier):
         def job() -> BaseException | None:
             try:
                 self.transport.read_into(key, meta, extents, slab)
-            except (StoreDown, BadValue, TierMiss) as exc:
+            except (StoreDown, Retry, BadValue, TierMiss) as exc:
                 return exc
             except Exception as exc:  # a transport bug: treated as the store failing
                 log.exception("remote tier: reading %r failed", key[:200])
@@ -289,6 +289,8 @@ class RemoteTier(LowerTier):
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
         exc = await _uncancellable(fut)
+        if isinstance(exc, Retry):  # busy here, not the store's fault
+            raise TierUnavailable(str(exc))
         self.policy.read_ended(key, exc)
         if isinstance(exc, StoreDown):
             raise TierUnavailable(str(exc))
