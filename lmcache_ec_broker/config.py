@@ -189,6 +189,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # not allowed to grow the broker's memory): get() pins and has()/lookup() leases.
     max_pins_per_connection: int = 65536
     max_leases_per_connection: int = 65536
+    # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
+    # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
+    events_port: int = 0  # 0: no events
+    events_host: str = "127.0.0.1"  # like metrics: local only unless set (0.0.0.0: all)
+    events_node: str = ""  # node name in the topics; "": this host's name
+    events_queue: int = 1024  # batches waiting for the publisher thread; more are dropped
+    events_replay: int = 10_000  # batches kept for replay requests
+    events_heartbeat_s: float = 1.0  # a heartbeat batch (with the epoch) this often
+    events_lookup_port: int = 0  # HTTP/JSON lookup of this broker's residency; 0: off
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid value."""
@@ -246,6 +255,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("max_pins_per_connection and max_leases_per_connection must be >= 1")
         self._validate_access()
         self._validate_remote()
+        from .events.settings import validate_events
+
+        validate_events(self)
         self._refuse_ignored_settings()
 
     def _validate_access(self) -> None:

@@ -425,7 +425,8 @@ class BrokerServer:
     def _remote_down_reason(self) -> str:
         """Why the remote tier last failed to reach its store ("" while it is up)."""
         for tier in self.tiers.remote_tiers:
-            reason = getattr(tier, "down_reason", "")
+            trouble = getattr(getattr(tier, "transport", None), "trouble", None)
+            reason = trouble.reason if trouble is not None else ""
             if reason and not tier.stats().get("remote_up", 1):
                 return str(reason)
         return ""
@@ -466,6 +467,10 @@ class BrokerServer:
             self._publish_filter(name, gid)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
                 self._start_metrics(cfg.metrics_port)
+            if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
+                from ..events.install import install as install_events
+
+                install_events(self)  # BrokerError naming the fix if it cannot start
             try:
                 self.tiers.open()
             except TierError as exc:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...protocol import Extent
 from .base import EntryMeta, SlabAccess, TierError, TierMiss
+from .connect_error import ConnectTrouble
 from .remote_policy import Limits
 from .remote_stats import REMOTE_COUNTERS
 from .remote_tier import BACKGROUND_NICE, Meter, RemoteTier
@@ -101,6 +102,7 @@ class RedisTransport:
         except ValueError as exc:
             raise TierError(str(exc)) from None
         self.url_shown = mask_url(config.remote_url)
+        self.trouble = ConnectTrouble(self.url_shown)  # why it cannot connect (stats, log once)
         self.prefix = config.remote_key_prefix.encode()
         self.channel = self.prefix + b"announce"
         self.ttl_s = config.remote_ttl_s
@@ -183,7 +185,9 @@ class RedisTransport:
         try:
             conn = self.pool.get(ep)
         except (OSError, RespError) as exc:
+            self.trouble.failed(exc, ep)
             raise StoreDown([ep], f"cannot connect to {ep}: {exc}") from None
+        self.trouble.ok()
         with self._lock:
             self._active.add(conn)
         try:
@@ -476,7 +480,8 @@ class RedisTransport:
             node = self.node_of("") if not self.target.cluster else ep
             try:
                 conn = Connection(ep, dataclasses.replace(self.params, timeout_s=_SUB_POLL_S))
-            except (OSError, RespError):
+            except (OSError, RespError) as exc:
+                self.trouble.failed(exc, ep)
                 if on_health is not None:
                     on_health(node, False)  # no traffic needed to notice a store that is down
                 self._stop.wait(backoff)
