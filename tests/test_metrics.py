@@ -11,8 +11,10 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rawproto import RawConn
 
 from lmcache_ec_broker.broker.metrics import LatencyRecorder
+from lmcache_ec_broker.protocol import Get, Has
 
 _WORK = """
 import sys, torch
@@ -121,3 +123,22 @@ def test_latency_recorder_quantiles() -> None:
     assert s["requests_has"] == 100
     assert s["latency_has_p50_us"] == 20.0  # upper bound of the 10-20 us bucket
     assert s["latency_has_p99_us"] == 5000.0
+
+
+def test_refusals_at_the_per_connection_caps_are_counters(make_broker) -> None:
+    port = _free_port()
+    b = make_broker(
+        "--shm-size", "4MiB", "--metrics-port", str(port),
+        "--max-pins-per-connection", "1", "--max-leases-per-connection", "1",
+    )  # fmt: skip
+    subprocess.run([sys.executable, "-c", _WORK, b.socket_path], check=True, timeout=60)
+    raw = RawConn(b.socket_path)
+    assert raw.call(Get(["k0"])).items[0] is not None
+    assert raw.call(Get(["k0"])).code == "too_many_pins"
+    assert raw.call(Has(["k0", "k1"], lease_ms=10_000)).code == "too_many_leases"
+    raw.close()
+    m = _scrape(port)
+    p = "lmcache_ec_broker_"
+    assert m[p + "pin_limit_refusals_total"] == 1
+    assert m[p + "lease_limit_refusals_total"] == 1
+    assert m[p + "max_pins_per_connection"] == 1
