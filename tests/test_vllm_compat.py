@@ -105,7 +105,6 @@ def test_ec_connector_base_is_the_same_in_0_33(next_src: Path):
         "ensure_cache_available",
         "update_connector_output",
         "request_finished",
-        "take_unavailable_requests",
         "build_connector_worker_meta",
         "start_save_caches",
     } <= overridden

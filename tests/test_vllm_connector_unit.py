@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from lmcache_ec_broker.connector.vllm import (  # noqa: E402
     ECBrokerConnectorMetadata,
     make_key,
 )
+from lmcache_ec_broker.protocol import LookupState  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl  # noqa: E402
 
 NUM_EMBEDS = 16
@@ -1060,3 +1062,82 @@ def test_single_file_model_is_fingerprinted(tmp_path):
     weights.write_bytes(bytes(range(255, -1, -1)) * 64)
     fingerprint.cache_clear()
     assert model_id(str(weights)) != before
+
+
+# ------------------------------- a hung broker costs nothing (issue 21 item 3)
+
+
+def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broker):
+    """The scheduler's hooks driven like an engine stepping with a new multimodal
+    request per step, the broker SIGSTOPped: one scheduler_budget_ms wait, then
+    misses in microseconds; after SIGCONT the probe finds it and hits come back.
+    (Before: 10 s for the first call, then 5 s per call.)"""
+    b = make_broker("--shm-size", "64MiB")
+    p = pairs(socket_path=b.socket_path, scheduler_budget_ms=100, probe_interval_ms=100)
+    x = "f7" * 32
+    p.worker.save_caches({x: embedding(50)}, x)
+    assert p.sched.client.timeout_s == 0.1 and p.worker.client.timeout_s == 0.2
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        waits = []
+        for i in range(40):
+            r = make_request(f"r{i}", x)  # a hit, if the broker answered
+            t0 = time.perf_counter()
+            assert p.sched.ensure_cache_available(r, 0)
+            assert not p.sched.has_cache_item(x)
+            p.sched.update_state_after_alloc(r, 0)
+            p.sched.build_connector_meta(SchedulerOutput.make_empty())
+            p.sched._held.clear()  # a new item each step, as far as vLLM's cache goes
+            waits.append(time.perf_counter() - t0)
+        assert 0.08 < waits[0] < 1.0, waits[0]
+        assert max(waits[1:]) < 0.02, max(waits[1:])
+        assert p.sched.broker_timeouts == 1
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while not p.sched.has_cache_item(x):
+        assert time.monotonic() < deadline, "the scheduler never used the broker again"
+        p.sched.build_connector_meta(SchedulerOutput.make_empty())
+        time.sleep(0.05)
+
+
+def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
+    """Worker side: the first put waits worker_budget_ms, later puts are skipped at
+    once and counted, a load fails at once (and is encoded); all published after."""
+    b = make_broker("--shm-size", "64MiB")
+    p = pairs(socket_path=b.socket_path, worker_budget_ms=150, probe_interval_ms=100)
+    p.worker.save_caches({"0" * 64: embedding(51)}, "0" * 64)  # connected, mapped
+    cache = {f"{i + 1:064x}": embedding(60 + i) for i in range(5)}
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        waits = []
+        for h in cache:
+            t0 = time.perf_counter()
+            p.worker.save_caches(cache, h)
+            waits.append(time.perf_counter() - t0)
+        assert 0.1 < waits[0] < 1.0 and max(waits[1:]) < 0.02, waits
+        assert p.worker.puts_skipped == 5 and p.worker.broker_timeouts == 1
+        r = make_request("r", "0" * 64)
+        so = SchedulerOutput.make_empty()
+        p.sched._step_state["0" * 64] = LookupState.READY  # a hit seen before the hang
+        p.sched.update_state_after_alloc(r, 0)
+        t0 = time.perf_counter()
+        shipped = run_worker_step(p.sched, p.worker, so, {}, [(r, 0)])
+        assert time.perf_counter() - t0 < 0.05
+        assert shipped.scheduled_encoder_inputs == {"r": [0]}
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while p.worker.puts_stored < 6:
+        assert time.monotonic() < deadline, "outputs encoded during the hang never published"
+        p.worker.start_save_caches(encoder_cache=cache)
+        time.sleep(0.05)
+
+
+def test_timeout_s_is_refused_with_the_fix(model_config, broker):
+    config = make_config(model_config, "ec_both", broker.socket_path, timeout_s=5.0)
+    with pytest.raises(ValueError, match="scheduler_budget_ms"):
+        ECBrokerConnector(config, ECConnectorRole.SCHEDULER)
+    config = make_config(model_config, "ec_both", broker.socket_path, worker_budget_ms=0)
+    with pytest.raises(ValueError, match="worker_budget_ms"):
+        ECBrokerConnector(config, ECConnectorRole.WORKER)

@@ -11,7 +11,7 @@ is needed where vLLM plugins are disabled through ``VLLM_PLUGINS``.)
 
 Extra config keys: ``socket_path`` (default: $LMCACHE_EC_BROKER_SOCKET, then the
 broker's default), ``scheduler_budget_ms`` (50: the longest the scheduler's hooks
-wait for the broker, once per outage), ``worker_budget_ms`` (500: the same for a
+wait for the broker, once per outage), ``worker_budget_ms`` (200: the same for a
 worker's loads and puts), ``probe_interval_ms`` (500: how often a broker that
 timed out is probed in the background), ``lease_ms`` (30000: how long a hit the
 scheduler saw is protected from eviction if nothing releases it earlier),
@@ -101,7 +101,7 @@ DEFAULT_LEASE_MS = 30_000
 DEFAULT_MAX_DEFER_S = 10.0
 # Chosen from benchmarks/hung_broker.py (README, "When the broker fails").
 DEFAULT_SCHEDULER_BUDGET_MS = 50.0
-DEFAULT_WORKER_BUDGET_MS = 500.0
+DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 _MISS = EntryInfo(LookupState.MISS)
@@ -204,7 +204,7 @@ class ECBrokerConnector(ECConnectorBase):
         if extra("timeout_s", None) is not None:
             raise ValueError(
                 "ec_connector_extra_config: timeout_s is gone; the broker's waits are bounded "
-                "by scheduler_budget_ms (default 50) and worker_budget_ms (default 500): "
+                "by scheduler_budget_ms (default 50) and worker_budget_ms (default 200): "
                 "set those instead"
             )
         budget_ms = float(
