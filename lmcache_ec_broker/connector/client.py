@@ -196,7 +196,9 @@ class BrokerClient:
             self.timeout_s,
             self.probe_interval_s,
         )
-        if self._prober is None or self._prober_pid != os.getpid():  # once per process
+        self._closing.clear()  # a client used again after close()
+        alive = self._prober is not None and self._prober.is_alive()
+        if not alive or self._prober_pid != os.getpid():  # one per process, it never exits
             self._prober_pid = os.getpid()
             self._prober = threading.Thread(
                 target=self._probe_loop, name="lmcache-ec-probe", daemon=True

@@ -619,14 +619,15 @@ class ECBrokerConnector(ECConnectorBase):
             self._done_this_step.add(spec.mm_hash)
             todo.setdefault(spec.mm_hash, []).append(spec)
         missing = [h for h in todo if h not in encoder_cache]
-        failed: set[str] = set()
+        here: set[str] = set()
         if missing:
-            failed = self._load(encoder_cache, {h: todo[h][0] for h in missing})
+            here = self._load(encoder_cache, {h: todo[h][0] for h in missing})
         # Every rank, even one with nothing to load: the metadata, hence the call, is
         # the same on all ranks of the TP group.
-        failed = union_over_tp(list(todo), failed)
+        failed = union_over_tp(list(todo), here)
         if failed:
-            self._encode_instead(encoder_cache, metadata, {h: todo[h][0] for h in failed})
+            specs = {h: todo[h][0] for h in failed}
+            self._encode_instead(encoder_cache, metadata, specs, failed - here)
 
     def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
         """The entries under ``keys`` on ``device``; None where one cannot be had."""
@@ -668,6 +669,7 @@ class ECBrokerConnector(ECConnectorBase):
         encoder_cache: dict[str, torch.Tensor],
         metadata: ECBrokerConnectorMetadata,
         specs: dict[str, LoadSpec],
+        elsewhere: set[str],
     ) -> None:
         """Have the runner encode ``specs`` in this step: it encodes the step's
         ``scheduled_encoder_inputs`` right after this hook returns, from the request's
@@ -686,8 +688,9 @@ class ECBrokerConnector(ECConnectorBase):
             inputs[spec.req_id] = sorted({*inputs.get(spec.req_id, ()), spec.index})
             self.reencoded += 1
             logger.warning(
-                "EC load of mm_hash=%s failed; request %s encodes it in this step",
+                "EC load of mm_hash=%s failed%s; request %s encodes it in this step",
                 mm_hash,
+                " on another TP rank" if mm_hash in elsewhere else "",
                 spec.req_id,
             )
 

@@ -52,14 +52,19 @@ def vllm_shm_in_use(pids: Iterable[int]) -> set[str]:
     """Names of vLLM-named /dev/shm entries these processes map or hold open."""
     prefix = SHM_DIR + "/"
     names: set[str] = set()
+    # A POSIX semaphore is mapped under the temporary name glibc created it with
+    # (then linked to sem.mp-*, the temporary unlinked): match those by inode.
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    path = line.rstrip("\n").split(maxsplit=5)[-1]
+                    fields = line.rstrip("\n").split(maxsplit=5)
+                    path = fields[-1]
                     if path.startswith(prefix):
                         names.add(path[len(prefix) :].removesuffix(" (deleted)"))
-        except OSError:
+                        inodes.add(int(fields[4]))
+        except (OSError, ValueError):
             pass
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -72,6 +77,12 @@ def vllm_shm_in_use(pids: Iterable[int]) -> set[str]:
                 continue
             if target.startswith(prefix):
                 names.add(target[len(prefix) :].removesuffix(" (deleted)"))
+    for name in list_vllm_shm() - names:
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_ino in inodes:
+                names.add(name)
+        except OSError:
+            pass
     return {n for n in names if _is_vllm_name(n)}
 
 
