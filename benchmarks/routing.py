@@ -25,9 +25,11 @@ Workload: ``--images`` distinct images with Zipf(``--zipf``) popularity, one of
 ``--concurrency`` requests in flight. The same seeded sequence for every policy.
 
 Scenarios: ``local`` (brokers with slab only), ``remote`` (both brokers share one
-redis-server as their remote tier), ``evict`` (slab only; after the first half,
-node 0's broker is cleared and its vLLM encoder cache reset -- a server-side
-eviction the router did not cause; only the second half is measured). Every
+redis-server as their remote tier), ``evict`` (slab only; the first half is
+routed round-robin for every policy -- both nodes get the popular images, the
+history policy records where each went -- then node 0's broker is cleared and its
+vLLM encoder cache reset, a server-side eviction the router did not cause; only the
+second half, routed by the policy, is measured). Every
 (scenario, policy) run starts from empty caches: brokers restarted (vLLM
 reconnects), ``/reset_encoder_cache`` on both, Redis restarted.
 
@@ -259,15 +261,25 @@ class Router:
         self.rr = 0
         self.history = [collections.OrderedDict[str, None]() for _ in nodes]
         self.lru_entries = lru_entries
+        # Render and record history also while routing round-robin (the evict scenario's
+        # warm phase: every policy then starts from the same placement and history).
+        self.record = False
 
     def route(self, body: dict[str, Any]) -> int:
-        if self.policy == "rr":
+        if self.policy == "rr" and not self.record:
             with self.lock:
                 i = self.rr % len(self.nodes)
                 self.rr += 1
                 self.inflight[i] += 1
                 return i
         hashes = render_hashes(self.urls[self.rr % len(self.urls)], body)
+        if self.policy == "rr":
+            with self.lock:
+                i = self.rr % len(self.nodes)
+                self.rr += 1
+                self.inflight[i] += 1
+                self._remember(i, hashes)
+                return i
         if self.policy == "residency":
             found = self.aggregator.lookup(self.model, hashes)
             held = [0.0] * len(self.nodes)
@@ -288,14 +300,18 @@ class Router:
             i = ties[self.rr % len(ties)]
             self.rr += 1
             self.inflight[i] += 1
-            if self.policy == "history":
-                lru = self.history[i]
-                for h in hashes:
-                    lru[h] = None
-                    lru.move_to_end(h)
-                while len(lru) > self.lru_entries:
-                    lru.popitem(last=False)
+            self._remember(i, hashes)
             return i
+
+    def _remember(self, i: int, hashes: list[str]) -> None:
+        """The history policy's view: node ``i`` now holds ``hashes`` (an LRU sized
+        from the node's cache size, as llm-d's scorer keeps one per pod)."""
+        lru = self.history[i]
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.lru_entries:
+            lru.popitem(last=False)
 
     def done(self, i: int) -> None:
         with self.lock:
@@ -425,8 +441,13 @@ def one_run(
     )
     measured = workload
     if scenario == "evict":
+        # The first half is routed round-robin for every policy (both nodes end up with
+        # the popular images; the history policy records where each went), then node 0
+        # loses everything it held; only the second half, routed by the policy, counts.
         half = len(workload) // 2
+        router.policy, router.record = "rr", True
         run_requests(router, servers, env["model"], workload[:half], env["image"], args.concurrency)
+        router.policy, router.record = policy, False
         from lmcache_ec_broker import BrokerClient
 
         with BrokerClient(brokers[0].socket_path) as c:
@@ -495,8 +516,8 @@ def main() -> int:
     p.add_argument(
         "--side",
         type=int,
-        default=448,
-        help="image side in pixels (448: 256 tokens; vLLM's own encoder cache then holds 4 of them)",
+        default=672,
+        help="image side in pixels (672: 144 tokens each; vLLM's own encoder cache, 512 tokens, then holds 3)",
     )
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--load-weight", type=float, default=0.5)
@@ -566,7 +587,7 @@ def main() -> int:
                         "--max-model-len",
                         "1024",
                         "--max-num-batched-tokens",
-                        "1024",
+                        "512",
                     ],
                     env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                 )

@@ -332,7 +332,7 @@ def test_full_queue_drops_counts_and_leaves_a_sequence_gap() -> None:
         pub.close_now()
 
 
-def start_aggregator(*ports: int, down_after: float = 1.0) -> tuple[subprocess.Popen, str]:
+def start_aggregator(*ports: int, down_after: float = 2.0) -> tuple[subprocess.Popen, str]:
     http_port = port_pair()
     args = [sys.executable, "-m", "lmcache_ec_broker.events.aggregator", "--port", str(http_port)]
     args += ["--down-after", str(down_after)]
