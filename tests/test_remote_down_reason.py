@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 from conftest import run_cli, wait_until
@@ -77,3 +78,16 @@ def test_tls_mismatch_and_a_silent_listener_are_named(start_node) -> None:
     finally:
         silent.close()
         srv.stop()
+
+
+def test_mooncake_master_not_there_is_named(make_broker, tmp_path) -> None:
+    pytest.importorskip("mooncake.store")
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(
+        f"remote_url: mooncakestore://127.0.0.1:{free_port()}\nmooncake_local_hostname: 127.0.0.1\n"
+    )
+    b = make_broker("--shm-size", "16MiB", "--config", str(cfg))
+    _down_because(b, "connection refused")
+    wait_until(lambda: _opens(b) >= 0 and b.read_log().count("cannot connect to") == 1, "the log")
+    time.sleep(2)  # retries meanwhile (backoff 0.5 s, 1 s): still said once
+    assert b.read_log().count("cannot connect to Mooncake master") == 1, b.read_log()

@@ -31,6 +31,7 @@ from typing import Any
 
 from ...protocol import Extent
 from .base import EntryMeta, SlabAccess, TierError
+from .connect_error import ConnectTrouble
 from .mooncake_config import EXTRA_HINT, SCHEME, MooncakeSettings
 from .mooncake_io import (
     BATCH_WRITE_BYTES,
@@ -90,6 +91,7 @@ class MooncakeTransport:
         self._stopping = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.trouble = ConnectTrouble(f"Mooncake master {settings.master}")  # stats, log once
 
     def describe(self) -> str:
         return (
@@ -154,7 +156,8 @@ class MooncakeTransport:
                     if rc != 0:
                         raise RuntimeError(f"register_buffer returned {rc}")
             except Exception as exc:  # noqa: BLE001 - any failure here means "still down"
-                log.warning(
+                self.trouble.failed(exc)  # the cause, once (and in stats)
+                log.debug(
                     "Mooncake master %s not reachable (%s); retrying in %.1fs",
                     self.s.master,
                     exc,
@@ -167,6 +170,7 @@ class MooncakeTransport:
                 backoff = min(backoff * 2, 30.0)
                 continue
             self._store = store
+            self.trouble.ok()
             self._connected.set()
             log.info("Mooncake remote tier connected to %s (%s)", self.s.master, self.s.protocol)
             return
