@@ -286,6 +286,12 @@ def test_passwords_with_slash_at_colon_are_never_printed(tmp_path, monkeypatch, 
         assert fragment not in str(info.value).replace("***", ""), (fragment, str(info.value))
     r = _cli("start", "--print-config", env={"LMCACHE_EC_REMOTE_URL": url})
     assert secret not in r.stdout + r.stderr
+    mooncake = {
+        "LMCACHE_EC_REMOTE_URL": "mooncakestore://127.0.0.1:50051",
+        "LMCACHE_EC_MOONCAKE_METADATA_SERVER": url.replace("redis", "http", 1),
+    }
+    r = _cli("start", "--print-config", env=mooncake)
+    assert r.returncode == 0 and secret not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_a_slash_in_a_url_password_is_refused_without_echoing_it(monkeypatch):
