@@ -1,21 +1,72 @@
 """Fault injection for the e2e tests, loaded by a real vLLM through
 ``ec_connector_module_path`` (PYTHONPATH points here).
 
-The worker deletes each entry from the broker right before loading it: the
-"entry vanished between the scheduler's check and the worker's load" race
-(broker restart, ``clear``), made deterministic."""
+Armed by the test through the file named by $LMCACHE_EC_FAULT_FILE; the fault
+fires at the start of the next worker step that has loads (the moment between the
+scheduler's hit and the worker's load), once, then the file is gone:
+
+- ``drop``: delete the step's entries from the broker (a broker restart, ``clear``);
+- ``kill PID``: SIGKILL the broker process PID;
+- ``fail-rank R``: on tensor-parallel rank R only, the load gets nothing (the other
+  ranks load normally).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
+
+import torch
 
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector, ECBrokerConnectorMetadata
 
+FAULT_FILE_ENV = "LMCACHE_EC_FAULT_FILE"
 
-class ECBrokerConnectorDropsBeforeLoad(ECBrokerConnector):
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().rank_in_group
+
+
+class ECBrokerConnectorWithFaults(ECBrokerConnector):
+    _fail_fetch = False
+
     def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
-        for spec in metadata.loads:
-            self.client.delete(self.key(spec.mm_hash))
-        super().start_load_caches(encoder_cache, **kwargs)
+        if metadata.loads:
+            self._fire(metadata)
+        try:
+            super().start_load_caches(encoder_cache, **kwargs)
+        finally:
+            self._fail_fetch = False
+
+    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
+        if self._fail_fetch:
+            return [None] * len(keys)
+        return super()._fetch(keys, device)
+
+    def _fire(self, metadata: ECBrokerConnectorMetadata) -> None:
+        path = os.environ.get(FAULT_FILE_ENV, "")
+        try:
+            with open(path) as f:
+                fault = f.read().split()
+        except OSError:
+            return
+        if not fault:
+            return
+        if fault[0] == "fail-rank" and int(fault[1]) != _tp_rank():
+            return  # armed for another rank: leave it to that one
+        try:
+            os.unlink(path)  # once
+        except FileNotFoundError:
+            return  # another process fired it
+        if fault[0] == "drop":
+            for spec in metadata.loads:
+                self.client.delete(self.key(spec.mm_hash))
+        elif fault[0] == "kill":
+            os.kill(int(fault[1]), signal.SIGKILL)
+        elif fault[0] == "fail-rank":
+            self._fail_fetch = True

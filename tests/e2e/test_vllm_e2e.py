@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 from collections.abc import Iterator
@@ -41,9 +43,6 @@ SPEC = TinyQwen2VLSpec()
 ENTRY_BYTES = 16 * SPEC.hidden_size * 2  # a 112x112 image: 16 rows of bf16
 
 
-
-
-
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="ece2e-", dir="/tmp"))  # short: AF_UNIX path limit
@@ -63,9 +62,9 @@ def model(workdir: Path) -> str:
 class Broker:
     """A real broker process on a fixed socket that a test can stop and restart."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.socket_path = str(workdir / "broker.sock")
-        self.log_path = workdir / "broker.log"
+    def __init__(self, workdir: Path, name: str = "broker") -> None:
+        self.socket_path = str(workdir / f"{name}.sock")
+        self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _cli(self, *args: str) -> list[str]:
@@ -117,16 +116,40 @@ def broker(workdir: Path) -> Iterator[Broker]:
 
 
 @pytest.fixture(scope="module")
-def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, VllmServer]]:
+def faulty_broker(workdir: Path) -> Iterator[Broker]:
+    """The "faulty" instance's own broker: its tests kill it."""
+    b = Broker(workdir, "faulty-broker")
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def arm(workdir: Path, server: str, fault: str) -> Path:
+    """Arm a fault of tests/e2e/faulty_ec_connector.py for ``server``'s next load."""
+    path = workdir / f"{server}.fault"
+    path.write_text(fault)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model: str, broker: Broker, faulty_broker: Broker, workdir: Path
+) -> Iterator[dict[str, VllmServer]]:
     cores = os.cpu_count() or 1
 
-    def server(name: str, role: str | None, tp: int = 1, **connector: str) -> VllmServer:
-        cfg = ec_transfer_config(role, broker.socket_path, **connector) if role else None
+    def server(
+        name: str, role: str | None, tp: int = 1, socket_path: str = "", **connector: str
+    ) -> VllmServer:
+        sock = socket_path or broker.socket_path
+        cfg = ec_transfer_config(role, sock, **connector) if role else None
         # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
         binds = [str((len(fleet) + rank) % cores) for rank in range(tp)]
         env = {
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(binds),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+            "LMCACHE_EC_FAULT_FILE": str(workdir / f"{name}.fault"),
         }
         extra = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         return VllmServer(model, workdir / f"{name}.log", ec_config=cfg, env=env, extra_args=extra)
@@ -152,13 +175,9 @@ def servers(model: str, broker: Broker, workdir: Path) -> Iterator[dict[str, Vll
         ec_config=json.dumps(short),
         env={"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)},
     )
-    fleet["faulty"] = server(
-        "faulty",
-        "ec_both",
-        connector="ECBrokerConnectorDropsBeforeLoad",
-        module="faulty_ec_connector",
-    )
-    fleet["tp2"] = server("tp2", "ec_both", tp=2)
+    faults = {"connector": "ECBrokerConnectorWithFaults", "module": "faulty_ec_connector"}
+    fleet["faulty"] = server("faulty", "ec_both", socket_path=faulty_broker.socket_path, **faults)
+    fleet["tp2"] = server("tp2", "ec_both", tp=2, **faults)
     try:
         for s in fleet.values():
             s.start()
@@ -245,22 +264,104 @@ def test_tensor_parallel_ranks_share_one_entry(servers, broker):
     assert warm == cold
 
 
-def test_vanished_entry_fails_the_request_and_the_engine_lives(servers):
-    """The entry disappears between the scheduler's has() and the worker's load:
-    that request fails with a (retryable) 500; the engine keeps serving."""
+def test_vanished_entry_is_encoded_in_its_step(servers, workdir):
+    """The entry disappears between the scheduler's hit and the worker's load: the
+    item is encoded in that step; the answer is the cold answer (no error), and so is
+    every retry (before: a 500, then every retry of the image failed)."""
     faulty, plain = servers["faulty"], servers["plain"]
     image = png_data_url(seed=5)
-    first = faulty.chat_token_ids(image)  # encodes and stores
-    assert first == plain.chat_token_ids(image)
+    cold = plain.chat_token_ids(image, max_tokens=1)
+    assert faulty.chat_token_ids(image, max_tokens=1) == cold  # encodes and stores
     faulty.reset_encoder_cache()
-    with pytest.raises(urllib.error.HTTPError) as err:
-        faulty.chat_token_ids(image)  # hit -> entry deleted -> load fails
-    assert err.value.code == 500
+    fault = arm(workdir, "faulty", "drop")
+    assert faulty.chat_token_ids(image, max_tokens=1) == cold  # hit -> dropped -> encoded
+    assert not fault.exists(), "the fault never fired: no load happened"
     log = faulty.log_text()
-    assert "EC load failed for mm_hash=" in log
-    assert "failing 1 request(s)" in log
+    assert "EC load failed for mm_hash=" in log and "encodes it in this step" in log
+    assert faulty.chat_token_ids(image, max_tokens=1) == cold
+    faulty.reset_encoder_cache()
+    assert faulty.chat_token_ids(image, max_tokens=1) == cold  # loads the re-put entry
     other = png_data_url(seed=6)
     assert faulty.chat_token_ids(other) == plain.chat_token_ids(other)
+
+
+def test_bystander_decoding_with_the_item_completes(servers, workdir):
+    """Request A decodes after using image X; meanwhile B's load of X fails. A
+    completes with its own answer (before: A was failed with B), B answers cold."""
+    faulty, plain = servers["faulty"], servers["plain"]
+    image = png_data_url(seed=11)
+    long_cold = plain.chat_token_ids(image, max_tokens=400)
+    cold = plain.chat_token_ids(image)
+    faulty.chat_token_ids(image, max_tokens=1)  # X is in the broker now
+    result: dict[str, object] = {}
+
+    def run_a() -> None:
+        try:
+            result["a"] = faulty.chat_token_ids(image, max_tokens=400)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["a"] = exc
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    time.sleep(1.0)  # A's prefill is done; it decodes
+    faulty.reset_encoder_cache()
+    fault = arm(workdir, "faulty", "drop")
+    assert faulty.chat_token_ids(image) == cold
+    assert not fault.exists(), "B did not load X"
+    assert a.is_alive(), "A finished before B's load failed: the test proved nothing"
+    a.join(300)
+    assert result["a"] == long_cold
+
+
+def test_broker_killed_between_hit_and_load(servers, faulty_broker, workdir):
+    """SIGKILL of the broker at the start of the worker's step that loads the hit:
+    the answer is the cold answer (or an error), the retries are cold answers, and
+    the instance uses the restarted broker again."""
+    faulty, plain = servers["faulty"], servers["plain"]
+    image = png_data_url(seed=12)
+    cold = plain.chat_token_ids(image)
+    faulty.chat_token_ids(image, max_tokens=1)
+    faulty.reset_encoder_cache()
+    assert faulty_broker.proc is not None
+    fault = arm(workdir, "faulty", f"kill {faulty_broker.proc.pid}")
+    try:
+        answer: object = faulty.chat_token_ids(image)
+    except urllib.error.HTTPError as exc:
+        answer = exc
+    assert not fault.exists(), "the fault never fired"
+    assert faulty_broker.proc.wait(10) == -signal.SIGKILL
+    assert answer == cold or isinstance(answer, urllib.error.HTTPError), answer
+    assert faulty.chat_token_ids(image) == cold  # vLLM's own cache
+    faulty_broker.start()  # as its supervisor would
+    deadline = time.monotonic() + 30
+    while True:
+        faulty.reset_encoder_cache()
+        assert faulty.chat_token_ids(image) == cold
+        if faulty_broker.stats()["entries"]:
+            break  # published again into the restarted broker
+        assert time.monotonic() < deadline, "never stored into the restarted broker"
+        time.sleep(0.5)
+    faulty.reset_encoder_cache()
+    loads = len(faulty.ec_loads())
+    assert faulty.chat_token_ids(image) == cold
+    assert len(faulty.ec_loads()) == loads + 1, "the restarted broker's entry was not loaded"
+
+
+def test_tp2_load_failing_on_one_rank(servers, broker, workdir):
+    """TP=2, rank 1's load gets nothing while rank 0's succeeds: both ranks encode
+    the item (their encoders run together), the answer is the cold answer."""
+    tp2, plain = servers["tp2"], servers["plain"]
+    image = png_data_url(seed=13)
+    cold = plain.chat_token_ids(image)
+    assert tp2.chat_token_ids(image) == cold
+    tp2.reset_encoder_cache()
+    fault = arm(workdir, "tp2", "fail-rank 1")
+    assert tp2.chat_token_ids(image) == cold
+    assert not fault.exists(), "rank 1 never loaded"
+    log = tp2.log_text()
+    assert log.count("encodes it in this step") >= 2, "not every rank encoded it"
+    tp2.reset_encoder_cache()
+    assert tp2.chat_token_ids(image) == cold
 
 
 def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, model):
@@ -310,21 +411,62 @@ def test_entry_on_disk_only_defers_the_request_then_loads(servers, broker, workd
     known = set(a.ec_puts())
     a.chat_token_ids(image, max_tokens=1)
     (mm_hash,) = [h for h in a.ec_puts() if h not in known]
+    probes = [png_data_url(seed=s) for s in range(220, 226)]
+    for probe in probes:
+        a.chat_token_ids(probe, max_tokens=1)
     broker.stop()  # SIGTERM: the disk tier's write-behind is flushed
     broker.start(*disk)
     assert broker.stats()["entries"] == 0
 
-    tokens = None
-    while mm_hash not in consumer.ec_loads():  # until its clients are back from the outage
-        assert time.monotonic() < deadline + 60, "the consumer never loaded the entry"
-        consumer.reset_encoder_cache()
-        tokens = consumer.chat_token_ids(image)
+    # Until the consumer's clients are back from the outage, with images it never
+    # saw (not the target: resetting vLLM's encoder cache leaves the connector's
+    # mirror of it stale for one lookup, see docs/design.md).
+    for probe in probes:
+        loads = len(consumer.ec_loads())
+        consumer.chat_token_ids(probe, max_tokens=1)
+        if len(consumer.ec_loads()) > loads:
+            break
+    else:
+        pytest.fail("the consumer never loaded from the restarted broker")
+    tokens = consumer.chat_token_ids(image)
+    assert mm_hash in consumer.ec_loads()
     assert tokens == plain.chat_token_ids(image)
     log = consumer.log_text()
     assert re.search(rf"EC defer: request \S+ waits for mm_hash={mm_hash}", log), "not deferred"
     assert "EC load failed" not in log
     assert broker.stats()["promotions"] >= 1
     broker.wait_unpinned()
+
+
+def _timed_answers(server: VllmServer, seeds: range) -> tuple[list[list[int]], list[float]]:
+    answers, times = [], []
+    for seed in seeds:
+        t0 = time.perf_counter()
+        answers.append(server.chat_token_ids(png_data_url(seed=seed), max_tokens=1))
+        times.append(time.perf_counter() - t0)
+    return answers, times
+
+
+def test_hung_broker_costs_the_engine_nearly_nothing(servers, broker):
+    """The broker SIGSTOPped (alive, silent) while new images flow: the instance's
+    time to first token stays close to a server without the connector (one budget
+    wait per outage, then none; benchmarks/hung_broker.py measures it). Before:
+    10 s for the first request, then 5 s per broker call."""
+    a, plain = servers["a"], servers["plain"]
+    seeds = range(300, 308)
+    assert broker.proc is not None
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        got, with_connector = _timed_answers(a, seeds)
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    want, without = _timed_answers(plain, seeds)
+    assert got == want
+    extra = sum(with_connector) - sum(without)
+    # Loose on a shared 2-core host; the budgets are 50 ms + 200 ms, once per outage.
+    assert extra < 3.0, f"{with_connector=} {without=}"
+    assert max(with_connector[1:]) < max(without) + 1.0, f"{with_connector=} {without=}"
+    assert "did not answer within" in a.log_text()
 
 
 def test_broker_outage_keeps_vllm_serving(servers, broker):
