@@ -489,6 +489,9 @@ def _clear(args: argparse.Namespace) -> int:
         return 1
     try:
         before = c.stats()
+        if not before:  # it went away after connecting
+            print(_no_broker(c.socket_path, []), file=sys.stderr)
+            return 1
         store = before.get("remote_store")
         prefix = before.get("remote_key_prefix")
         if args.shared and not store:
