@@ -31,7 +31,10 @@ has to agree, whatever is downloaded yet):
   updates without reading any file, and it does not depend on which files of the
   snapshot are downloaded yet, on how the revision was spelled (branch, tag or
   hash) or on where the cache is. Files edited in place inside the cache are not
-  noticed (serve such weights from a directory, or set ``model_name``).
+  noticed (serve such weights from a directory, or set ``model_name``). A path to a
+  snapshot directory (``.../models--org--name/snapshots/<commit>``, what vLLM
+  serves a hub id from when ``HF_HUB_OFFLINE`` is set) gets the same id as the hub
+  id: ``org/name#<commit>``.
 
 - a hub model id not in the cache: ``<model>`` (``<model>#rev=<revision>`` with a
   revision), and a warning that the key does not follow weight updates.
@@ -90,6 +93,10 @@ def model_id(model: str, revision: str | None = None, explicit: str | None = Non
     if explicit is not None:
         return check_model_name(explicit)
     path = Path(model).expanduser()
+    repo_id = _cached_repo_id(path.absolute())
+    if repo_id is not None and path.is_dir():
+        # vLLM itself replaces a hub id by this path when HF_HUB_OFFLINE is set.
+        return f"{repo_id}#{path.name[:FINGERPRINT_HEX]}"
     if path.is_dir() or path.is_file():
         return f"{model}#{fingerprint(str(path), revision)}"
     snapshot = _hub_snapshot(model, revision)
@@ -101,9 +108,21 @@ def model_id(model: str, revision: str | None = None, explicit: str | None = Non
             model,
         )
         return f"{model}#rev={revision}" if revision else model
-    if COMMIT.fullmatch(snapshot.name) and snapshot.parent.name == "snapshots":
+    if _cached_repo_id(snapshot) is not None:
         return f"{model}#{snapshot.name[:FINGERPRINT_HEX]}"
     return f"{model}#{fingerprint(str(snapshot), revision)}"  # not the usual cache layout
+
+
+def _cached_repo_id(path: Path) -> str | None:
+    """``org/name`` if ``path`` is a snapshot directory of a model in an HF cache
+    (``.../models--org--name/snapshots/<commit>``), else None. Hub ids never contain
+    ``--``, so the folder name maps back to exactly one id."""
+    repo = path.parent.parent.name
+    if not (
+        COMMIT.fullmatch(path.name) and path.parent.name == "snapshots" and repo.startswith("models--")
+    ):
+        return None
+    return repo.removeprefix("models--").replace("--", "/", 1)
 
 
 def _hub_snapshot(model: str, revision: str | None) -> Path | None:
