@@ -65,11 +65,13 @@ def test_hub_model_is_keyed_by_its_commit_not_by_the_files_downloaded(model_dir,
     expected = f"{REPO_ID}#{COMMIT[:16]}"
 
     # Before the worker's load_model: configs only. Then the weights arrive.
-    (before, _) = model_ids(cache, [(REPO_ID, None)])
+    # The snapshot's path is what vLLM serves the hub id from under HF_HUB_OFFLINE.
+    (before, _) = model_ids(cache, [(REPO_ID, None), (str(snap), None)])
     assert hf_cache.add_weights(model_dir, snap) == ["model.safetensors"]
-    (after, _) = model_ids(cache, [(REPO_ID, None), (REPO_ID, "main"), (REPO_ID, COMMIT)])
-    assert after[0] == before[0], "the key moved when the weights arrived"
-    assert after == [expected] * 3, "the key is not the commit, whatever the revision's spelling"
+    queries = [(REPO_ID, None), (str(snap), None), (REPO_ID, "main"), (REPO_ID, COMMIT)]
+    (after, _) = model_ids(cache, queries)
+    assert after[:2] == before, "the key moved when the weights arrived"
+    assert after == [expected] * 4, "the key is not the commit, whatever the revision's spelling"
 
     # A new commit (refs/main moved to another snapshot) is another model; the old
     # commit, asked for by hash, keeps its key. A model not in the cache: plain id
