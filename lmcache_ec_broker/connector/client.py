@@ -22,6 +22,12 @@ Failure model (what a serving engine can rely on):
   ever touches a stale segment. Every data operation runs under the client's
   lock from request to copy to commit/release, so a concurrent reconnect cannot
   unmap memory under a copy.
+- Waits per call (issue 18): ``put`` waits for its Reserve reply only: the Commit
+  is posted (sent after the copy, its reply read and dropped before the next
+  reply), so the entry is visible to this client's next request at once and to
+  other connections as soon as the broker reads the commit, which is already in
+  its socket when ``put`` returns. ``get`` waits for its Get reply and posts the
+  Release; ``has`` is one short request.
 """
 
 from __future__ import annotations
@@ -148,6 +154,9 @@ class BrokerClient:
         # Replies still owed by the broker for requests whose reply we do not wait
         # for (Release); they are read and discarded before the next reply.
         self._owed = 0
+        # Keys of posted commits whose replies are still owed: the filter may not list
+        # them yet, so they are never ruled out locally (read-your-writes).
+        self._posted_keys: set[str] = set()
         # The broker's membership filter: a local "absent" skips the round trip. It is
         # trusted only while the connection was confirmed within filter_trust_s, so a
         # killed broker's stale filter cannot hide a restarted broker's entries for long.
@@ -351,6 +360,7 @@ class BrokerClient:
         self._sock = None
         self._rpos = self._rend = 0
         self._owed = 0
+        self._posted_keys.clear()
 
     def _unmap(self) -> None:
         if self._slab is not None:
@@ -458,6 +468,7 @@ class BrokerClient:
                 self._owed -= 1
                 if isinstance(owed, ErrorReply):
                     log.debug("deferred request refused: %s: %s", owed.code, owed.message)
+            self._posted_keys.clear()
             out = [self._read_reply() for _ in range(n)]
         except (OSError, msgspec.MsgspecError) as exc:
             # The stream position is unknown, so start over; a timeout also trips.
@@ -538,7 +549,13 @@ class BrokerClient:
                         except (BrokerUnavailable, BrokerRefused):
                             pass
                     raise
-                self._call(Commit(reply.token))
+                # Posted: the broker handles this connection's frames in order, so the
+                # commit lands before anything this client asks next. It cannot be
+                # refused (the token is this live connection's own open reservation,
+                # which only the connection's end takes away); if the connection dies
+                # first, the reservation is freed and the entry is simply absent.
+                self._post(Commit(reply.token))
+                self._posted_keys.add(key)
                 return True
             except BrokerUnavailable:
                 return False
@@ -620,7 +637,7 @@ class BrokerClient:
             return True
 
     def put_many(self, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
-        """Batched put: all reservations in one round trip, all commits in another.
+        """Batched put: all reservations in one round trip, all commits posted in one send.
 
         One bool per item, as ``put``. If the broker refuses some items, the others
         are still stored, then the first refusal is raised as ``BrokerRefused``.
@@ -669,17 +686,16 @@ class BrokerClient:
                             pass
                 raise
             stored = [False] * len(items)
-            if todo:
+            if done:
+                # Posted, as in put: one send, no wait (see put for why they cannot fail).
                 try:
                     self._send(b"".join(self._frame(Commit(t)) for t in done))
-                    commits = self._read_replies(len(done))
                 except BrokerUnavailable:
                     return stored
-                for (i, _), r in zip(todo, commits, strict=True):
-                    if isinstance(r, ErrorReply):
-                        refusal = refusal or r
-                    else:
-                        stored[i] = True
+                self._owed += len(done)
+                self._posted_keys.update(items[i][0] for i, _ in todo)
+                for i, _ in todo:
+                    stored[i] = True
             if refusal is not None:
                 raise BrokerRefused(refusal.code, refusal.message)
             return stored
@@ -753,7 +769,10 @@ class BrokerClient:
             or time.monotonic() - self._confirmed_at > self.filter_trust_s
         ):
             return None
-        return flt.maybe_many(keys)
+        mask = flt.maybe_many(keys)
+        if self._posted_keys:
+            mask = [m or k in self._posted_keys for k, m in zip(keys, mask, strict=True)]
+        return mask
 
     def _release(self, hits: list[Hit]) -> None:
         if hits and self._sock is not None:

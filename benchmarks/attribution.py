@@ -1,0 +1,350 @@
+"""Where one put, one get and one has() hit spend their time (issue 18, attribution).
+
+    .venv/bin/python benchmarks/attribution.py                 # ~1 minute
+    .venv/bin/python benchmarks/attribution.py --iters 200 --sizes 64KiB   # smoke
+
+A real broker (the CLI, with its Prometheus endpoint) and one client in this
+process. Each operation runs ``--iters`` times with timers on the client's
+socket (time inside ``sendall`` = the send syscall; time blocked in
+``recv_into`` = waiting for the reply) and on its slab copies, and the broker's
+own per-request time (decode, dispatch, encode, the reply's write syscall) is
+read from its ``request_seconds`` histogram sums before and after. Per op (means
+in microseconds):
+
+- ``copy``: the slab memcpy(s) (and for ``get`` the new tensor's allocation);
+- ``send``: inside sendall (the syscall, and the peer's wake-up it triggers);
+- ``wait``: blocked in recv_into for the reply(s) the call waits for;
+- ``broker``: the broker's per-request work for the requests it waits for;
+- ``wake+transit`` = wait - broker: the broker's wake-up, its recv, the
+  asyncio loop's dispatch to the protocol, and this process's wake-up;
+- ``client py`` = total - copy - send - wait: Python in the client (framing,
+  msgspec, locks, filter, bookkeeping);
+- ``posted``: broker time of requests the call does not wait for (Release,
+  and the posted Commit); paid by the broker, off the caller's path.
+
+Baselines in the same run: a raw Unix-socket ping-pong against a Python echo
+process (blocking recv, the same wake-ups) and a bare memcpy of each size
+between two touched buffers. ``put (commit waited)`` replays the previous put
+(Reserve, copy, Commit, wait for the Commit's reply) with the same client, for
+the before/after of the posted commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import Broker, MiB, die_with_parent, fmt_size, parse_sizes, table  # noqa: E402
+
+_ECHO = """
+import socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(sys.argv[1]); srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+while data := conn.recv(65536):
+    conn.sendall(data)
+"""
+
+
+class Timers:
+    """Accumulated nanoseconds per phase (reset per operation)."""
+
+    def __init__(self) -> None:
+        self.send = 0
+        self.wait = 0
+        self.copy = 0
+
+    def reset(self) -> None:
+        self.send = self.wait = self.copy = 0
+
+
+class TimedSocket:
+    """Wraps the client's socket: times sendall and recv_into, forwards the rest."""
+
+    def __init__(self, sock: socket.socket, timers: Timers) -> None:
+        self._sock = sock
+        self._t = timers
+
+    def sendall(self, data: Any) -> None:
+        t0 = time.perf_counter_ns()
+        self._sock.sendall(data)
+        self._t.send += time.perf_counter_ns() - t0
+
+    def recv_into(self, buf: Any, *args: Any) -> int:
+        t0 = time.perf_counter_ns()
+        n = self._sock.recv_into(buf, *args)
+        self._t.wait += time.perf_counter_ns() - t0
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def instrument(client: Any, timers: Timers) -> None:
+    """Time the client's socket and slab copies (benchmark-side only)."""
+    if not isinstance(client._sock, TimedSocket):
+        client._sock = TimedSocket(client._sock, timers)
+    slab = client._slab_view()
+    if getattr(slab, "_timed", False):
+        return
+    for name in ("write", "read", "read_into"):
+        inner = getattr(slab, name)
+
+        def timed(*a: Any, _inner: Callable[..., Any] = inner) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _inner(*a)
+            finally:
+                timers.copy += time.perf_counter_ns() - t0
+
+        setattr(slab, name, timed)
+    slab._timed = True
+
+
+def broker_seconds(port: int) -> dict[str, tuple[float, int]]:
+    """op -> (sum of seconds, count) from the broker's request_seconds histogram."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[float]] = {}
+    pat = r'^lmcache_ec_broker_request_seconds_(sum|count)\{op="(\w+)"\} (\S+)$'
+    for kind, op, value in re.findall(pat, text, re.M):
+        out.setdefault(op, [0.0, 0.0])[0 if kind == "sum" else 1] = float(value)
+    return {op: (s, int(c)) for op, (s, c) in out.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(
+    name: str,
+    call: Callable[[int], Any],
+    iters: int,
+    timers: Timers,
+    port: int,
+    waited: tuple[str, ...],
+    posted: tuple[str, ...],
+) -> dict[str, Any]:
+    """Run ``call(i)`` iters times; phases as means in microseconds."""
+    for i in range(min(50, iters)):  # warm-up (page faults, caches)
+        call(i)
+    before = broker_seconds(port)
+    total = send = wait = copy = 0
+    for i in range(iters):
+        timers.reset()
+        t0 = time.perf_counter_ns()
+        call(i)
+        total += time.perf_counter_ns() - t0
+        send += timers.send
+        wait += timers.wait
+        copy += timers.copy
+    after = broker_seconds(port)
+
+    def spent(ops: tuple[str, ...]) -> float:
+        s = sum(after.get(op, (0.0, 0))[0] - before.get(op, (0.0, 0))[0] for op in ops)
+        return s * 1e6 / iters
+
+    us = 1e-3 / iters
+    row = {
+        "op": name,
+        "total": total * us,
+        "copy": copy * us,
+        "send": send * us,
+        "wait": wait * us,
+        "broker": spent(waited),
+        "posted": spent(posted),
+    }
+    row["wake+transit"] = row["wait"] - row["broker"]
+    row["client py"] = row["total"] - row["copy"] - row["send"] - row["wait"]
+    return row
+
+
+def raw_rtt(path: str, iters: int) -> float:
+    """Mean microseconds of a 40-byte ping-pong with a Python echo process."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    msg, buf = b"x" * 40, bytearray(100)
+    try:
+        for _ in range(min(200, iters)):
+            s.sendall(msg)
+            s.recv_into(buf)
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            s.sendall(msg)
+            s.recv_into(buf)
+        return (time.perf_counter_ns() - t0) / iters / 1e3
+    finally:
+        s.close()
+
+
+def bare_memcpy(nbytes: int, iters: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    for _ in range(5):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    return (time.perf_counter_ns() - t0) / iters / 1e3
+
+
+def put_commit_waited(client: Any, key: str, tensor: Any) -> bool:
+    """The previous put: Reserve, copy, Commit and wait for its reply."""
+    from lmcache_ec_broker.connector.copy import dtype_name
+    from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
+
+    dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
+    with client._lock:
+        reply = client._call(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
+        if reply.status != ReserveStatus.RESERVED:
+            return False
+        client._slab_view().write(reply.extents, tensor)
+        client._call(Commit(reply.token))
+        return True
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from lmcache_ec_broker.connector.client import BrokerClient
+
+    sizes = parse_sizes(args.sizes)
+    iters = args.iters
+    port = free_port()
+    # Room for every put of every size (keys are unique so puts never find PRESENT).
+    shm = sum(3 * iters * (s + 4096) for s in sizes) + 256 * MiB
+    rows: list[dict[str, Any]] = []
+    results: dict[str, Any] = {"load_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
+    tmp = tempfile.mkdtemp(prefix="ecb-attr-", dir="/tmp")
+    echo_path = os.path.join(tmp, "echo.sock")
+    echo = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, echo_path],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+        with Broker(shm, ["--metrics-port", str(port)]) as broker:
+            timers = Timers()
+            client = BrokerClient(broker.socket_path, timeout_s=30)
+            instrument(client, timers)
+            results["raw_rtt_us"] = raw_rtt(echo_path, iters * 2)
+            client.put("has-key", torch.ones(8, dtype=torch.uint8))
+            rows.append(
+                measure(
+                    "has() hit, 1 key",
+                    lambda i: client.has(["has-key"]),
+                    iters * 2,
+                    timers,
+                    port,
+                    ("has",),
+                    (),
+                )
+            )
+            for size in sizes:
+                label = fmt_size(size)
+                tensor = torch.ones(size // (2 * 1024), 1024, dtype=torch.bfloat16)
+                out = torch.empty_like(tensor)
+                results[f"memcpy_us {label}"] = bare_memcpy(size, max(20, iters // 4))
+                for mode, fn in (
+                    ("put", lambda k, t: client.put(k, t)),
+                    ("put (commit waited)", lambda k, t: put_commit_waited(client, k, t)),
+                ):
+                    tag = mode.replace(" ", "_")
+                    rows.append(
+                        measure(
+                            f"{mode} {label}",
+                            lambda i, fn=fn, tag=tag, label=label, t=tensor: fn(
+                                f"{tag}-{label}-{i}", t
+                            ),
+                            iters,
+                            timers,
+                            port,
+                            ("reserve", "commit") if "waited" in mode else ("reserve",),
+                            () if "waited" in mode else ("commit",),
+                        )
+                    )
+                key = f"put-{label}-0"
+                rows.append(
+                    measure(
+                        f"get_into {label}",
+                        lambda i, key=key, out=out: client.get_into(key, out),
+                        iters,
+                        timers,
+                        port,
+                        ("get",),
+                        ("release",),
+                    )
+                )
+                rows.append(
+                    measure(
+                        f"get {label}",
+                        lambda i, key=key: client.get(key),
+                        iters,
+                        timers,
+                        port,
+                        ("get",),
+                        ("release",),
+                    )
+                )
+            client.close()
+    finally:
+        echo.kill()
+        echo.wait()
+        for name in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, name))
+        os.rmdir(tmp)
+    results["rows"] = rows
+    return results
+
+
+def report(res: dict[str, Any]) -> str:
+    cols = ["total", "client py", "copy", "send", "wait", "broker", "wake+transit", "posted"]
+    body = [[r["op"], *(f"{r[c]:.1f}" for c in cols)] for r in res["rows"]]
+    lines = [
+        f"load (1 min) {res['load_1min']:.1f} on {res['cpus']} CPUs; means in µs per call",
+        table(["op", *cols], body),
+        "",
+        f"raw Unix-socket ping-pong (Python echo process): {res['raw_rtt_us']:.1f} µs",
+    ]
+    for k, v in res.items():
+        if k.startswith("memcpy_us"):
+            lines.append(f"bare memcpy {k.split(' ', 1)[1]}: {v:.1f} µs")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="64KiB,2MiB")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--json", help="also write the raw figures here")
+    args = p.parse_args()
+    if args.iters < 1:
+        p.error("--iters must be >= 1")
+    res = run(args)
+    print(report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
