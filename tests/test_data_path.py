@@ -270,3 +270,63 @@ def test_client_prefault_fallback_only_reads(tmp_path) -> None:
         segment._POPULATE_ADVICE = saved
         mm.close()
     assert path.read_bytes() == data
+
+
+# ------------------------------------------------------------ waits per call (issue 18)
+
+
+class _CountingSocket:
+    """The client's real socket, counting the reply waits (recv_into calls)."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.waits = 0
+
+    def recv_into(self, *a):
+        self.waits += 1
+        return self._sock.recv_into(*a)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_put_waits_one_round_trip_and_is_read_by_the_next_request(broker) -> None:
+    # Fails on the old client: put waited for the Commit's reply too (2 waits).
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
+        c._slab_view()  # map the slab first so the put below measures only its waits
+        counting = _CountingSocket(c._sock)
+        c._sock = counting
+        t = torch.arange(4096, dtype=torch.float32)
+        assert c.put("posted", t)
+        assert counting.waits == 1
+        # The posted commit orders before this client's next request (no filter race:
+        # the key is never ruled out locally while its commit is in flight).
+        got = c.get("posted")
+        assert got is not None and torch.equal(got, t)
+        assert other.has(["posted"]) == [True]
+        # put_many: one wait for all reservations, none for the commits.
+        before = counting.waits
+        assert c.put_many([(f"pm{i}", t + i) for i in range(8)]) == [True] * 8
+        assert counting.waits - before == 1
+        assert all(torch.equal(other.get(f"pm{i}"), t + i) for i in range(8))
+        assert c.stats()["reserved_entries"] == 0
+
+
+def test_a_client_that_exits_right_after_put_leaves_its_entry(broker) -> None:
+    # The posted commit is in the broker's socket before put returns, so a process that
+    # exits (os._exit, no close) at once still leaves a loadable entry.
+    assert run_py(
+        """
+        import json, os, sys, torch
+        from lmcache_ec_broker import BrokerClient
+        c = BrokerClient(sys.argv[1])
+        ok = c.put("exit-after-put", torch.full((1024,), 7.0))
+        print(json.dumps({"ok": ok}), flush=True)
+        os._exit(0)
+        """,
+        broker.socket_path,
+    ) == {"ok": True}
+    with BrokerClient(broker.socket_path) as c:
+        got = c.get("exit-after-put")
+        assert got is not None and torch.equal(got, torch.full((1024,), 7.0))
+        assert c.stats()["reserved_entries"] == 0
