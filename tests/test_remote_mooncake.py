@@ -534,3 +534,56 @@ def test_benchmark_runs_and_prints_its_table() -> None:
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("|") and "MiB" in ln]
     assert [r.split("|")[1].strip() for r in rows] == ["1 MiB", "9 MiB"], out.stdout
     assert "copies per byte" in out.stdout
+
+
+# ---------------------------------------------------------------- issue 17: fleet defects
+
+
+@needs_mooncake
+def test_two_brokers_refused_value_is_replaced_by_the_next_write(two_brokers) -> None:
+    """A poisoned value under a key is refused by B; B's next write of that key must
+    replace it (Mooncake's put never overwrites), so A then hits the fresh value."""
+    import torch
+
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, b = two_brokers
+    poisoner = mc.driver()
+    bad = bytearray(encode_value("p", "float32", [8, 8], payload(256, 1)))
+    bad[-1] ^= 1
+    assert poisoner.call("raw_put", key="p", data=base64.b64encode(bytes(bad)).decode())["rc"] == 0
+    fresh = _tensor("float32", [8, 8], 7)
+    with BrokerClient(b.socket_path) as cb, BrokerClient(a.socket_path) as ca:
+        until(lambda: cb.has(["p"])[0] or cb.stats()["remote_refused_values"])
+        assert cb.get("p") is None
+        assert cb.stats()["remote_refused_values"] >= 1
+        assert cb.put("p", fresh)
+        until(lambda: cb.stats()["remote_writes"] >= 1)
+        got = ca.get("p")
+        assert got is not None and torch.equal(got, fresh), "the refused value was not replaced"
+        assert ca.stats()["remote_refused_values"] == 0
+
+
+@needs_mooncake
+def test_two_brokers_write_behind_keeps_to_its_byte_budget(two_brokers) -> None:
+    """The master stops answering (SIGSTOP): write-behinds pile up. They may pin at most
+    a quarter of the slab; the rest are dropped (counted) and every put succeeds --
+    without a budget the pinned backlog filled the slab and puts failed (no space)."""
+    import signal
+
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, _ = two_brokers
+    with BrokerClient(a.socket_path, timeout_s=60) as ca:
+        until(lambda: ca.stats()["remote_up"] == 1)
+        assert mc.master.proc is not None
+        os.kill(mc.master.proc.pid, signal.SIGSTOP)
+        try:
+            for i in range(40):  # 80 MiB through a 64 MiB slab
+                assert ca.put(f"w{i}", _tensor("uint8", [2 << 20], i)), f"put {i} failed"
+                st = ca.stats()
+                assert st["remote_pending_bytes"] <= 16 << 20, st["remote_pending_bytes"]
+            assert ca.stats()["remote_write_drops"] >= 1
+        finally:
+            os.kill(mc.master.proc.pid, signal.SIGCONT)
+        assert ca.ping()

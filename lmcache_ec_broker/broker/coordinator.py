@@ -65,6 +65,14 @@ class _Promotion:
 
 
 @dataclass(slots=True, eq=False)
+class _Asking:
+    """A remote lookup in flight: what was deleted or cleared meanwhile."""
+
+    gone: set[str] = field(default_factory=set)
+    cleared: bool = False
+
+
+@dataclass(slots=True, eq=False)
 class _TierLease:
     tier: LowerTier
     expires_at: float
@@ -94,6 +102,7 @@ class Coordinator:
         self._lease_heap: list[tuple[float, int, str]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._asking: set[_Asking] = set()  # remote lookups in flight
         self._tasks: set[asyncio.Future[Any]] = set()
 
     # ---------------------------------------------------------------- TierEvents
@@ -324,6 +333,10 @@ class Coordinator:
         return out
 
     async def _remote_lookup(self, tier: LowerTier, keys: list[str]) -> list[EntryMeta | None]:
+        # Invariant 3 for promotions not started yet: a key deleted (or a clear) while
+        # the tier was being asked is a miss -- its answer predates the delete.
+        asking = _Asking()
+        self._asking.add(asking)
         try:
             metas = await tier.lookup(keys)
         except TierUnavailable:
@@ -332,10 +345,14 @@ class Coordinator:
         except Exception:
             log.exception("the %s tier failed a lookup", tier.name)
             return [None] * len(keys)
+        finally:
+            self._asking.discard(asking)
         if len(metas) != len(keys):
             log.error("the %s tier answered %d of %d keys", tier.name, len(metas), len(keys))
             return [None] * len(keys)
-        return metas
+        if asking.cleared:
+            return [None] * len(keys)
+        return [None if k in asking.gone else m for k, m in zip(keys, metas, strict=True)]
 
     def _touch(self, key: str) -> None:
         for tier in self.tiers:
@@ -546,6 +563,8 @@ class Coordinator:
         for tier in self.tiers:
             deleted = [a or b for a, b in zip(deleted, tier.delete(keys), strict=True)]
         gone = set(keys)
+        for asking in self._asking:
+            asking.gone |= gone
         for key in gone:
             prom = self._promoting.get(key)
             if prom is not None:
@@ -562,6 +581,9 @@ class Coordinator:
         for tier in self.tiers:
             if shared or not tier.remote:
                 tier.clear()
+        if shared:  # the store's copies are gone: answers asked for before are stale
+            for asking in self._asking:
+                asking.cleared = True
         for prom in self._promoting.values():
             prom.cancelled = True
         for conn in list(self._leases):

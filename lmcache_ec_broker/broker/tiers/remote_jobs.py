@@ -65,6 +65,7 @@ class DeleteJob(Job):
     keys: list[str] = field(default_factory=list)
     tries: int = 0
     not_before: float = 0.0
+    follow_up: bool = False  # the second delete after a write that may still land
 
 
 @dataclass(eq=False)

@@ -49,6 +49,7 @@ from typing import Any
 from ...protocol import Extent
 from .base import EntryMeta, TierMiss, TierUnavailable
 from .circuit import Breakers, State
+from .remote_discovery import KeyDiscovery
 from .remote_jobs import (
     ClearJob,
     DeleteJob,
@@ -70,13 +71,16 @@ log = logging.getLogger("lmcache_ec_broker.remote")
 MAX_DELETE_TRIES = 6
 REFUSED_CAP = 65536
 GONE_CAP = 65536
+# A write that failed after its bytes may have left (a timeout, a lost connection) can
+# still land that long after (x remote_timeout_s): a delete of its key runs once more then.
+LATE_WRITE_TIMEOUTS = 4.0
 REFUSED_TTL_S = 60.0
 
 
 # ---------------------------------------------------------------- the policy
 
 
-class RemotePolicy:
+class RemotePolicy(KeyDiscovery):
     """Loop-thread state of one remote tier (see the module docstring)."""
 
     def __init__(
@@ -112,6 +116,8 @@ class RemotePolicy:
         self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()
         # refused key -> until when lookups do not ask for it
         self.refused: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # key -> until when a failed write of it may still land in the store
+        self.uncertain: collections.OrderedDict[str, float] = collections.OrderedDict()
         # jobs whose result may teach keys: a delete/clear meanwhile must reach them
         self.live: set[LookupJob | ScanJob | WriteJob] = set()
         # lookups
@@ -237,6 +243,13 @@ class RemotePolicy:
             del self.pending_writes[job.key]
         self.pending_bytes -= job.meta.nbytes
         self.live.discard(job)
+        if outcome is Outcome.FAILED:
+            self.uncertain[job.key] = self.clock() + LATE_WRITE_TIMEOUTS * self.limits.timeout_s
+            self.uncertain.move_to_end(job.key)
+            while len(self.uncertain) > GONE_CAP:
+                self.uncertain.popitem(last=False)
+        elif outcome is Outcome.STORED:
+            self.uncertain.pop(job.key, None)
         if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
             if outcome is Outcome.STORED:
                 self.refused.pop(job.key, None)
@@ -431,7 +444,8 @@ class RemotePolicy:
 
     def expire_lookups(self) -> None:
         """Answer every lookup past its deadline (timer; rule 5)."""
-        now = self.clock()
+        # a loop timer may fire a hair before the deadline by this clock: 1 ms of slack
+        now = self.clock() + 0.001
         for job in [j for j in self.lookups_waiting if j.deadline <= now]:
             self.lookups_waiting.remove(job)  # never runs
             self.counters["remote_lookup_timeouts"] += 1
@@ -443,6 +457,13 @@ class RemotePolicy:
             self._answer(
                 job, TierUnavailable(f"remote lookup took longer than {self.limits.timeout_s}s")
             )
+        left = [
+            j.deadline
+            for j in (*self.lookups_waiting, *self.lookups_running)
+            if j.answer is None and j.deadline - now < 0.05
+        ]
+        if left:  # a timer that fired early: look again at the deadline
+            self.runner.later(max(min(left) - self.clock(), 0.001), self.expire_lookups)
 
     def _answer(self, job: LookupJob, answer: list[EntryMeta | None] | Exception) -> None:
         self.live.discard(job)
@@ -509,83 +530,6 @@ class RemotePolicy:
         elif isinstance(exc, TierMiss):
             self._forget(key)
 
-    # ------------------------------------------------------------ key discovery
-
-    def want_scan(self) -> None:
-        """List the store's keys (coalesced: one at a time, one more if asked meanwhile)."""
-        if self.closing or self.limits.filter_cap <= 0:
-            return
-        if self._scan is not None:
-            self._scan_again = True
-            return
-        self._scan = ScanJob(self._next_id(), since=self._seq)
-        self.live.add(self._scan)
-        self.runner.dispatch(self._scan)
-
-    def _scan_finished(self, job: ScanJob, result: Any) -> None:
-        if isinstance(result, Exception):
-            log.info("remote tier: listing keys failed (%s); learning them as they come", result)
-            if isinstance(result, StoreDown):
-                self._fail(result.nodes)
-            self._scan_done()
-            return
-        self._fold = self._fold_scan(job, result)
-        self.step_fold()
-
-    def step_fold(self) -> None:
-        """Fold one slice of a listing; schedules the next slice (rule 7)."""
-        if self._fold is None:
-            return
-        try:
-            next(self._fold)
-        except StopIteration:
-            self._fold = None
-            self._scan_done()
-            return
-        self.runner.later(0.0, self.step_fold)
-
-    def _fold_scan(self, job: ScanJob, found: set[str]) -> Iterator[None]:
-        n = 0
-        step = self.limits.fold_slice
-        for key in list(self.known):  # gone from the store: evicted, expired, restarted
-            n += 1
-            if n % step == 0:
-                yield
-            seq = self.known.get(key)
-            if seq is not None and seq <= job.since and key not in found:
-                self._forget(key)
-        if not job.cleared:
-            learned = 0
-            for key in found:
-                n += 1
-                if n % step == 0:
-                    yield
-                if job.cleared:
-                    break
-                if key not in job.gone and not self._blocked(key) and key not in self.refused:
-                    learned += self._learn(key)
-            self.counters["remote_announcements"] += learned
-            if self.limits.announces:
-                self.complete = 0 <= len(found) < self.limits.filter_cap
-
-    def _scan_done(self) -> None:
-        if self._scan is not None:
-            self.live.discard(self._scan)
-        self._scan = None
-        if self._scan_again:
-            self._scan_again = False
-            self.want_scan()
-
-    def announced(self, keys: Sequence[str]) -> None:
-        """Keys other brokers wrote (from the announcement stream; a bounded batch)."""
-        if self.closing:
-            return
-        for key in keys[: self.limits.fold_slice]:
-            self.counters["remote_announcements"] += 1
-            self.refused.pop(key, None)  # a new value: worth asking for again
-            if not self._blocked(key):
-                self._learn(key)
-
     # ------------------------------------------------------------ probes
 
     def maintain(self) -> None:
@@ -641,16 +585,20 @@ class RemotePolicy:
         elif isinstance(job, DeleteJob):
             again: list[str] = []
             wait = 0.0
+            now = self.clock()
+            late = [k for k in job.keys if self.uncertain.get(k, 0.0) > now]
             for key in job.keys:
                 res = result.get(key) if isinstance(result, dict) else result
                 if res is None:
-                    self._delete_ended(key, gave_up=False)
+                    if key not in late:
+                        self._delete_ended(key, gave_up=False)
                     continue
                 if isinstance(res, StoreDown):
                     self._fail(res.nodes or [self.node_of(key)])
                 if job.tries + 1 >= MAX_DELETE_TRIES or self.closing:
                     log.warning("remote tier: deleting %r failed for good: %s", key[:200], res)
                     self._delete_ended(key, gave_up=True)
+                    late = [k for k in late if k != key]
                     continue
                 if isinstance(res, Retry):
                     self.counters["remote_lease_conflicts"] += 1
@@ -663,6 +611,7 @@ class RemotePolicy:
                     self._next_id(), again, job.tries + 1, self.clock() + max(wait, 0.05)
                 )
                 self.queue.insert(0, retry)  # before any later job of these keys
+            self._follow_up([k for k in late if k not in again])
         elif isinstance(job, ClearJob):
             if isinstance(result, StoreDown | Retry) and not self.closing:
                 if isinstance(result, StoreDown):
@@ -675,7 +624,21 @@ class RemotePolicy:
                     return
                 log.warning("remote tier: clearing the namespace failed: %s", result)
             self.clearing -= 1
+            now = self.clock()
+            late = [k for k, until in self.uncertain.items() if until > now]
+            for key in late:
+                self.deleting[key] += 1
+            self._follow_up(late)
         self.pump()
+
+    def _follow_up(self, keys: list[str]) -> None:
+        """Delete ``keys`` once more when their failed writes can no longer land
+        (their ``deleting`` count stays up until then: lookups keep missing)."""
+        if not keys:
+            return
+        until = max(self.uncertain.pop(k) for k in keys)
+        job = DeleteJob(self._next_id(), keys, 0, until, follow_up=True)
+        self.queue.insert(0, job)  # before any later job of these keys
 
     # ------------------------------------------------------------ shutdown
 

@@ -1,0 +1,117 @@
+"""Key discovery for the remote policy (rule 7 of ``remote_policy.py``): listings of
+the store's keys, coalesced (one at a time, one more if asked for meanwhile), and
+announcements, folded into the membership filter in slices of ``fold_slice`` keys
+per loop turn so that a listing of 300k keys never holds the event loop."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .remote_jobs import ScanJob
+from .remote_transport import StoreDown
+
+if TYPE_CHECKING:
+    from .remote_jobs import Limits, LookupJob, Runner, WriteJob
+
+log = logging.getLogger("lmcache_ec_broker.remote")
+
+
+class KeyDiscovery:
+    """Mixed into RemotePolicy: the state it uses is the policy's."""
+
+    limits: Limits
+    runner: Runner
+    closing: bool
+    counters: collections.Counter[str]
+    known: collections.OrderedDict[str, int]
+    refused: collections.OrderedDict[str, float]
+    live: set[LookupJob | ScanJob | WriteJob]
+    complete: bool
+    _seq: int
+    _scan: ScanJob | None
+    _scan_again: bool
+    _fold: Iterator[None] | None
+
+    def _next_id(self) -> int: ...
+    def _learn(self, key: str) -> bool: ...
+    def _forget(self, key: str) -> bool: ...
+    def _blocked(self, key: str) -> bool: ...
+    def _fail(self, nodes: Sequence[Any]) -> None: ...
+
+    def want_scan(self) -> None:
+        """List the store's keys (coalesced: one at a time, one more if asked meanwhile)."""
+        if self.closing or self.limits.filter_cap <= 0:
+            return
+        if self._scan is not None:
+            self._scan_again = True
+            return
+        self._scan = ScanJob(self._next_id(), since=self._seq)
+        self.live.add(self._scan)
+        self.runner.dispatch(self._scan)
+
+    def _scan_finished(self, job: ScanJob, result: Any) -> None:
+        if isinstance(result, Exception):
+            log.info("remote tier: listing keys failed (%s); learning them as they come", result)
+            if isinstance(result, StoreDown):
+                self._fail(result.nodes)
+            self._scan_done()
+            return
+        self._fold = self._fold_scan(job, result)
+        self.step_fold()
+
+    def step_fold(self) -> None:
+        """Fold one slice of a listing; schedules the next slice (rule 7)."""
+        if self._fold is None:
+            return
+        try:
+            next(self._fold)
+        except StopIteration:
+            self._fold = None
+            self._scan_done()
+            return
+        self.runner.later(0.0, self.step_fold)
+
+    def _fold_scan(self, job: ScanJob, found: set[str]) -> Iterator[None]:
+        n = 0
+        step = self.limits.fold_slice
+        for key in list(self.known):  # gone from the store: evicted, expired, restarted
+            n += 1
+            if n % step == 0:
+                yield
+            seq = self.known.get(key)
+            if seq is not None and seq <= job.since and key not in found:
+                self._forget(key)
+        if not job.cleared:
+            learned = 0
+            for key in found:
+                n += 1
+                if n % step == 0:
+                    yield
+                if job.cleared:
+                    break
+                if key not in job.gone and not self._blocked(key) and key not in self.refused:
+                    learned += self._learn(key)
+            self.counters["remote_announcements"] += learned
+            if self.limits.announces:
+                self.complete = 0 <= len(found) < self.limits.filter_cap
+
+    def _scan_done(self) -> None:
+        if self._scan is not None:
+            self.live.discard(self._scan)
+        self._scan = None
+        if self._scan_again:
+            self._scan_again = False
+            self.want_scan()
+
+    def announced(self, keys: Sequence[str]) -> None:
+        """Keys other brokers wrote (from the announcement stream; a bounded batch)."""
+        if self.closing:
+            return
+        for key in keys[: self.limits.fold_slice]:
+            self.counters["remote_announcements"] += 1
+            self.refused.pop(key, None)  # a new value: worth asking for again
+            if not self._blocked(key):
+                self._learn(key)

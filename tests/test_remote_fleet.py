@@ -1,0 +1,345 @@
+"""The remote tier's fleet defects of issue 17, each reproduced with real brokers and a
+real redis-server (Valkey too where it matters), the faults put on the wire by a
+delaying proxy (tests/delay_proxy.py) in front of the real server:
+
+2. a key deleted while its write-behind is in flight must not come back;
+3. a value every broker refuses (HMAC key rotated) is replaced by the next write;
+4. a failed write-behind is an error, counted once, and the key is not taken as stored;
+5. a slow store: lookups are bounded and shed, timed-out work never runs later,
+   timeouts open the breaker and a probe closes it; the broker recovers at once;
+7. rescans are coalesced: resetting the announcement stream again and again does not
+   queue one full SCAN per reset.
+
+(6, Mooncake's write-behind byte budget, is in tests/test_remote_mooncake_fleet.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from conftest import wait_until
+from delay_proxy import DelayProxy
+from redis_servers import REDIS_SERVER, VALKEY_SERVER, RedisServer
+
+torch = pytest.importorskip("torch")
+from lmcache_ec_broker import BrokerClient  # noqa: E402
+
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+NEEDS_VALKEY = pytest.mark.skipif(VALKEY_SERVER is None, reason="no valkey-server binary")
+KINDS = ["redis", pytest.param("valkey", marks=NEEDS_VALKEY)]
+PREFIX = "lmcache-ec:"
+
+
+def tensor(shape: tuple[int, ...] = (256, 256), seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def rstats(c: BrokerClient) -> dict[str, int]:
+    return {k: v for k, v in c.stats().items() if k.startswith("remote_")}
+
+
+@pytest.fixture
+def server(request) -> Iterator[RedisServer]:
+    srv = RedisServer(
+        kind=getattr(request, "param", "redis"), extra=["--enable-debug-command", "yes"]
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def proxy(server: RedisServer) -> Iterator[DelayProxy]:
+    with DelayProxy(server.port) as p:
+        yield p
+
+
+@pytest.fixture
+def node(make_broker, tmp_path) -> Iterator[Callable[..., BrokerClient]]:
+    clients: list[BrokerClient] = []
+    n = [0]
+
+    def make(url: str, shm: str = "64MiB", **extra: object) -> BrokerClient:
+        n[0] += 1
+        cfg = tmp_path / f"node{n[0]}.yaml"
+        lines = [f"remote_url: '{url}'", "remote_timeout_s: 1.0"]
+        lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
+        cfg.write_text("\n".join(lines) + "\n")
+        b = make_broker("--shm-size", shm, "--config", str(cfg))
+        c = BrokerClient(b.socket_path, timeout_s=30.0)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+# ---------------------------------------------------------------- 2. delete vs in-flight write
+
+
+@pytest.mark.parametrize(
+    ("server", "hold_s"),
+    [
+        pytest.param("redis", 0.6, id="redis-write-ends"),
+        pytest.param("valkey", 0.6, id="valkey-write-ends", marks=NEEDS_VALKEY),
+        pytest.param("redis", 1.5, id="redis-write-times-out"),
+    ],
+    indirect=["server"],
+)
+def test_delete_during_an_in_flight_write_behind_wins(server, proxy, node, hold_s) -> None:
+    """A's SET of the key is on the wire (held by the proxy) when A deletes it: the
+    delete must reach the store after the write, so the key does not come back --
+    not in the store, not in A's filter, not as B's hit. Held 0.6 s the write ends
+    first and the delete follows it; held 1.5 s (past remote_timeout_s 1.0) the write
+    fails on A's side but its bytes still land later: the delete runs once more then."""
+    a = node(proxy.url(server.password))
+    b = node(server.url("unix"))
+    proxy.hold_s["SET"] = hold_s
+    t = tensor(seed=2)
+    assert a.put("doomed", t)
+    assert proxy.holding.wait(10), "the write-behind never sent its SET"
+    assert a.delete("doomed")
+    assert a.get("doomed") is None
+    wait_until(lambda: rstats(a)["remote_pending_writes"] == 0, what="A's write settles")
+    wait_until(
+        lambda: not proxy.holding.is_set() and server.cli("exists", PREFIX + "doomed") == "0",
+        what="the key gone from the store",
+        timeout=15,
+    )
+    time.sleep(1.0)
+    assert server.cli("exists", PREFIX + "doomed") == "0", "the deleted key came back"
+    assert rstats(a)["remote_known_keys"] == 0
+    assert b.get("doomed") is None
+
+
+# ---------------------------------------------------------------- 3. refused values replaced
+
+
+@pytest.mark.parametrize("server", KINDS, indirect=True)
+def test_refused_value_is_replaced_by_the_next_write(server, node, tmp_path) -> None:
+    """The fleet rotated its HMAC key: a value signed with the old key is refused by
+    every broker; the next write of that key must replace it, so the key becomes
+    servable again (it was skipped as 'exists' for ever)."""
+    old, new = tmp_path / "old.key", tmp_path / "new.key"
+    old.write_bytes(b"o" * 32)
+    new.write_bytes(b"n" * 32)
+    for f in (old, new):
+        f.chmod(0o600)
+    url = server.url("unix")
+    a = node(url, remote_hmac_key_file=str(old))
+    t = tensor(seed=3)
+    assert a.put("rotated", t)
+    wait_until(lambda: rstats(a)["remote_writes"] == 1, what="A's write")
+    b = node(url, remote_hmac_key_file=str(new))  # after the rotation
+    wait_until(lambda: rstats(b)["remote_known_keys"] >= 1, what="B's scan")
+    assert b.get("rotated") is None  # refused: signed with the old key
+    assert rstats(b)["remote_refused_values"] >= 1
+    assert b.put("rotated", t)  # B computed it again
+    wait_until(
+        lambda: rstats(b)["remote_writes"] + rstats(b)["remote_writes_skipped"] >= 1,
+        what="B's write-behind",
+    )
+    assert rstats(b)["remote_writes"] == 1, "the refused value was not overwritten"
+    c = node(url, remote_hmac_key_file=str(new))
+    wait_until(lambda: rstats(c)["remote_known_keys"] >= 1, what="C's scan")
+    assert same(c.get("rotated"), t)
+    assert rstats(c)["remote_refused_values"] == 0
+
+
+# ---------------------------------------------------------------- 4. failed writes
+
+
+def test_a_failed_write_behind_is_counted_once_and_not_taken_as_stored(server, proxy, node) -> None:
+    """The connection carrying A's SET is cut: one error, no skip, the key not known;
+    when the entry is put again later (evicted from the slab meanwhile), the write-behind
+    runs again and reaches the store."""
+    a = node(proxy.url(server.password), shm="16MiB")
+    t = tensor((1024, 1024), seed=4)  # 4 MiB
+    proxy.reset_next_set = True
+    assert a.put("lost", t)
+    wait_until(lambda: rstats(a)["remote_pending_writes"] == 0, what="the write ends")
+    st = rstats(a)
+    assert proxy.sets_cut == 1
+    assert st["remote_write_errors"] == 1
+    assert st["remote_writes_skipped"] == 0, "a failed write was also counted as a skip"
+    assert st["remote_writes"] == 0 and st["remote_known_keys"] == 0
+    # Evict it from A's slab, then put it again: the store must get it this time.
+    for i in range(6):
+        assert a.put(f"filler{i}", tensor((1024, 1024), seed=10 + i))
+    wait_until(lambda: not _in_slab(a, "lost"), what="'lost' evicted from A's slab")
+    assert server.cli("exists", PREFIX + "lost") == "0"
+    # (the budget is a quarter of this 16 MiB slab: one 4 MiB write at a time)
+    wait_until(lambda: rstats(a)["remote_pending_writes"] == 0, what="the fillers' writes")
+    assert a.put("lost", t)
+    wait_until(lambda: server.cli("exists", PREFIX + "lost") == "1", what=f"the second write {rstats(a)}")
+
+
+def _in_slab(c: BrokerClient, key: str) -> bool:
+    """Is ``key`` in the broker's slab (a READY lookup without asking lower tiers)?"""
+    from lmcache_ec_broker.protocol import LookupState
+
+    return c.lookup([key])[0].state == LookupState.READY
+
+
+# ---------------------------------------------------------------- 5. a slow store
+
+
+def test_a_slow_store_is_shed_and_the_broker_recovers_at_once(server, proxy, node) -> None:
+    """Every reply 0.3 s late, remote_timeout_s 0.5 and six clients asking about new
+    inputs: lookups are bounded (shed or answered by their deadline), nothing that
+    timed out runs later, and once the load stops a lookup of a stored key hits."""
+    writer = node(server.url("unix"))
+    t = tensor(seed=5)
+    assert writer.put("stored", t)
+    wait_until(lambda: rstats(writer)["remote_writes"] == 1, what="write")
+    b = node(proxy.url(server.password), remote_timeout_s=0.5, remote_filter_keys=0)
+    proxy.reply_delay_s = 0.3
+    stop = time.monotonic() + 4.0
+    worst: list[float] = []
+
+    def scheduler(i: int) -> None:
+        with BrokerClient(b.socket_path, timeout_s=30, filter_trust_s=-1.0) as c:
+            n = 0
+            while time.monotonic() < stop:
+                n += 1
+                t0 = time.monotonic()
+                c.has([f"new-{i}-{n}-{j}" for j in range(4)])
+                worst.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=scheduler, args=(i,)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    # Right after the load stopped, the store (still 0.3 s slow) serves a hit: no
+    # backlog of timed-out lookups is still running in front of this one.
+    t0 = time.monotonic()
+    got = b.get("stored")
+    assert same(got, t), f"no hit after the load stopped ({time.monotonic() - t0:.2f}s)"
+    st = rstats(b)
+    assert max(worst) < 0.5 + 0.4, f"a lookup waited {max(worst):.2f}s past remote_timeout_s"
+    assert st["remote_lookups_shed"] + st["remote_lookup_timeouts"] > 0
+    assert st["remote_lookups_running"] <= 4
+
+
+def test_timeouts_open_the_breaker_and_a_probe_closes_it(server, proxy, node) -> None:
+    """A store that answers, but slowly (each reply trickles in, one byte per 0.1 s: no
+    socket timeout ever fires): the lookups' deadlines count as failures and open the
+    breaker -- a slow store is left alone; when it is fast again a probe closes it."""
+    b = node(proxy.url(server.password), remote_timeout_s=0.3, remote_filter_keys=0)
+    wait_until(lambda: rstats(b)["remote_up"] == 1, what="connected")
+    proxy.trickle_s = 0.1
+    with BrokerClient(b.socket_path, timeout_s=30, filter_trust_s=-1.0) as c:
+        for i in range(8):
+            t0 = time.monotonic()
+            c.has([f"slow-{i}"])
+            assert time.monotonic() - t0 < 0.3 + 0.4
+            if rstats(b)["remote_circuit_opens"]:
+                break
+        assert rstats(b)["remote_circuit_opens"] >= 1, "timeouts did not open the breaker"
+        assert rstats(b)["remote_lookup_timeouts"] >= 3
+        proxy.trickle_s = 0.0
+        wait_until(lambda: rstats(b)["remote_up"] == 1, what="a probe closes it", timeout=30)
+    # The lookups abandoned at their deadline leave nothing unretrieved behind.
+    with open(b.socket_path + ".log", errors="replace") as f:
+        assert "exception was never retrieved" not in f.read()
+
+
+# ---------------------------------------------------------------- 7. coalesced rescans
+
+
+def test_announcement_resets_do_not_queue_a_scan_each(server, proxy, node) -> None:
+    """The announcement subscription reset again and again while a key space is
+    scanned slowly (every reply 50 ms late: ~1 s per full scan): at most one scan runs
+    and one more is queued, so the scanning stops soon after the resets do -- one
+    queued scan per reset kept the broker scanning long after."""
+    n = 20_000
+    server.cli("debug", "populate", str(n), PREFIX + "bulk", "16")
+    a = node(proxy.url(server.password))
+    wait_until(lambda: rstats(a)["remote_known_keys"] >= n, what="first scan", timeout=60)
+    proxy.reply_delay_s = 0.05
+    resets = 0
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        resets += int(server.cli("client", "kill", "type", "pubsub"))
+        time.sleep(0.25)
+    assert resets >= 8
+    time.sleep(3.0)  # the scan running when the resets stopped, and one more, end
+    server.cli("config", "resetstat")
+    time.sleep(4.0)
+    assert _scan_calls(server) == 0, f"still scanning 3 s after {resets} resets ended"
+    assert a.ping()
+
+
+def _scan_calls(server: RedisServer) -> int:
+    for line in server.cli("info", "commandstats").splitlines():
+        if line.startswith("cmdstat_scan:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+# ---------------------------------------------------------------- found by reading
+
+
+def test_a_lookup_in_flight_when_its_key_is_deleted_does_not_bring_it_back(
+    server, proxy, node
+) -> None:
+    """A get's remote lookup is on its way back (replies 0.6 s late) when the key is
+    deleted (its DEL held 1.5 s on the wire): the answer predates the delete, so no
+    promotion may start from it -- the key must not land in B's slab again."""
+    writer = node(server.url("unix"))
+    t = tensor(seed=8)
+    assert writer.put("k", t)
+    wait_until(lambda: rstats(writer)["remote_writes"] == 1, what="write")
+    b = node(proxy.url(server.password), remote_timeout_s=3.0)
+    wait_until(lambda: rstats(b)["remote_known_keys"] >= 1, what="B learns the key")
+    proxy.reply_delay_s = 0.6
+    proxy.hold_s["DEL"] = 1.5
+    got: list[object] = []
+    with BrokerClient(b.socket_path, timeout_s=30, filter_trust_s=-1.0) as c1:
+        getter = threading.Thread(target=lambda: got.append(c1.get("k")))
+        getter.start()
+        time.sleep(0.2)  # the lookup is in flight
+        b.delete("k")
+        getter.join(30)
+    assert got == [None], "a get that started before the delete served the deleted key"
+    wait_until(lambda: server.cli("exists", PREFIX + "k") == "0", what="the DEL lands")
+    proxy.reply_delay_s = 0.0
+    assert b.get("k") is None, "the deleted key came back into B's slab"
+
+
+def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
+    """Per-node breakers: a dead master opens its own breaker; keys on the healthy
+    masters keep being served (one breaker for the whole Cluster refused them all)."""
+    from redis_servers import RedisCluster
+
+    from lmcache_ec_broker.broker.tiers.resp import key_slot
+
+    with RedisCluster(masters=3) as cl:
+        a = node(cl.url())
+        b = node(cl.url())
+        tensors = {f"c{i}": tensor((64, 64), seed=i) for i in range(12)}
+        for k, v in tensors.items():
+            assert a.put(k, v)
+        wait_until(lambda: rstats(a)["remote_writes"] == len(tensors), what="writes")
+        wait_until(lambda: rstats(b)["remote_known_keys"] >= len(tensors), what="B learns")
+        owner = {k: cl.owner(key_slot((PREFIX + k).encode())) for k in tensors}
+        dead = owner["c0"]
+        dead.kill()
+        on_dead = [k for k in tensors if owner[k] is dead]
+        alive = [k for k in tensors if owner[k] is not dead]
+        assert alive
+        with BrokerClient(b.socket_path, timeout_s=30, filter_trust_s=-1.0) as raw:
+            for _ in range(6):
+                raw.has(on_dead)
+            wait_until(lambda: rstats(b)["remote_circuit_opens"] >= 1, what="dead node's breaker")
+            for k in alive:
+                assert same(raw.get(k), tensors[k]), f"{k} (on a healthy master) was not served"
