@@ -5,7 +5,7 @@
 
 Per size (median of --runs), in one process and one run:
 - ``put``: BrokerClient.put(cuda tensor) -- reserve, D2H copy into the registered
-  slab on the client's copy stream, synchronize, commit;
+  slab on the client's copy stream, synchronize, post the commit (not waited for);
 - ``get_into``: BrokerClient.get_into(key, cuda tensor) -- get, H2D copy, release;
 - ``D2H pinned`` / ``H2D pinned``: the same bytes between the device and an
   ordinary pinned host buffer (cudaMemcpyAsync + synchronize): the PCIe limit;

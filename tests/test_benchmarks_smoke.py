@@ -108,3 +108,14 @@ def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
     assert result["shm_used"], "the benchmark did not see its servers' shared memory"
     assert result["shm_left"] == []
     assert not [n for n in result["shm_used"] if os.path.exists(os.path.join("/dev/shm", n))]
+
+
+def test_attribution_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "attribution.json"
+    r = _run("attribution.py", "--iters", "60", "--sizes", "64KiB", "--json", str(out), timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("has() hit, 1 key", "put 64 KiB", "put (commit waited) 64 KiB", "get_into 64 KiB",
+                   "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "wake+transit"):  # fmt: skip
+        assert needle in r.stdout, (needle, r.stdout)
+    rows = json.loads(out.read_text())["rows"]
+    assert all(row["broker"] > 0 for row in rows), rows  # the broker's own times were read

@@ -42,6 +42,26 @@ def test_non_contiguous_device_tensor_and_side_stream_ordering(broker) -> None:
         assert got is not None and torch.equal(got, src)
 
 
+def test_posted_commit_of_a_device_put_is_never_torn_for_another_reader(broker) -> None:
+    # put posts its Commit without waiting (issue 18): the D2H copy must be complete
+    # before the frame is sent, or another connection could load a half-copied entry.
+    # Large entries (many DMA chunks), read by a second client right after each put.
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as reader:
+        for i in range(8):
+            src = torch.full((8192, 2048), float(i + 1), device="cuda", dtype=torch.bfloat16)
+            assert c.put(f"posted{i}", src)
+            c.ping()  # orders after the posted commit on the writer's connection
+            got = reader.get(f"posted{i}")
+            assert got is not None and torch.equal(got, src.cpu()), i
+        assert c.put_many(
+            [(f"pm{i}", torch.full((4096, 1024), -float(i), device="cuda")) for i in range(4)]
+        ) == [True] * 4
+        c.ping()
+        for i in range(4):
+            got = reader.get(f"pm{i}")
+            assert got is not None and bool((got == -float(i)).all()), i
+
+
 def test_cpu_written_entry_loads_onto_the_device(broker) -> None:
     with BrokerClient(broker.socket_path) as c:
         src = torch.randn(300, 64, dtype=torch.bfloat16)

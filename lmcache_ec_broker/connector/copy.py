@@ -3,8 +3,11 @@
 CPU tensors: one memcpy per extent between the tensor's bytes and the mapping.
 CUDA tensors: the mapping is registered once per process with
 ``cudaHostRegister`` (pinning.py) so copies run as DMA; they are issued
-``non_blocking`` on a dedicated stream and synchronised before the caller
-commits or releases (the broker may reuse the blocks right after). If
+``non_blocking`` on a dedicated stream and synchronised before ``write`` or
+``read_into`` returns, i.e. before the client posts its Commit or Release
+(neither is waited for: the broker publishes a committed entry, or reuses a
+released block, as soon as it reads the frame, so the DMA must be complete
+when the frame is sent). If
 registration is not possible (e.g. the memlock limit), copies use pageable
 memory and the reason is logged once. Tensors on any other device are refused:
 their data pointer is not host memory.
