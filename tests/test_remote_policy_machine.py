@@ -41,7 +41,7 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     WriteJob,
     execute,
 )
-from lmcache_ec_broker.broker.tiers.remote_policy import RemotePolicy
+from lmcache_ec_broker.broker.tiers.remote_policy import LATE_WRITE_TIMEOUTS, RemotePolicy
 from lmcache_ec_broker.broker.tiers.remote_transport import Outcome, StoreDown
 from lmcache_ec_broker.broker.tiers.remote_value import BadValue
 
@@ -205,6 +205,7 @@ class PolicyMachine(RuleBasedStateMachine):
         # keys this broker saw refused; a write accepted meanwhile must replace the value
         self.refused_seen: set[str] = set()
         self.must_replace: set[int] = set()  # write job ids
+        self.late: list[tuple[float, WriteJob]] = []  # failed writes still on the wire
 
     # ------------------------------------------------------------ the broker's calls
 
@@ -256,11 +257,13 @@ class PolicyMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ the store's side
 
     @precondition(lambda self: self.runner.pending)
-    @rule(i=st.integers(0, 50), mode=st.sampled_from(["ok", "early", "fail", "lost_reply"]))
+    @rule(i=st.integers(0, 50), mode=st.sampled_from(["ok", "early", "fail", "lost_reply", "late"]))
     def complete(self, i: int, mode: str) -> None:
         """The store answers job ``i``: now ("ok"), as it was when the job started
         ("early": a read-only job whose answer was on its way meanwhile), not at all
-        ("fail"), or it did the work but the reply was lost."""
+        ("fail"), or it did the work but the reply was lost; "late": a write fails on
+        the broker's side (a timeout) while its bytes are still on the wire and land
+        later (``land_late``), within LATE_WRITE_TIMEOUTS x timeout."""
         job = self.runner.pending.pop(i % len(self.runner.pending))
         known_before = set(self.policy.known)
         seen = self.runner.snapshots.pop(job.id, {})
@@ -269,7 +272,11 @@ class PolicyMachine(RuleBasedStateMachine):
             then = MemoryTransport()
             then.data = used = seen
             result = execute(then, job, None)
-        elif mode == "fail":
+        elif mode == "late" and isinstance(job, WriteBatch):
+            for w in job.writes:
+                self.late.append((self.clock.now + LATE_WRITE_TIMEOUTS * TIMEOUT, w))
+            result = StoreDown([node_of(self._a_key(job))], "timed out")
+        elif mode in ("fail", "late"):
             result = StoreDown([node_of(self._a_key(job))], "connection lost")
         else:
             result = execute(self.store, job, None)
@@ -308,6 +315,14 @@ class PolicyMachine(RuleBasedStateMachine):
             for node in result.nodes:
                 cb = self.policy.breakers[node]
                 assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
+
+    @precondition(lambda self: self.late)
+    @rule(i=st.integers(0, 10))
+    def land_late(self, i: int) -> None:
+        """A write that failed on the broker's side reaches the store after all."""
+        until, w = self.late.pop(i % len(self.late))
+        if self.clock.now < until:
+            self.store.data[w.key] = Value(w.meta, True)
 
     @precondition(lambda self: self.runner.pending)
     @rule(mode=st.sampled_from(["ok", "early"]))
@@ -405,7 +420,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def deleted_keys_stay_away(self) -> None:
         """Once no job of a deleted key is queued or running, the store lacks it."""
         pol = self.policy
-        busy = set(pol.pending_writes)
+        busy = set(pol.pending_writes) | {w.key for until, w in self.late if self.clock.now < until}
         for job in [*pol.queue, *pol.running]:
             if isinstance(job, DeleteJob):
                 busy |= set(job.keys)
@@ -453,3 +468,37 @@ def test_machine_finds_a_write_that_overtakes_its_delete() -> None:
             m.deleted_keys_stay_away()
     finally:
         remote_policy.RemotePolicy.pump = saved  # type: ignore[method-assign]
+
+
+def test_a_lookup_answered_from_before_a_delete_is_a_miss() -> None:
+    """The lookup read the store before the delete; the delete ends first; the
+    lookup's (stale) hit must not be served. (The broad run above rarely reaches this
+    exact order, so it is spelled out.)"""
+    m = PolicyMachine()
+    m.store_side("k0", "write")
+    m.lookup(["k0"])
+    m.delete(["k0"])
+    lookup, delete = m.runner.pending
+    assert isinstance(lookup, LookupJob) and isinstance(delete, DeleteJob)
+    m.complete(1, "ok")  # the delete lands
+    m.complete(0, "early")  # the lookup's answer, read before the delete, arrives
+    assert lookup.answer == [None]
+    assert "k0" not in m.policy.known
+
+
+def test_a_write_that_lands_after_its_timeout_is_deleted_again() -> None:
+    """A write fails on the broker's side but its bytes land after the delete: the
+    delete runs once more when such a write can no longer land."""
+    m = PolicyMachine()
+    m.put("k0", 10)
+    m.delete(["k0"])
+    m.complete(0, "late")  # the write times out; its bytes are still on the wire
+    m.complete(0, "ok")  # the delete
+    m.land_late(0)  # ... and then the write lands
+    assert "k0" in m.store.data
+    m.time_passes(LATE_WRITE_TIMEOUTS * TIMEOUT + 0.1)
+    (follow_up,) = m.runner.pending
+    assert isinstance(follow_up, DeleteJob) and follow_up.follow_up
+    m.complete(0, "ok")
+    assert "k0" not in m.store.data
+    m.deleted_keys_stay_away()
