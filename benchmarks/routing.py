@@ -504,6 +504,25 @@ def check_render_matches(env: dict[str, Any]) -> str:
     return f"NO: render gave {hashes}, the brokers hold none of them under model {env['model']}"
 
 
+def routing_spec(side: int) -> Any:
+    """The tiny Qwen2-VL with images kept at ``side`` pixels (``side``/28 squared tokens)
+    and a vision tower heavy enough to be a visible share of prefill."""
+    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec
+
+    return TinyQwen2VLSpec(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=4,
+        num_kv_heads=4,
+        vision_depth=4,
+        vision_embed_dim=256,
+        vision_heads=4,
+        vision_mlp_ratio=4,
+        min_pixels=56 * 56,
+        max_pixels=side * side,
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -516,8 +535,8 @@ def main() -> int:
     p.add_argument(
         "--side",
         type=int,
-        default=672,
-        help="image side in pixels (672: 144 tokens each; vLLM's own encoder cache, 512 tokens, then holds 3)",
+        default=448,
+        help="image side in pixels (448: 256 tokens each; vLLM's own encoder cache, 512 tokens, then holds 2)",
     )
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--load-weight", type=float, default=0.5)
@@ -543,15 +562,12 @@ def main() -> int:
             "remote: SKIPPED, redis-server is not installed (apt-get install redis-server)"
         )
 
-    from lmcache_ec_broker.testing.tiny_qwen2vl import (
-        TinyQwen2VLSpec,
-        build_tiny_qwen2vl,
-        image_tokens,
-    )
+    from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl, image_tokens
     from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
 
     work = Path(tempfile.mkdtemp(prefix="ecb-route-", dir="/tmp"))
-    model = str(build_tiny_qwen2vl(Path(args.models) if args.models else work / "models"))
+    spec = routing_spec(args.side)
+    model = str(build_tiny_qwen2vl(Path(args.models) if args.models else work / "models", spec))
     images: dict[int, str] = {}
 
     def image(k: int) -> str:
@@ -601,7 +617,6 @@ def main() -> int:
             agg = Aggregator(work, [b.port for b in brokers])
             stack.callback(agg.stop)
             # what the history policy assumes a node holds: the slab / one image's entry
-            spec = TinyQwen2VLSpec()
             entry_guess = image_tokens(spec, args.side, args.side) * spec.hidden_size * 2
             env = {
                 "brokers": brokers,
