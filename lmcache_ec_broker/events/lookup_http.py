@@ -12,6 +12,7 @@ metrics endpoint; it has no authentication of its own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -25,6 +26,9 @@ from .schema import SCHEMA_VERSION
 log = logging.getLogger("lmcache_ec_broker.events")
 
 MAX_BODY = 1 << 20
+# The broker's loop is not serving, or did not answer in time (before Python 3.11,
+# concurrent.futures.TimeoutError is not the builtin TimeoutError).
+_UNAVAILABLE = (RuntimeError, TimeoutError, concurrent.futures.TimeoutError)
 MAX_HASHES = 4096
 
 # (model, mm_hashes) -> per hash: [{"node": N, "tiers": {tier: nbytes}}]
@@ -63,7 +67,7 @@ class LookupServer:
                 if url.path == "/v1/nodes":
                     try:
                         known = nodes()
-                    except (RuntimeError, TimeoutError) as exc:
+                    except _UNAVAILABLE as exc:
                         return self._json(503, {"error": f"cannot answer now: {exc}"})
                     return self._json(200, {"schema_version": SCHEMA_VERSION, "nodes": known})
                 if url.path == "/v1/lookup":
@@ -96,7 +100,7 @@ class LookupServer:
                 try:
                     found = answer(m, hs)
                     known = nodes()
-                except (RuntimeError, TimeoutError) as exc:
+                except _UNAVAILABLE as exc:
                     return self._json(503, {"error": f"cannot answer now: {exc}"})
                 self._json(
                     200,
