@@ -266,8 +266,25 @@ def test_broker_lookup_api_and_bad_input(make_broker) -> None:
         with pytest.raises(urllib.error.HTTPError) as exc:
             urllib.request.urlopen(req, timeout=10)
         assert exc.value.code == 400 and "error" in json.loads(exc.value.read())
-    # local only: the endpoint is not on the host's other addresses
     assert get_json(f"{base}/v1/nodes")["nodes"]["node-l"]["up"] is True
+    # local only by default (as the metrics endpoint): not on the host's other addresses
+    other = non_loopback_ip()
+    if other is not None:
+        for p in (port, port + 1, port + 2):
+            with socket.socket() as s, pytest.raises(OSError):
+                s.settimeout(2)
+                s.connect((other, p))
+
+
+def non_loopback_ip() -> str | None:
+    """An IPv4 address of this host other than 127.x (None in a namespace with only lo)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent for a UDP connect
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
 
 
 def test_bad_events_config_refuses_clearly(sock_dir) -> None:
