@@ -113,7 +113,10 @@ def main() -> None:
                 bufs[conn] = b""
                 sel.register(conn, selectors.EVENT_READ)
                 continue
-            data = s.recv(1 << 16)
+            try:
+                data = s.recv(1 << 16)
+            except ConnectionResetError:  # the client closed with our replies unread
+                data = b""
             if not data:
                 sel.unregister(s)
                 bufs.pop(s, None)

@@ -276,14 +276,21 @@ def test_client_prefault_fallback_only_reads(tmp_path) -> None:
 
 
 class _CountingSocket:
-    """The client's real socket, counting the reply waits (recv_into calls)."""
+    """The client's real socket, counting round trips: reads that follow a send (a
+    reply may arrive in several reads; a posted request is a send with no read)."""
 
     def __init__(self, sock) -> None:
         self._sock = sock
         self.waits = 0
+        self._sent = False
+
+    def sendall(self, data) -> None:
+        self._sent = True
+        self._sock.sendall(data)
 
     def recv_into(self, *a):
-        self.waits += 1
+        self.waits += self._sent
+        self._sent = False
         return self._sock.recv_into(*a)
 
     def __getattr__(self, name):
