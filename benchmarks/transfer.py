@@ -574,6 +574,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per[size] = m
             print(f"  measured {fmt_size(size)}", file=sys.stderr, flush=True)
         results["per_size"] = {str(s): {k: median(v) for k, v in m.items()} for s, m in per.items()}
+        # Every run's figure too: the report shows the spread over runs.
+        results["per_run"] = {str(s): m for s, m in per.items()}
         results["interleaved"] = {
             str(s): writer.call(op="interleaved", size=s, iters=max(3, args.runs * args.reps))
             for s in sizes
@@ -606,6 +608,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _spread(res: dict[str, Any], size: int, f: Callable[[dict[str, float]], float],
+            fmt: str = "{:.2f}") -> str:  # fmt: skip
+    """min-max of ``f`` over the runs (each run's figures are medians of its reps)."""
+    runs = res.get("per_run", {}).get(str(size))
+    if not runs:
+        return "-"
+    n = min(len(v) for v in runs.values())
+    vals = [f({k: v[i] for k, v in runs.items()}) for i in range(n)]
+    return f"{fmt.format(min(vals))}-{fmt.format(max(vals))}"
+
+
 def report(res: dict[str, Any]) -> str:
     la0, la1 = res["loadavg_start"], res["loadavg_end"]
     out = [
@@ -625,6 +638,8 @@ def report(res: dict[str, Any]) -> str:
             f"{gbps(s, mcn):.2f}",
             f"{gbps(s, get):.2f} ({mcn / get:.2f}x)",
             f"{(mw + mc) / (put + gin):.2f}x",
+            _spread(res, s, lambda m: (m["memcpy (writer)"] + m["memcpy"])
+                    / (m["broker put"] + m["broker get_into"])),
         ])  # fmt: skip
     out.append(
         "Broker, writer and reader in different processes (GB/s; ratio to memcpy of the same bytes, same run)\n\n"
@@ -637,6 +652,7 @@ def report(res: dict[str, Any]) -> str:
                 "memcpy->new",
                 "get (new tensor)",
                 "put+get_into vs the 2 memcpys",
+                "min-max over runs",
             ],
             rows,
         )
@@ -671,6 +687,8 @@ def report(res: dict[str, Any]) -> str:
                     f"{m['broker get_into'] * 1e3:.2f}",
                     f"{b * 1e3:.2f}",
                     "1.00x",
+                    _spread(res, s, lambda m: (m["broker put"] + m["broker get_into"]) * 1e3)
+                    + " ms",
                 ]
             )
             for p in peers:
@@ -683,13 +701,22 @@ def report(res: dict[str, Any]) -> str:
                         f"{m[f'{p} get'] * 1e3:.2f}",
                         f"{t * 1e3:.2f}",
                         f"{t / b:.1f}x",
+                        _spread(
+                            res,
+                            s,
+                            lambda m, p=p: (m[f"{p} put"] + m[f"{p} get"])
+                            / (m["broker put"] + m["broker get_into"]),
+                            "{:.1f}",
+                        ),
                     ]
                 )
         out.append(
             "Peers, same sizes, same run (ms). Every get delivers the bytes into the reader's "
             "reused tensor (broker: get_into; safetensors: load_file + copy; redis: GET + copy); "
             "last column: how many times longer than the broker's put+get\n\n"
-            + table(["size", "system", "put ms", "get ms", "put+get ms", "vs broker"], rows)
+            + table(
+                ["size", "system", "put ms", "get ms", "put+get ms", "vs broker", "min-max"], rows
+            )
         )
     out.append(f"vLLM ECCPUConnector: {res['ec_cpu_connector']}")
     if res.get("peers_info"):
