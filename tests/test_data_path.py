@@ -337,3 +337,18 @@ def test_a_client_that_exits_right_after_put_leaves_its_entry(broker) -> None:
         got = c.get("exit-after-put")
         assert got is not None and torch.equal(got, torch.full((1024,), 7.0))
         assert c.stats()["reserved_entries"] == 0
+
+
+def test_flush_makes_posted_puts_visible_to_other_processes(broker) -> None:
+    # Fails on the old client (no flush). After flush the broker has every posted commit,
+    # so another connection (and its membership filter) sees the entries.
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
+        assert c.flush()  # nothing owed: no wait
+        for i in range(20):
+            t = torch.full((256,), float(i))
+            assert c.put(f"fl{i}", t)
+            assert c.flush()
+            got = other.get(f"fl{i}")
+            assert got is not None and torch.equal(got, t), i
+    c.close()
+    assert not c.flush()  # closed: nothing to wait for, and no broker

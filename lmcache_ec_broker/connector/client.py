@@ -26,7 +26,8 @@ Failure model (what a serving engine can rely on):
   is posted (sent after the copy, its reply read and dropped before the next
   reply), so the entry is visible to this client's next request at once and to
   other connections as soon as the broker reads the commit, which is already in
-  its socket when ``put`` returns. ``get`` waits for its Get reply and posts the
+  its socket when ``put`` returns (usually microseconds later; ``flush()`` waits
+  for it when another process must see the entry before it is told to look). ``get`` waits for its Get reply and posts the
   Release; ``has`` is one short request.
 """
 
@@ -556,6 +557,20 @@ class BrokerClient:
                 # first, the reservation is freed and the entry is simply absent.
                 self._post(Commit(reply.token))
                 self._posted_keys.add(key)
+                return True
+            except BrokerUnavailable:
+                return False
+
+    def flush(self) -> bool:
+        """Wait until the broker has handled every request this client posted (the
+        commits of its puts, its releases): afterwards every other process sees this
+        client's puts. Costs nothing when nothing is owed, else the wait for replies
+        already on their way (no new request). False while the broker is unavailable."""
+        with self._lock:
+            if not self._owed:
+                return self._sock is not None
+            try:
+                self._read_replies(0)
                 return True
             except BrokerUnavailable:
                 return False
