@@ -838,6 +838,8 @@ class BrokerClient:
     def close(self) -> None:
         self._closing.set()
         with self._lock:
+            if self._posted_keys and self._sock is not None:
+                self.flush()  # this client's last puts are in before it says it is done
             self._drop_socket()
             self._unmap()
             if self._filter is not None:
