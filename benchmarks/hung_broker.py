@@ -164,17 +164,28 @@ def serve(broker: Broker, models: Path, n: int) -> dict[str, Any]:
             s.wait_ready(timeout=900)
         for s in (plain, conn):
             s.chat_token_ids(png_data_url(seed=10_000), max_tokens=1)  # warm-up
-        os.kill(broker.proc.pid, signal.SIGSTOP)
+        phases = [
+            ("without connector", plain, False),
+            ("connector, broker healthy", conn, False),
+            ("connector, broker SIGSTOPped", conn, True),
+            ("without connector (again)", plain, False),
+        ]
         try:
-            for name, s in (("without connector", plain), ("connector, broker SIGSTOPped", conn)):
+            for k, (name, s, stop) in enumerate(phases):
+                if stop:
+                    os.kill(broker.proc.pid, signal.SIGSTOP)
                 times = []
                 t_all = time.perf_counter()
-                for seed in range(n):
+                for seed in range(n):  # new images in every phase: misses, then puts
                     t0 = time.perf_counter()
-                    s.chat_token_ids(png_data_url(seed=20_000 + seed), max_tokens=1)
+                    s.chat_token_ids(png_data_url(seed=20_000 + 1000 * k + seed), max_tokens=1)
                     times.append((time.perf_counter() - t0) * 1000)
+                if stop:
+                    os.kill(broker.proc.pid, signal.SIGCONT)
                 out[name] = {
+                    "ttft_mean_ms": sum(times) / len(times),
                     "ttft_p50_ms": percentile(times, 0.5),
+                    "ttft_p99_ms": percentile(times, 0.99),
                     "ttft_max_ms": max(times),
                     "first_ms": times[0],
                     "req_per_s": n / (time.perf_counter() - t_all),
@@ -225,11 +236,13 @@ def main() -> int:
             report["serve"] = serve(broker, models, args.requests)
             print(
                 table(
-                    ["server", "TTFT p50", "TTFT max", "first request", "req/s"],
+                    ["server", "TTFT mean", "p50", "p99", "max", "first request", "req/s"],
                     [
                         [
                             k,
+                            f"{v['ttft_mean_ms']:.0f} ms",
                             f"{v['ttft_p50_ms']:.0f} ms",
+                            f"{v['ttft_p99_ms']:.0f} ms",
                             f"{v['ttft_max_ms']:.0f} ms",
                             f"{v['first_ms']:.0f} ms",
                             f"{v['req_per_s']:.2f}",
