@@ -6,6 +6,10 @@ do not see each other's entries. Expect ~3 minutes on an idle 2-core machine,
 almost all of it server start-up (8 minutes measured while other suites ran).
 Instance "b" names the connector in the short form (no ``ec_connector_module_path``):
 it exists only through the package's ``vllm.general_plugins`` entry point.
+Instances "faulty" (with its own broker, which a test kills) and "tp2" run
+``faulty_ec_connector.ECBrokerConnectorWithFaults``: normal until a test arms a
+fault for the next load (10.5 minutes for the module on the shared 2-core host
+while other suites ran).
 """
 
 from __future__ import annotations
