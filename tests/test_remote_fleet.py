@@ -182,6 +182,27 @@ def test_a_failed_write_behind_is_counted_once_and_not_taken_as_stored(server, p
     wait_until(lambda: server.cli("exists", PREFIX + "lost") == "1", what=f"the second write {rstats(a)}")
 
 
+def test_a_full_store_rejects_writes_but_keeps_serving(server, node) -> None:
+    """``noeviction`` and no room: every SET is answered with an OOM error. Each write
+    is one error (not a skip, the key not known), the breaker stays closed -- the
+    store answered -- and what the store holds is still served."""
+    writer = node(server.url("unix"))
+    t = tensor(seed=9)
+    assert writer.put("held", t)
+    wait_until(lambda: rstats(writer)["remote_writes"] == 1, what="write")
+    server.cli("config", "set", "maxmemory-policy", "noeviction")
+    server.cli("config", "set", "maxmemory", "1")
+    a = node(server.url("unix"))
+    wait_until(lambda: rstats(a)["remote_known_keys"] >= 1, what="A learns 'held'")
+    for i in range(3):
+        assert a.put(f"full{i}", tensor((64, 64), seed=20 + i))
+    wait_until(lambda: rstats(a)["remote_pending_writes"] == 0, what="the writes end")
+    st = rstats(a)
+    assert st["remote_write_errors"] == 3 and st["remote_writes_skipped"] == 0
+    assert st["remote_known_keys"] == 1 and st["remote_circuit_opens"] == 0
+    assert same(a.get("held"), t)
+
+
 def _in_slab(c: BrokerClient, key: str) -> bool:
     """Is ``key`` in the broker's slab (a READY lookup without asking lower tiers)?"""
     from lmcache_ec_broker.protocol import LookupState

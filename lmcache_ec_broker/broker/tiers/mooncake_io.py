@@ -455,7 +455,7 @@ class MooncakeIO:
         codes = [int(rc) for rc in res]
         if codes and all(rc == RPC_FAIL for rc in codes):
             raise _down(f"Mooncake master {self.s.master} RPC failed")
-        return {i: Outcome.STORED if rc == 0 else Outcome.FAILED for i, rc in enumerate(codes)}
+        return {i: _outcome(rc) for i, rc in enumerate(codes)}
 
     def _put_session(
         self, store: Any, batch: list[WriteItem], slots: list[int], slab: SlabAccess
@@ -476,7 +476,7 @@ class MooncakeIO:
         live = [i for i, rc in enumerate(started) if int(rc) == 0]
         for i, rc in enumerate(started):
             if int(rc) != 0:
-                out[i] = Outcome.FAILED
+                out[i] = _outcome(int(rc))
         if not live:
             return out
         digests: dict[int, bytes] = {}
@@ -522,6 +522,13 @@ class MooncakeIO:
             out[i] = Outcome.FAILED
         self.meter.observe(time.perf_counter() - t0)
         return out
+
+
+def _outcome(rc: int) -> Outcome:
+    """A put's code: 0 stored; no space is the store saying no (alive); else failed."""
+    if rc == 0:
+        return Outcome.STORED
+    return Outcome.REJECTED if rc == NO_SPACE else Outcome.FAILED
 
 
 def _check_meta(nbytes: int, dtype: str, shape: tuple[int, ...], meta: EntryMeta) -> None:

@@ -337,7 +337,10 @@ class RedisTransport:
         for item in items:
             try:
                 out.append(self._write_one(item, slab))
-            except (StoreDown, RespError, BadValue) as exc:
+            except RespError as exc:  # the store answered (e.g. OOM): alive, not stored
+                log.debug("remote tier: the store refused %r: %s", item.key[:200], exc)
+                out.append(Outcome.REJECTED)
+            except (StoreDown, BadValue) as exc:
                 log.debug("remote tier: writing %r failed: %s", item.key[:200], exc)
                 out.append(Outcome.FAILED)
         return out

@@ -227,7 +227,7 @@ class RemotePolicy(KeyDiscovery):
         self.pump()
         return job
 
-    def _end_write(self, job: WriteJob, outcome: Outcome) -> None:
+    def _end_write(self, job: WriteJob, outcome: Outcome, sent: bool = True) -> None:
         assert job.outcome is None, "a write outcome is recorded exactly once"
         job.outcome = outcome
         self.counters[
@@ -235,6 +235,7 @@ class RemotePolicy(KeyDiscovery):
                 Outcome.STORED: "remote_writes",
                 Outcome.PRESENT: "remote_writes_skipped",
                 Outcome.FAILED: "remote_write_errors",
+                Outcome.REJECTED: "remote_write_errors",
                 Outcome.CANCELLED: "remote_writes_cancelled",
                 Outcome.ABANDONED: "remote_write_drops",
             }[outcome]
@@ -243,7 +244,7 @@ class RemotePolicy(KeyDiscovery):
             del self.pending_writes[job.key]
         self.pending_bytes -= job.meta.nbytes
         self.live.discard(job)
-        if outcome is Outcome.FAILED:
+        if outcome is Outcome.FAILED and sent:  # its bytes may still be on the wire
             self.uncertain[job.key] = self.clock() + LATE_WRITE_TIMEOUTS * self.limits.timeout_s
             self.uncertain.move_to_end(job.key)
             while len(self.uncertain) > GONE_CAP:
@@ -327,6 +328,7 @@ class RemotePolicy(KeyDiscovery):
                 busy.update(job.keys)
         clear_running = any(isinstance(j, ClearJob) for j in self.running)
         wake = 0.0
+        ended = False  # a job ended without I/O: the keys it held are free again
         i = 0
         while i < len(self.queue) and slots > 0 and not clear_running:
             job = self.queue[i]
@@ -369,23 +371,29 @@ class RemotePolicy(KeyDiscovery):
                     busy.add(nxt.key)
                     batch.append(nxt)
                     nbytes += nxt.meta.nbytes
-                self._start(WriteBatch(self._next_id(), batch))
+                if not self._start(WriteBatch(self._next_id(), batch)):
+                    ended = True
+                    continue  # the slot is still free
             slots -= 1
         if wake and wake != self._timer_at:
             self._timer_at = wake
             self.runner.later(max(wake - now, 0.0), self.pump)
+        if ended:
+            self.pump()
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job) -> bool:
+        """Dispatch ``job``; False if nothing was left to run."""
         if isinstance(job, WriteBatch):
             # a write whose node is known down ends now, without I/O
             down = [w for w in job.writes if self.breakers[self.node_of(w.key)].refusing()]
             for w in down:
-                self._end_write(w, Outcome.FAILED)
+                self._end_write(w, Outcome.FAILED, sent=False)
             job.writes = [w for w in job.writes if w not in down]
             if not job.writes:
-                return
+                return False
         self.running.add(job)
         self.runner.dispatch(job)
+        return True
 
     # ------------------------------------------------------------ lookups
 

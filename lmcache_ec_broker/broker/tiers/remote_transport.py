@@ -50,7 +50,8 @@ class Outcome(enum.Enum):
 
     STORED = "stored"  # this broker wrote the value
     PRESENT = "present"  # a valid value was already there: not written
-    FAILED = "failed"  # not stored (error, lost connection): the key is NOT known
+    FAILED = "failed"  # not stored (timeout, lost connection): the key is NOT known
+    REJECTED = "rejected"  # the store answered no (full: OOM / no space): alive, not stored
     CANCELLED = "cancelled"  # a delete or clear of the key came first: never written
     ABANDONED = "abandoned"  # shutdown ended it before it ran
 
@@ -105,7 +106,7 @@ class Transport(Protocol):
 
     def write(self, items: Sequence[WriteItem], slab: SlabAccess) -> list[Outcome]:
         """Per item STORED, PRESENT (a *valid* value is there and ``overwrite`` is
-        False) or FAILED. A refused value under the key must never answer PRESENT.
+        False), REJECTED (the store refused it: full) or FAILED. A refused value under the key must never answer PRESENT.
         Raises StoreDown only when nothing was attempted."""
         ...
 
