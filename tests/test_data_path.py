@@ -358,3 +358,27 @@ def test_flush_makes_posted_puts_visible_to_other_processes(broker) -> None:
             assert got is not None and torch.equal(got, t), i
     c.close()
     assert not c.flush()  # closed: nothing to wait for, and no broker
+
+
+def test_a_put_that_returned_is_seen_by_every_other_client_at_once(broker) -> None:
+    # Read-after-put across connections with the posted commit: the reader's filter says
+    # "maybe" from the reservation on, and the broker handles the writer's pending commit
+    # before answering. Fails with the commit posted but not settled (misses here).
+    with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as r:
+        for i in range(300):
+            t = torch.full((64,), float(i))
+            assert w.put(f"rap{i}", t)
+            op = i % 3
+            if op == 0:
+                got = r.get(f"rap{i}")
+                assert got is not None and torch.equal(got, t), i
+            elif op == 1:
+                assert r.has([f"rap{i}"]) == [True], i
+            else:
+                assert [e.state for e in r.lookup([f"rap{i}"])] == [1], i  # READY
+        assert w.put_many([(f"rapm{i}", torch.ones(8)) for i in range(16)]) == [True] * 16
+        assert r.has([f"rapm{i}" for i in range(16)]) == [True] * 16
+        # A second writer of a key whose commit is in flight is told it is present.
+        assert w.put("rap-dup", torch.ones(4))
+        assert r.put("rap-dup", torch.ones(4)) is False
+        assert r.stats()["put_present"] >= 1

@@ -33,7 +33,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import msgspec
 
@@ -83,7 +83,7 @@ from .lifecycle import (
     run_broker,
     segment_prefix,
 )
-from .store import Store
+from .store import State, Store
 from .tiers import TierError, make_lower_tiers
 
 __all__ = ["BrokerError", "BrokerServer", "probe_socket", "run_broker", "segment_prefix"]
@@ -96,6 +96,8 @@ MAX_LEASE_MS = 600_000
 # Frames a connection may have queued behind an in-flight async request before
 # the broker stops reading from it (it resumes when the queue is empty).
 MAX_QUEUED_FRAMES = 64
+# Requests whose keys are settled first (see BrokerServer.settle_reservations).
+_READS_KEYS = (Has, Get, Lookup)
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
 SERVER_COUNTERS = ("queue_pauses",)
 
@@ -113,6 +115,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False  # the peer does not read its replies
         self.queue_paused = False  # too many frames queued behind a slow request
         self.peer_uid = -1  # from SO_PEERCRED at admission
+        self.fd = -1  # the socket's descriptor (settle_reservations reads it directly)
 
     # ---------------------------------------------------------------- asyncio
 
@@ -120,7 +123,9 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         srv = self.server
-        uid, refusal = srv.access.admit(transport.get_extra_info("socket"), len(srv.connections))
+        sock = transport.get_extra_info("socket")
+        uid, refusal = srv.access.admit(sock, len(srv.connections))
+        self.fd = sock.fileno()
         self.peer_uid = uid
         srv.tiers.open_connection(self.conn_id)
         srv.connections[self.conn_id] = self
@@ -154,6 +159,27 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.frames.feed(data)
         self._drain()
+
+    def read_pending(self) -> None:
+        """Read and handle what this client already sent, now, out of the loop's turn.
+
+        Used when another connection asks for a key this one has reserved: its client
+        posts the Commit (does not wait for it), so the commit may already sit in this
+        socket. Frames are handled in their order, as data_received would; EOF and
+        errors are left to the transport, which sees them again on its next read."""
+        t = self.transport
+        if self.busy or self.closed or self.queue_paused or t is None or t.is_closing():
+            return
+        for _ in range(4):  # bounded: the writer's commit is near the front
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError:  # BlockingIOError: nothing pending
+                return
+            if not data:
+                return
+            self.data_received(data)
+            if self.busy or self.closed or self.queue_paused:
+                return
 
     def _drain(self) -> None:
         """Handle buffered frames; while busy, queue up to MAX_QUEUED_FRAMES of them
@@ -208,6 +234,10 @@ class Connection(asyncio.Protocol):
                 return
             self.hello(msg)
             return
+        if isinstance(msg, _READS_KEYS):
+            srv.settle_reservations(self.conn_id, msg.keys)
+        elif isinstance(msg, Reserve):
+            srv.settle_reservations(self.conn_id, (msg.key,))
         try:
             reply = srv.dispatch(self.conn_id, msg, self.peer_uid)
         except Exception as exc:  # a bug must not take the broker down for everyone
@@ -306,11 +336,32 @@ class BrokerServer:
         # Each adds keys to stats() (metrics latency summaries).
         self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
+        self._settling = False  # settle_reservations is running (never nested)
 
     # ---------------------------------------------------------------- wiring
 
     def encode_frame(self, msg: msgspec.Struct) -> bytes:
         return encode_frame(self._encoder, msg)
+
+    def settle_reservations(self, conn: int, keys: Collection[str]) -> None:
+        """Before ``conn`` reads ``keys``: any key another client has reserved may have
+        its posted Commit waiting in that client's socket; handle it first, so a put
+        that returned is seen by every request made after it (read-after-put across
+        processes). One level deep: frames handled here do not settle in turn."""
+        if self._settling:
+            return
+        entries = self.store.entries
+        self._settling = True
+        try:
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None or entry.state is not State.RESERVED or entry.owner == conn:
+                    continue
+                owner = self.connections.get(entry.owner)
+                if owner is not None:
+                    owner.read_pending()
+        finally:
+            self._settling = False
 
     def observe(self, op: str, started: float) -> None:
         if self.observers:

@@ -358,6 +358,11 @@ class Store:
             owner=conn,
         )
         self.entries[key] = entry
+        # In the filter from the reservation on (a "maybe" is always confirmed here):
+        # a client's commit is posted, so another client must ask the broker, which
+        # then reads the writer's pending commit (server.settle_reservations).
+        if self.membership is not None:
+            self.membership.add(key)
         self.reservations[token] = entry
         self.reserved_blocks += nblocks
         self.conns[conn].reservations.add(token)
@@ -388,8 +393,6 @@ class Store:
         self.lru.insert(entry.key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += entry.nbytes
-        if self.membership is not None:
-            self.membership.add(entry.key)
         if self.observer is not None:
             self.observer.slab_stored(entry.key, entry.nbytes)
         return None
@@ -405,6 +408,8 @@ class Store:
     def _abort(self, token: int) -> None:
         entry = self.reservations.pop(token)
         del self.entries[entry.key]
+        if self.membership is not None:
+            self.membership.remove(entry.key)
         self._free_blocks(entry)
         self.counters["aborts"] += 1
 
