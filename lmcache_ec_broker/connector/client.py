@@ -23,12 +23,13 @@ Failure model (what a serving engine can rely on):
   lock from request to copy to commit/release, so a concurrent reconnect cannot
   unmap memory under a copy.
 - Waits per call (issue 18): ``put`` waits for its Reserve reply only: the Commit
-  is posted (sent after the copy, its reply read and dropped before the next
-  reply), so the entry is visible to this client's next request at once and to
-  other connections as soon as the broker reads the commit, which is already in
-  its socket when ``put`` returns (usually microseconds later; ``flush()`` waits
-  for it when another process must see the entry before it is told to look). ``get`` waits for its Get reply and posts the
-  Release; ``has`` is one short request.
+  is posted (sent after the copy; its reply is read and dropped before the next
+  reply). A put that returned is still seen by every request made after it, from
+  any process: the commit is already in the broker's socket, a reserved key is
+  in the membership filter (so other clients ask), and the broker handles a
+  reserved key's pending commit before answering for it. ``flush()`` waits for
+  the posted replies. ``get`` waits for its Get reply and posts the Release;
+  ``has`` is one short request.
 """
 
 from __future__ import annotations
