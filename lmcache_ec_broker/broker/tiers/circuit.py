@@ -97,6 +97,12 @@ class CircuitBreaker:
         if self._on_change is not None:
             self._on_change(state)
 
+    def release(self) -> None:
+        """A probe ended without a verdict (the call could not be made): let the next
+        ``allow`` hand out another probe; state and backoff unchanged."""
+        with self._lock:
+            self._probing = False
+
     def refusing(self) -> bool:
         """Would ``allow`` refuse now? (No side effect: takes no probe.)"""
         with self._lock:

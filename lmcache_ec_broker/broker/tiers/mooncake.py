@@ -218,7 +218,8 @@ class MooncakeTransport:
     def _client(self) -> tuple[Any, MooncakeIO]:
         store, io = self._store, self._io
         if store is None or io is None or not self._connected.is_set():
-            raise StoreDown([MASTER], f"Mooncake master {self.s.master} not connected")
+            # not the store's verdict (no client yet): no breaker failure; remote_up is 0
+            raise Retry(0.5, f"Mooncake master {self.s.master} not connected yet")
         return store, io
 
     def node_of(self, key: str) -> Node:
@@ -245,6 +246,7 @@ class MooncakeTransport:
         if rc == HAS_LEASE:
             # Someone read it within the lease TTL: the master keeps it until the lease
             # ends. The policy answers misses for it meanwhile and tries again.
+            self.meter.count("remote_lease_conflicts")
             raise Retry(_LEASE_RETRY_S, f"{key!r} is leased by a reader")
         if rc == RPC_FAIL:
             raise StoreDown([MASTER], f"Mooncake master {self.s.master} RPC failed")

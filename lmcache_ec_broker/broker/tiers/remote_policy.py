@@ -573,15 +573,18 @@ class RemotePolicy(KeyDiscovery):
             self._probing.discard(job.node)
             if isinstance(result, StoreDown):
                 self._fail([job.node])
-            else:
+            elif result is None:
                 self._ok([job.node])
+            else:  # Retry (no client yet): no verdict; a later probe decides
+                self.breakers[job.node].release()
             return
         if isinstance(job, WriteBatch):
             nodes = sorted({self.node_of(w.key) for w in job.writes}, key=str)
             if isinstance(result, StoreDown | Retry):
-                self._fail(getattr(result, "nodes", None) or nodes)
-                for w in job.writes:
-                    self._end_write(w, Outcome.FAILED)
+                if isinstance(result, StoreDown):
+                    self._fail(result.nodes or nodes)
+                for w in job.writes:  # Retry: not attempted (no client yet, busy)
+                    self._end_write(w, Outcome.FAILED, sent=isinstance(result, StoreDown))
                 log.debug("remote tier: write-behind failed: %s", result)
             else:
                 failed = {self.node_of(w.key) for w, o in zip(job.writes, result, strict=True)
@@ -608,8 +611,7 @@ class RemotePolicy(KeyDiscovery):
                     self._delete_ended(key, gave_up=True)
                     late = [k for k in late if k != key]
                     continue
-                if isinstance(res, Retry):
-                    self.counters["remote_lease_conflicts"] += 1
+                if isinstance(res, Retry):  # e.g. a Mooncake reader's lease (counted there)
                     wait = max(wait, res.after_s)
                 else:
                     wait = max(wait, self.limits.breaker_backoff_s * 2**job.tries)
