@@ -179,7 +179,9 @@ def test_a_failed_write_behind_is_counted_once_and_not_taken_as_stored(server, p
     # (the budget is a quarter of this 16 MiB slab: one 4 MiB write at a time)
     wait_until(lambda: rstats(a)["remote_pending_writes"] == 0, what="the fillers' writes")
     assert a.put("lost", t)
-    wait_until(lambda: server.cli("exists", PREFIX + "lost") == "1", what=f"the second write {rstats(a)}")
+    wait_until(
+        lambda: server.cli("exists", PREFIX + "lost") == "1", what=f"the second write {rstats(a)}"
+    )
 
 
 def test_a_full_store_rejects_writes_but_keeps_serving(server, node) -> None:
@@ -364,3 +366,20 @@ def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
             wait_until(lambda: rstats(b)["remote_circuit_opens"] >= 1, what="dead node's breaker")
             for k in alive:
                 assert same(raw.get(k), tensors[k]), f"{k} (on a healthy master) was not served"
+
+
+def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
+    """300k keys listed at start: they are folded into the filter in slices, so the
+    broker keeps answering meanwhile (folding them in one go held the loop ~1.3 s)."""
+    n = 300_000
+    server.cli("debug", "populate", str(n), PREFIX + "bulk", "16")
+    a = node(server.url("unix"), remote_filter_keys=400_000)
+    worst = 0.0
+    deadline = time.monotonic() + 60
+    while rstats(a)["remote_known_keys"] < n:
+        assert time.monotonic() < deadline, "the listing never finished"
+        t0 = time.perf_counter()
+        assert a.ping()
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.005)
+    assert worst < 0.5, f"a ping waited {worst * 1000:.0f} ms while keys were folded"
