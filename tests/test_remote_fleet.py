@@ -383,3 +383,20 @@ def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.005)
     assert worst < 0.5, f"a ping waited {worst * 1000:.0f} ms while keys were folded"
+
+
+@pytest.mark.parametrize("server", KINDS, indirect=True)
+def test_clear_of_a_prefix_keeps_a_nested_prefix(server, node) -> None:
+    """Fleets on prefixes ``a:`` and ``a:b:``: clearing ``a:`` (clear --shared) removes
+    its own values and keeps ``a:b:``'s -- their headers name other keys."""
+    url = server.url("unix")
+    a = node(url, remote_key_prefix="a:")
+    b = node(url, remote_key_prefix="a:b:")
+    assert a.put("mine", tensor((8, 8), seed=1))
+    assert b.put("theirs", tensor((8, 8), seed=2))
+    wait_until(lambda: rstats(a)["remote_writes"] == 1 and rstats(b)["remote_writes"] == 1,
+               what="both writes")  # fmt: skip
+    assert a.clear(shared=True)
+    wait_until(lambda: server.cli("exists", "a:mine") == "0", what="A's clear")
+    time.sleep(1.0)
+    assert server.cli("exists", "a:b:theirs") == "1", "clearing a: removed a:b:'s value"
