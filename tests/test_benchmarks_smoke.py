@@ -115,7 +115,7 @@ def test_attribution_smoke(tmp_path: Path) -> None:
     r = _run("attribution.py", "--iters", "60", "--sizes", "64KiB", "--json", str(out), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("has() hit, 1 key", "put 64 KiB", "put (commit waited) 64 KiB", "get_into 64 KiB",
-                   "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "wake+transit"):  # fmt: skip
+                   "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "syscalls+wake-ups"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
     rows = json.loads(out.read_text())["rows"]
     assert all(row["broker"] > 0 for row in rows), rows  # the broker's own times were read
