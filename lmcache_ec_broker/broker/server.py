@@ -156,6 +156,10 @@ class Connection(asyncio.Protocol):
         else:
             t.resume_reading()
 
+    @property
+    def paused(self) -> bool:
+        return self.write_paused or self.queue_paused
+
     def data_received(self, data: bytes) -> None:
         self.frames.feed(data)
         self._drain()
@@ -168,8 +172,8 @@ class Connection(asyncio.Protocol):
         socket. Frames are handled in their order, as data_received would; EOF and
         errors are left to the transport, which sees them again on its next read."""
         t = self.transport
-        if self.busy or self.closed or self.queue_paused or t is None or t.is_closing():
-            return
+        if self.busy or self.closed or self.paused or t is None or t.is_closing():
+            return  # paused: its reading is held back on purpose (see _update_reading)
         for _ in range(4):  # bounded: the writer's commit is near the front
             try:
                 data = os.read(self.fd, 1 << 16)
@@ -178,7 +182,7 @@ class Connection(asyncio.Protocol):
             if not data:
                 return
             self.data_received(data)
-            if self.busy or self.closed or self.queue_paused:
+            if self.busy or self.closed or self.paused:
                 return
 
     def _drain(self) -> None:
