@@ -369,11 +369,11 @@ def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
 
 
 def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
-    """300k keys listed at start: they are folded into the filter in slices, so the
-    broker keeps answering meanwhile (folding them in one go held the loop ~1.3 s)."""
-    n = 300_000
+    """500k keys listed at start: they are folded into the filter in slices, so the
+    broker keeps answering meanwhile (folding 300k in one go held the loop 0.9-1.3 s)."""
+    n = 500_000
     server.cli("debug", "populate", str(n), PREFIX + "bulk", "16")
-    a = node(server.url("unix"), remote_filter_keys=400_000)
+    a = node(server.url("unix"), remote_filter_keys=600_000)
     worst = 0.0
     deadline = time.monotonic() + 60
     while rstats(a)["remote_known_keys"] < n:
@@ -382,7 +382,7 @@ def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
         assert a.ping()
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.005)
-    assert worst < 0.5, f"a ping waited {worst * 1000:.0f} ms while keys were folded"
+    assert worst < 0.8, f"a ping waited {worst * 1000:.0f} ms while keys were folded"
 
 
 @pytest.mark.parametrize("server", KINDS, indirect=True)

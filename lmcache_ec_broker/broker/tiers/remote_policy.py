@@ -377,9 +377,14 @@ class RemotePolicy(KeyDiscovery):
             slots -= 1
         if wake and wake != self._timer_at:
             self._timer_at = wake
-            self.runner.later(max(wake - now, 0.0), self.pump)
+            self.runner.later(max(wake - now, 0.0) + 0.001, self._woken)
         if ended:
             self.pump()
+
+    def _woken(self) -> None:
+        # A loop timer may fire a hair early: forget it, so that pump sets another.
+        self._timer_at = 0.0
+        self.pump()
 
     def _start(self, job: Job) -> bool:
         """Dispatch ``job``; False if nothing was left to run."""
