@@ -376,13 +376,15 @@ def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
     a = node(server.url("unix"), remote_filter_keys=600_000)
     worst = 0.0
     deadline = time.monotonic() + 60
-    while rstats(a)["remote_known_keys"] < n:
+    while True:
         assert time.monotonic() < deadline, "the listing never finished"
         t0 = time.perf_counter()
-        assert a.ping()
+        known = rstats(a)["remote_known_keys"]  # every request is timed
         worst = max(worst, time.perf_counter() - t0)
+        if known >= n:
+            break
         time.sleep(0.005)
-    assert worst < 0.8, f"a ping waited {worst * 1000:.0f} ms while keys were folded"
+    assert worst < 0.8, f"a request waited {worst * 1000:.0f} ms while keys were folded"
 
 
 @pytest.mark.parametrize("server", KINDS, indirect=True)
