@@ -444,7 +444,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
 
 PolicyMachine.TestCase.settings = settings(
-    max_examples=300,
+    max_examples=1000,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
