@@ -491,3 +491,69 @@ def test_subscriber_recovers_from_a_dropped_batch_with_a_snapshot() -> None:
 async def _stop(tracker: ResidencyTracker, pub: ZmqPublisher) -> None:
     tracker.close()
     await pub.stop()
+
+
+# ---------------------------------------------------------------- the shared remote tier
+
+
+def test_remote_tier_published_only_for_what_this_broker_wrote_or_deleted(make_broker) -> None:
+    """A put is published for the slab and, once written behind, for the remote tier;
+    a delete publishes the remote removal; a second broker that only learns the key
+    from the store (announcement, then a promotion) publishes nothing for the remote
+    tier. A real redis-server on a Unix socket."""
+    from redis_servers import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    srv = RedisServer()
+    try:
+        remote = {"LMCACHE_EC_REMOTE_URL": srv.url("unix"), "LMCACHE_EC_REMOTE_TIMEOUT_S": "1.0"}
+        pa, pb = port_pair(), port_pair()
+        a = make_broker("--shm-size", "4MiB", env=events_env(pa, "node-a", **remote))
+        b = make_broker("--shm-size", "4MiB", env=events_env(pb, "node-b", **remote))
+        sa, sb = Sub(pa), Sub(pb)
+        wait_until(lambda: (sa.pump(), sa.events(Heartbeat))[1], "a heartbeat from A")
+        wait_until(lambda: (sb.pump(), sb.events(Heartbeat))[1], "a heartbeat from B")
+        ca = BrokerClient(a.socket_path, timeout_s=5.0)
+        cb = BrokerClient(b.socket_path, timeout_s=5.0)
+
+        def tiers(sub: Sub, kind: type) -> list[tuple[str, str, str | None]]:
+            sub.pump()
+            return [(e.mm_hash, e.tier, e.medium) for e in sub.events(kind)]
+
+        put(ca, "r1")
+        wait_until(lambda: ("r1", "remote", "REMOTE") in tiers(sa, EncoderCacheStored), "remote")
+        assert tiers(sa, EncoderCacheStored) == [("r1", "slab", "CPU"), ("r1", "remote", "REMOTE")]
+        assert {e.nbytes for e in sa.events(EncoderCacheStored)} == {64 << 10}
+        assert where(f"http://127.0.0.1:{pa + 2}", "r1") == [
+            [{"node": "node-a", "tiers": {"slab": 65536, "remote": 65536}}]
+        ]
+        ((_, _, payload),) = sa.request(msgspec.msgpack.encode(SnapshotRequest()))
+        assert sorted(
+            (e.mm_hash, e.tier) for e in snapshot_decoder.decode(payload).entries
+        ) == [("r1", "remote"), ("r1", "slab")]
+
+        # B learns r1 from the store only, and promotes it into its slab: only the slab.
+        wait_until(lambda: cb.stats()["remote_known_keys"] >= 1, "B learns r1")
+        got = cb.get(key("r1"))
+        assert got is not None and got.numel() == 64 * 512
+        wait_until(lambda: ("r1", "slab", "CPU") in tiers(sb, EncoderCacheStored), "B's slab")
+        time.sleep(0.5)  # a heartbeat or two more: nothing else may follow
+        assert tiers(sb, EncoderCacheStored) == [("r1", "slab", "CPU")]
+        assert where(f"http://127.0.0.1:{pb + 2}", "r1")[0][0]["tiers"] == {"slab": 65536}
+
+        # A deletes r1: the slab and, once the store's delete ran, the remote copy.
+        assert ca.delete(key("r1"))
+        wait_until(lambda: ("r1", "remote", "REMOTE") in tiers(sa, EncoderCacheRemoved), "removed")
+        assert sorted(tiers(sa, EncoderCacheRemoved)) == [
+            ("r1", "remote", "REMOTE"),
+            ("r1", "slab", "CPU"),
+        ]
+        assert where(f"http://127.0.0.1:{pa + 2}", "r1") == [[]]
+        assert not [t for t in tiers(sb, EncoderCacheRemoved) if t[1] == "remote"]
+        ca.close()
+        cb.close()
+        sa.close()
+        sb.close()
+    finally:
+        srv.stop()

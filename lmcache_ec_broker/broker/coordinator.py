@@ -34,7 +34,7 @@ import heapq
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState, ReserveStatus
 from .store import Entry, Membership, Store
@@ -48,6 +48,7 @@ from .tiers.base import (
     TierMiss,
     TierUnavailable,
 )
+from .tiers.remote_tier import OwnTierEvents
 
 log = logging.getLogger("lmcache_ec_broker")
 
@@ -87,6 +88,10 @@ class _Candidates:
     sources: list[tuple[LowerTier, EntryMeta]] = field(default_factory=list)
 
 
+class ResidencyObserver(TierEvents, OwnTierEvents, Protocol):
+    """The residency events' tracker, as the coordinator feeds it."""
+
+
 class Coordinator:
     def __init__(self, store: Store, tiers: Sequence[LowerTier]) -> None:
         self.store = store
@@ -94,8 +99,9 @@ class Coordinator:
         self.sync_tiers = [t for t in self.tiers if not t.remote]
         self.remote_tiers = [t for t in self.tiers if t.remote]
         self.membership: Membership | None = None
-        # Residency events (events/ package): sees every lower tier's added/removed.
-        self.observer: TierEvents | None = None
+        # Residency events (events/ package): sees every lower tier's added/removed,
+        # and what this broker itself wrote to or deleted from a shared tier.
+        self.observer: ResidencyObserver | None = None
         self.counters = dict.fromkeys(COORDINATOR_COUNTERS, 0)
         self._promoting: dict[str, _Promotion] = {}
         self._leases: dict[int, dict[str, _TierLease]] = {}
@@ -118,6 +124,20 @@ class Coordinator:
             self.membership.remove(key)
         if self.observer is not None:
             self.observer.removed(tier, key)
+
+    # ------------------------------------------------ OwnTierEvents (shared tiers)
+
+    def own_stored(self, tier: LowerTier, key: str, nbytes: int) -> None:
+        if self.observer is not None:
+            self.observer.own_stored(tier, key, nbytes)
+
+    def own_deleted(self, tier: LowerTier, key: str) -> None:
+        if self.observer is not None:
+            self.observer.own_deleted(tier, key)
+
+    def own_cleared(self, tier: LowerTier) -> None:
+        if self.observer is not None:
+            self.observer.own_cleared(tier)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -9,9 +9,19 @@ sink dropped: the gap tells a subscriber it missed something.
 
 Invariants:
 1. ``residency`` is the state after every batch numbered below ``next_seq``
-   (pending changes are flushed before a snapshot is taken).
-2. Remote tiers are not published: their added/removed also report keys other
-   brokers wrote (announcements, scans), which this node does not hold.
+   (pending changes are flushed before a snapshot is taken), and changes are
+   published in the order they were observed (a tier-wide clear ends the batch
+   before it, so nothing is reordered across it).
+2. A shared (remote) tier is published only for what this broker did to it: a
+   write of its own that ended STORED (``own_stored``), its own delete of the key
+   (``own_deleted``) and its own clear of the tier (``own_cleared``). Its
+   ``added``/``removed`` are ignored: they also report keys other brokers wrote
+   (announcements, scans), which this node did not write. So "this node holds K on
+   the remote tier" means "this broker wrote K there and has not deleted or
+   cleared it since"; a removal by the store itself (eviction, TTL) or by another
+   broker is not seen, and a restarted broker claims nothing it wrote before.
+3. A remote removal is published only for an entry this tracker holds on that
+   tier (a delete of a key another broker wrote publishes nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ from .schema import (
 
 # Events per batch at most (bounds a message and the loop time spent encoding it).
 MAX_BATCH_EVENTS = 512
+# What a pending change is (the first field of ``ResidencyTracker._pending``).
+STORED, REMOVED, OWN_REMOVED, CLEARED = range(4)
 Sink = Callable[[bytes, int, bytes], bool]  # (topic, seq, payload) -> accepted
 
 TRACKER_COUNTERS = (
@@ -60,31 +72,40 @@ class ResidencyTracker:
         self.residency = Residency()
         self.next_seq = 0
         self.counters = dict.fromkeys(TRACKER_COUNTERS, 0)
-        # (tier or None for the slab, key, nbytes or -1 for a removal)
-        self._pending: list[tuple[Any, str, int]] = []
+        # (kind, tier name, key, nbytes, tier to peek the size of or None)
+        self._pending: list[tuple[int, str, str, int, Any]] = []
         self._scheduled = False
         self.closed = False
 
     # ------------------------------------------------------------ observer hooks
 
     def slab_stored(self, key: str, nbytes: int) -> None:
-        self._note(None, key, nbytes)
+        self._note(STORED, "slab", key, nbytes)
 
     def slab_removed(self, key: str) -> None:
-        self._note(None, key, -1)
+        self._note(REMOVED, "slab", key)
 
     def added(self, tier: Any, key: str) -> None:
-        if not tier.remote:
-            self._note(tier, key, 0)  # its size is read at flush (peek answers by then)
+        if not tier.remote:  # invariant 2
+            self._note(STORED, tier.name, key, 0, tier)  # size read at flush (peek answers)
 
     def removed(self, tier: Any, key: str) -> None:
         if not tier.remote:
-            self._note(tier, key, -1)
+            self._note(REMOVED, tier.name, key)
 
-    def _note(self, tier: Any, key: str, nbytes: int) -> None:
+    def own_stored(self, tier: Any, key: str, nbytes: int) -> None:
+        self._note(STORED, tier.name, key, nbytes)
+
+    def own_deleted(self, tier: Any, key: str) -> None:
+        self._note(OWN_REMOVED, tier.name, key)
+
+    def own_cleared(self, tier: Any) -> None:
+        self._note(CLEARED, tier.name, "")
+
+    def _note(self, kind: int, name: str, key: str, nbytes: int = -1, peek: Any = None) -> None:
         if self.closed:
             return
-        self._pending.append((tier, key, nbytes))
+        self._pending.append((kind, name, key, nbytes, peek))
         if not self._scheduled:
             try:
                 loop = asyncio.get_running_loop()
@@ -102,25 +123,35 @@ class ResidencyTracker:
             return
         ops, self._pending = self._pending, []
         by_model: dict[str, list[Event]] = {}
-        for tier, key, nbytes in ops:
+        for kind, name, key, nbytes, peek in ops:
+            if kind == CLEARED:  # node-wide topic; what came before goes first (invariant 1)
+                self._emit_all(by_model)
+                by_model = {}
+                self.residency.clear(name)
+                self._emit("", [EncoderCacheCleared(name)])
+                continue
             parts = split_key(key)
             if parts is None:
                 self.counters["events_unparsed_keys"] += 1
                 continue
             model, mm_hash, dtype = parts
-            name = "slab" if tier is None else tier.name
-            if nbytes < 0:
+            if kind == OWN_REMOVED and name not in self.residency.entries.get(parts, {}):
+                continue  # invariant 3
+            if kind != STORED:
                 self.residency.removed(model, mm_hash, dtype, name)
                 event: Event = EncoderCacheRemoved(mm_hash, model, dtype, name, MEDIUM.get(name))
             else:
-                if tier is not None:
-                    meta = tier.peek([key])
+                if peek is not None:
+                    meta = peek.peek([key])
                     if not meta or meta[0] is None:
                         continue  # gone again before this flush (its removal follows)
                     nbytes = meta[0].nbytes
                 self.residency.stored(model, mm_hash, dtype, name, nbytes)
                 event = EncoderCacheStored(mm_hash, model, dtype, name, nbytes, MEDIUM.get(name))
             by_model.setdefault(model, []).append(event)
+        self._emit_all(by_model)
+
+    def _emit_all(self, by_model: dict[str, list[Event]]) -> None:
         for model, events in by_model.items():
             for i in range(0, len(events), MAX_BATCH_EVENTS):
                 self._emit(model, events[i : i + MAX_BATCH_EVENTS])

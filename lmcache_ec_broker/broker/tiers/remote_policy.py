@@ -36,6 +36,12 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
 7. Key discovery. Rescans are coalesced (one at a time; requests meanwhile make one
    more) and their results, like announcements, are folded into the filter in
    slices of ``fold_slice`` keys per loop turn.
+8. Own writes (``own``, the residency events): ``own_stored`` once per write that
+   ended STORED (this broker wrote the value; never for PRESENT, which another
+   broker wrote), ``own_deleted`` when a delete of the key ends (done, or given up:
+   the key is not served again until written again) and ``own_cleared`` when a clear
+   ends -- each in the order the store saw them (rule 1), never for keys learned
+   from announcements, scans or lookups.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ...protocol import Extent
 from .base import EntryMeta, TierMiss, TierUnavailable
@@ -77,6 +83,14 @@ LATE_WRITE_TIMEOUTS = 4.0
 REFUSED_TTL_S = 60.0
 
 
+class OwnWrites(Protocol):
+    """Hears what this broker itself did to the shared store (promise 8)."""
+
+    def own_stored(self, key: str, nbytes: int) -> None: ...
+    def own_deleted(self, key: str) -> None: ...
+    def own_cleared(self) -> None: ...
+
+
 # ---------------------------------------------------------------- the policy
 
 
@@ -94,6 +108,7 @@ class RemotePolicy(KeyDiscovery):
         self.limits = limits
         self.ready = ready  # False: no client yet (Mooncake connecting): writes are dropped
         self.runner = runner
+        self.own: OwnWrites | None = None  # promise 8; set by the runtime
         self.node_of = node_of
         self.clock = clock
         self.counters: collections.Counter[str] = collections.Counter()
@@ -256,6 +271,8 @@ class RemotePolicy(KeyDiscovery):
                 self.refused.pop(job.key, None)
             if job.key not in self.refused and not self._blocked(job.key):
                 self._learn(job.key)
+        if outcome is Outcome.STORED and self.own is not None:
+            self.own.own_stored(job.key, job.meta.nbytes)
         self.runner.write_ended(job)
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
@@ -314,6 +331,8 @@ class RemotePolicy(KeyDiscovery):
             self.gone[key] = None
             while len(self.gone) > GONE_CAP:
                 self.gone.popitem(last=False)
+        if self.own is not None:
+            self.own.own_deleted(key)
 
     def pump(self) -> None:
         """Start every queue job that may start now (ordering rule 1)."""
@@ -639,6 +658,8 @@ class RemotePolicy(KeyDiscovery):
                     return
                 log.warning("remote tier: clearing the namespace failed: %s", result)
             self.clearing -= 1
+            if self.own is not None:
+                self.own.own_cleared()
             now = self.clock()
             late = [k for k, until in self.uncertain.items() if until > now]
             for key in late:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ...protocol import Extent
 from .base import (
@@ -97,6 +97,16 @@ async def _uncancellable(fut: asyncio.Future[Any]) -> Any:
     return fut.result()
 
 
+@runtime_checkable
+class OwnTierEvents(Protocol):
+    """Tier events that also hear what this broker itself wrote to or deleted from a
+    shared tier (the coordinator; ``RemotePolicy``'s promise 8 says when)."""
+
+    def own_stored(self, tier: LowerTier, key: str, nbytes: int) -> None: ...
+    def own_deleted(self, tier: LowerTier, key: str) -> None: ...
+    def own_cleared(self, tier: LowerTier) -> None: ...
+
+
 class RemoteTier(LowerTier):
     """A LowerTier over any transport; subclasses build the transport and limits."""
 
@@ -111,6 +121,7 @@ class RemoteTier(LowerTier):
         self.meter = meter
         self.describe = describe
         self.policy = RemotePolicy(limits, self, transport.node_of, ready=transport.ready)
+        self.policy.own = self
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slab: SlabAccess | None = None
         self._events: TierEvents | None = None
@@ -243,6 +254,19 @@ class RemoteTier(LowerTier):
     def removed(self, key: str) -> None:
         if self._events is not None:
             self._events.removed(self, key)
+
+    # OwnWrites (policy side): passed on to events that want them
+    def own_stored(self, key: str, nbytes: int) -> None:
+        if isinstance(self._events, OwnTierEvents):
+            self._events.own_stored(self, key, nbytes)
+
+    def own_deleted(self, key: str) -> None:
+        if isinstance(self._events, OwnTierEvents):
+            self._events.own_deleted(self, key)
+
+    def own_cleared(self) -> None:
+        if isinstance(self._events, OwnTierEvents):
+            self._events.own_cleared(self)
 
     def later(self, delay_s: float, fn: Callable[[], None]) -> None:
         if self._loop is not None and not self._loop.is_closed():
