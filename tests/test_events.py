@@ -23,6 +23,7 @@ from lmcache_ec_broker.connector.client import BrokerClient
 from lmcache_ec_broker.events.publisher import ZmqPublisher
 from lmcache_ec_broker.events.schema import (
     END_SEQ,
+    EncoderCacheCleared,
     EncoderCacheRemoved,
     EncoderCacheStored,
     EventBatch,
@@ -500,7 +501,8 @@ def test_remote_tier_published_only_for_what_this_broker_wrote_or_deleted(make_b
     """A put is published for the slab and, once written behind, for the remote tier;
     a delete publishes the remote removal; a second broker that only learns the key
     from the store (announcement, then a promotion) publishes nothing for the remote
-    tier. A real redis-server on a Unix socket."""
+    tier; a shared clear publishes a clear of the remote tier. A real redis-server on a
+    Unix socket."""
     from redis_servers import REDIS_SERVER, RedisServer
 
     if REDIS_SERVER is None:
@@ -551,6 +553,16 @@ def test_remote_tier_published_only_for_what_this_broker_wrote_or_deleted(make_b
         ]
         assert where(f"http://127.0.0.1:{pa + 2}", "r1") == [[]]
         assert not [t for t in tiers(sb, EncoderCacheRemoved) if t[1] == "remote"]
+
+        # A shared clear (this broker clears the store's namespace): a tier-wide clear.
+        put(ca, "r2")
+        wait_until(lambda: ("r2", "remote", "REMOTE") in tiers(sa, EncoderCacheStored), "r2")
+        assert ca.clear(shared=True)
+        wait_until(
+            lambda: (sa.pump(), EncoderCacheCleared("remote") in sa.events(EncoderCacheCleared))[1],
+            "the remote tier's clear",
+        )
+        assert where(f"http://127.0.0.1:{pa + 2}", "r2") == [[]]
         ca.close()
         cb.close()
         sa.close()
