@@ -41,7 +41,8 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    broker wrote), ``own_deleted`` when a delete of the key ends (done, or given up:
    the key is not served again until written again) and ``own_cleared`` when a clear
    ends -- each in the order the store saw them (rule 1), never for keys learned
-   from announcements, scans or lookups.
+   from announcements, scans or lookups. (Checked by ``tests/test_events.py``
+   with real brokers and a real store, not by the machine.)
 """
 
 from __future__ import annotations
