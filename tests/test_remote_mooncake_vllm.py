@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
+    SLOW_HOST_BUDGETS,
     VllmServer,
     ec_transfer_config,
     png_data_url,
@@ -77,7 +78,11 @@ def fleet() -> Iterator[dict]:
             procs.append(proc)
         cores = os.cpu_count() or 1
         for i, name in enumerate(("a", "b", "plain")):
-            cfg = ec_transfer_config("ec_both", brokers[name]) if name in brokers else None
+            cfg = (
+                ec_transfer_config("ec_both", brokers[name], **SLOW_HOST_BUDGETS)
+                if name in brokers
+                else None
+            )
             servers[name] = VllmServer(
                 model,
                 workdir / f"vllm-{name}.log",

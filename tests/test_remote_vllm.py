@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
+    SLOW_HOST_BUDGETS,
     VllmServer,
     ec_transfer_config,
     png_data_url,
@@ -79,7 +80,7 @@ def fleet() -> Iterator[dict]:
         cores = os.cpu_count() or 1
         for i, name in enumerate(("a", "b", "plain")):
             cfg = (
-                ec_transfer_config("ec_both", brokers[name].socket_path)
+                ec_transfer_config("ec_both", brokers[name].socket_path, **SLOW_HOST_BUDGETS)
                 if name in brokers
                 else None
             )

@@ -112,6 +112,13 @@ def _session_socket_inodes(sid: int) -> set[str]:
     return inodes
 
 
+# For tests that assert a load or a remote hit (not the budgets themselves): on a loaded
+# 2-core CI host a healthy broker's reply can take longer than the production budgets
+# (50 ms scheduler, 200 ms worker), which opens the client's circuit and turns the
+# expected load into a (correct) re-encode. The budgets are tested in tests/e2e.
+SLOW_HOST_BUDGETS = {"scheduler_budget_ms": 2000, "worker_budget_ms": 2000}
+
+
 def ec_transfer_config(
     role: str,
     socket_path: str,
