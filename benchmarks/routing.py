@@ -68,7 +68,7 @@ sys.path.insert(
 
 from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
-from benchmarks._common import die_with_parent, percentile, table  # noqa: E402
+from benchmarks._common import die_with_parent, percentile, stop_process, table  # noqa: E402
 
 PROMPTS = [
     "describe the image",
@@ -146,13 +146,8 @@ class NodeBroker:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
 
 
