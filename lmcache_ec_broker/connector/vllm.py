@@ -60,7 +60,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -71,22 +71,17 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
-# Hooks a given vLLM does not have are simply never called (``update_connector_output``
-# and ``build_connector_worker_meta`` from 0.29, ``ensure_cache_available`` from 0.24);
-# only imports need a guard.
-try:  # vLLM >= 0.29
-    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
-except ImportError:  # pragma: no cover - older vLLM
-    ECConnectorWorkerMetadata = object  # type: ignore[misc,assignment]
-
-try:  # vLLM >= 0.31: stats reported here are logged as "EC Transfer metrics: ..."
-    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
-except ImportError:  # pragma: no cover - older vLLM
-    ECConnectorStats = None  # type: ignore[assignment,misc]
-
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
 from lmcache_ec_broker.connector.tp_agree import union_over_tp
+from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
+    STAT_FIELDS,
+    ECBrokerConnectorMetadata,
+    ECBrokerStats,
+    ECBrokerWorkerMetadata,
+    ECConnectorStats,
+    LoadSpec,
+)
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -94,8 +89,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-# Under the "vllm" logger so that vLLM's handler and format apply.
-logger = init_logger("vllm.lmcache_ec_broker.connector")
+logger = init_logger("vllm.lmcache_ec_broker.connector")  # vLLM's handler and format
 
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_MAX_DEFER_S = 10.0
@@ -117,73 +111,6 @@ def make_key(model: str, mm_hash: str, dtype: Any) -> str:
     # world_size=1, worker_id=0: one entry shared by all TP ranks.
     return f"{model}@1@0@{mm_hash}@{dtype_short_name(dtype)}"
 
-
-@dataclass(frozen=True)
-class LoadSpec:
-    req_id: str
-    mm_hash: str
-    num_embeds: int
-    width: int | None = None  # the encoder's output width when vLLM measured it
-    index: int = 0  # the item's index in the request's mm_features
-
-
-@dataclass
-class ECBrokerConnectorMetadata(ECConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    # Invariant: the very dict object of the step's SchedulerOutput.scheduled_encoder_inputs
-    # (req_id -> item indices the runner encodes). It travels in the same pickled
-    # message as the SchedulerOutput, so the worker's copy is the runner's copy too.
-    encoder_inputs: dict[str, list[int]] | None = None
-    # The scheduler's model field: every worker keys with it (see ECBrokerConnector.model_id).
-    model: str = ""
-
-
-@dataclass
-class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
-    # every mm_hash of the step's loads, loaded or encoded instead: their leases can end
-    done: set[str] = field(default_factory=set)
-
-    def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
-        # TP ranks load the same hashes in the same step: a union, not a sum.
-        if isinstance(other, ECBrokerWorkerMetadata):
-            self.done |= other.done
-        return self
-
-
-STAT_FIELDS = (
-    "ec_hits",
-    "ec_misses",
-    "ec_deferred",
-    "promotion_failures",
-    "invalid_deleted",
-    "loads",
-    "load_failures",
-    "reencoded",
-    "puts_stored",
-    "put_errors",
-    "puts_skipped",
-    "broker_timeouts",
-)
-
-if ECConnectorStats is not None:
-
-    @dataclass
-    class ECBrokerStats(ECConnectorStats):
-        """Counter deltas of one interval; vLLM sums them across steps and workers."""
-
-        def reset(self) -> None:
-            self.data = {}
-
-        def aggregate(self, other: ECConnectorStats) -> ECBrokerStats:
-            for name, value in (other.data or {}).items():
-                self.data[name] = self.data.get(name, 0) + value
-            return self
-
-        def reduce(self) -> dict[str, int | float]:
-            return {name: self.data.get(name, 0) for name in STAT_FIELDS if name in self.data}
-
-        def is_empty(self) -> bool:
-            return not any(self.data.values())
 
 
 @dataclass
