@@ -26,7 +26,10 @@ in microseconds):
 
 Baselines in the same run: a raw Unix-socket ping-pong against a Python echo
 process (blocking recv, the same wake-ups) and a bare memcpy of each size
-between two touched buffers. ``put (commit waited)`` replays the previous put
+between two touched buffers. For has() also, as p50s: a uvloop
+``asyncio.Protocol`` echo (the floor of any Python server on the broker's
+loop), a pre-encoded Has frame sent on a raw connection to the broker (the
+broker's part without the client's Python) and has() itself, uninstrumented. ``put (commit waited)`` replays the previous put
 (Reserve, copy, Commit, wait for the Commit's reply) with the same client, for
 the before/after of the posted commit.
 """
@@ -49,7 +52,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import Broker, MiB, die_with_parent, fmt_size, parse_sizes, table  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    Broker,
+    MiB,
+    die_with_parent,
+    fmt_size,
+    parse_sizes,
+    percentile,
+    table,
+)
 
 _ECHO = """
 import socket, sys
@@ -59,6 +70,28 @@ print("ready", flush=True)
 conn, _ = srv.accept()
 while data := conn.recv(65536):
     conn.sendall(data)
+"""
+
+
+# The floor for "a Python server on the broker's event loop": an asyncio.Protocol that
+# writes back what it reads, on uvloop as the broker runs (no decoding, no dispatch).
+_UV_ECHO = """
+import asyncio, os, sys
+try:
+    import uvloop
+    run = uvloop.run
+except ImportError:
+    run = asyncio.run
+class Echo(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t = t
+    def data_received(self, data):
+        self.t.write(data)
+async def main():
+    srv = await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[1])
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+run(main())
 """
 
 
@@ -183,22 +216,64 @@ def measure(
     return row
 
 
-def raw_rtt(path: str, iters: int) -> float:
-    """Mean microseconds of a 40-byte ping-pong with a Python echo process."""
+def raw_rtt(path: str, iters: int, msg: bytes = b"x" * 40) -> float:
+    """Mean microseconds of a ping-pong of ``msg`` (one reply per message) on ``path``."""
+    return ping_pong(path, iters, msg)[0]
+
+
+def ping_pong(path: str, iters: int, msg: bytes) -> tuple[float, float]:
+    """(mean, p50) microseconds of ``msg`` sent and one reply read back, ``iters`` times."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
-    msg, buf = b"x" * 40, bytearray(100)
+    buf = bytearray(4096)
+    lat = []
     try:
         for _ in range(min(200, iters)):
             s.sendall(msg)
             s.recv_into(buf)
-        t0 = time.perf_counter_ns()
         for _ in range(iters):
+            t0 = time.perf_counter_ns()
             s.sendall(msg)
             s.recv_into(buf)
-        return (time.perf_counter_ns() - t0) / iters / 1e3
+            lat.append(time.perf_counter_ns() - t0)
+        return sum(lat) / iters / 1e3, percentile(lat, 0.5) / 1e3
     finally:
         s.close()
+
+
+def p50_us(call: Callable[[], Any], iters: int) -> float:
+    """p50 microseconds of ``call()`` (uninstrumented), after a warm-up."""
+    for _ in range(min(200, iters)):
+        call()
+    lat = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        call()
+        lat.append(time.perf_counter_ns() - t0)
+    return percentile(lat, 0.5) / 1e3
+
+
+def raw_has_rtt(socket_path: str, iters: int) -> tuple[float, float]:
+    """(mean, p50) µs of a pre-encoded Has frame on a greeted connection: the broker's
+    part of a has() hit without the client's Python (a second client, its socket used raw)."""
+    from lmcache_ec_broker.connector.client import BrokerClient
+    from lmcache_ec_broker.protocol import Has
+
+    c = BrokerClient(socket_path, timeout_s=30)
+    try:
+        c.flush()
+        sock, frame, buf = c._sock, c._frame(Has(["has-key"], 0)), bytearray(4096)
+        assert sock is not None
+        lat = []
+        for _ in range(min(200, iters) + iters):
+            t0 = time.perf_counter_ns()
+            sock.sendall(frame)
+            sock.recv_into(buf)  # the 4-byte header and a 1-bool body arrive together
+            lat.append(time.perf_counter_ns() - t0)
+        lat = lat[-iters:]
+        return sum(lat) / iters / 1e3, percentile(lat, 0.5) / 1e3
+    finally:
+        c.close()
 
 
 def bare_memcpy(nbytes: int, iters: int) -> float:
@@ -243,20 +318,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"load_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
     tmp = tempfile.mkdtemp(prefix="ecb-attr-", dir="/tmp")
     echo_path = os.path.join(tmp, "echo.sock")
-    echo = subprocess.Popen(
-        [sys.executable, "-c", _ECHO, echo_path],
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=die_with_parent,
-    )
+    uv_path = os.path.join(tmp, "uv-echo.sock")
+    echos = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, path],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=die_with_parent,
+        )
+        for script, path in ((_ECHO, echo_path), (_UV_ECHO, uv_path))
+    ]
     try:
-        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+        for echo in echos:
+            assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
         with Broker(shm, ["--metrics-port", str(port)]) as broker:
             timers = Timers()
             client = BrokerClient(broker.socket_path, timeout_s=30)
-            instrument(client, timers)
-            results["raw_rtt_us"] = raw_rtt(echo_path, iters * 2)
             client.put("has-key", torch.ones(8, dtype=torch.uint8))
+            client.flush()
+            # Floors, p50 of each in the same run, one after the other: a blocking Python
+            # echo (the raw round trip), a uvloop Protocol echo (a Python server on the
+            # broker's loop), a pre-encoded Has frame on a raw connection to the broker
+            # (no client Python), and has() itself, uninstrumented.
+            results["raw_rtt_us"], results["raw_p50_us"] = ping_pong(
+                echo_path, iters * 2, b"x" * 40
+            )
+            results["uv_echo_us"], results["uv_echo_p50_us"] = ping_pong(
+                uv_path, iters * 2, b"x" * 40
+            )
+            results["raw_has_us"], results["raw_has_p50_us"] = raw_has_rtt(
+                broker.socket_path, iters * 2
+            )
+            results["has_p50_us"] = p50_us(lambda: client.has(["has-key"]), iters * 2)
+            instrument(client, timers)
             rows.append(
                 measure(
                     "has() hit, 1 key",
@@ -316,8 +410,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             client.close()
     finally:
-        echo.kill()
-        echo.wait()
+        for echo in echos:
+            echo.kill()
+            echo.wait()
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))
         os.rmdir(tmp)
@@ -333,6 +428,15 @@ def report(res: dict[str, Any]) -> str:
         table(["op", *cols], body),
         "",
         f"raw Unix-socket ping-pong (Python echo process): {res['raw_rtt_us']:.1f} µs",
+        "",
+        "has() hit against its floors, p50 in µs (mean), one after the other in this run:",
+        f"  raw ping-pong, blocking Python echo      {res['raw_p50_us']:6.1f} "
+        f"({res['raw_rtt_us']:.1f})",
+        f"  ping-pong, uvloop Protocol echo          {res['uv_echo_p50_us']:6.1f} "
+        f"({res['uv_echo_us']:.1f})",
+        f"  pre-encoded Has frame to the broker      {res['raw_has_p50_us']:6.1f} "
+        f"({res['raw_has_us']:.1f})",
+        f"  has() through BrokerClient               {res['has_p50_us']:6.1f}",
     ]
     for k, v in res.items():
         if k.startswith("memcpy_us"):

@@ -69,6 +69,13 @@ def test_idle_memcpy_probe_smoke() -> None:
     assert "never-touched memory" in r.stdout, r.stdout
 
 
+def test_filter_probe_smoke() -> None:
+    r = _run("filter_probe.py", "--number", "20", "--repeat", "1", "--sizes", "1,64", timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("blake2b keyed (v1)", "xxh3-64 seeded (v2)", "numpy gather"):
+        assert needle in r.stdout, (needle, r.stdout)
+
+
 def test_gpu_transfer_smoke() -> None:
     import torch
 

@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import os
+import random
+import struct
 import subprocess
 import sys
 import time
 import uuid
 
+import posix_ipc
 import pytest
 import torch
+import xxhash
 from conftest import shm_segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.shm.filter import SATURATED, FilterReader, FilterWriter, slots_for
+from lmcache_ec_broker.config import BrokerConfig
+from lmcache_ec_broker.shm.filter import (
+    HEADER_SIZE,
+    SATURATED,
+    VERSION,
+    FilterReader,
+    FilterWriter,
+    slots_for,
+)
+from lmcache_ec_broker.shm.segment import ShmError
 
 
 @pytest.fixture
@@ -133,6 +148,83 @@ def test_never_absent_while_present(ops: list[tuple[bool, int]]) -> None:
         w.close()
 
 
+def _reference_slots(key: str, seed: int, log2_slots: int) -> tuple[int, int]:
+    """The hash as filter.py's docstring specifies it, written out independently: xxh3-64
+    of the surrogatepass UTF-8 bytes seeded with the header's u64 seed; the slots are the
+    canonical digest's two little-endian u32 words, masked."""
+    d = xxhash.xxh3_64_digest(key.encode("utf-8", "surrogatepass"), seed)
+    mask = (1 << log2_slots) - 1
+    a, b = struct.unpack("<II", d)
+    return HEADER_SIZE + (a & mask), HEADER_SIZE + (b & mask)
+
+
+_ASCII = "az09@/-_."  # as in model@...@mm_hash keys
+_VALID = _ASCII + "\u00e9\u00df\u20ac\u4e2d\U0001f600"  # 1- to 4-byte UTF-8
+_SURROGATES = _VALID + "\ud800\udfff"  # lone surrogates: not UTF-8, encoded surrogatepass
+
+
+def _random_key(rng: random.Random, length: int) -> str:
+    chars = (_ASCII, _VALID, _SURROGATES)[length % 3]  # every shape at every length range
+    return "".join(rng.choice(chars) for _ in range(length))
+
+
+def test_broker_and_client_agree_on_every_key_shape(writer: FilterWriter) -> None:
+    """Every key length up to the broker's max_key_length, non-ASCII and surrogate
+    keys included: the writer (broker) sets exactly the specified slots and the reader
+    (client) -- per key and batched, surrogate batch or not -- reads the same ones."""
+    max_len = BrokerConfig().max_key_length
+    rng = random.Random(18)
+    present = [_random_key(rng, n) for n in range(max_len + 1)]
+    absent = [_random_key(rng, n) for n in range(max_len + 1)]
+    (_magic, version, log2_slots, nhashes, _flags, seed) = struct.unpack_from(
+        "<8sIIIIQ", writer.mm, 0
+    )
+    assert (version, nhashes) == (VERSION, 2)
+    for k in present:
+        writer.add(k)
+    count: dict[int, int] = {}
+    for k in present:
+        for s in _reference_slots(k, seed, log2_slots):
+            count[s] = count.get(s, 0) + 1
+    # The writer touched exactly the specified slots, as often as specified.
+    assert {s: writer.mm[s] for s in count} == count
+    assert sum(writer.mm[HEADER_SIZE:]) == 2 * len(present)
+    reader = FilterReader(writer.name, writer.size)
+    try:
+        expect = [
+            all(writer.mm[s] for s in _reference_slots(k, seed, log2_slots))
+            for k in present + absent
+        ]
+        assert expect[: len(present)] == [True] * len(present)
+        keys = present + absent
+        assert [reader.maybe(k) for k in keys] == expect
+        assert reader.maybe_many(keys) == expect
+        valid = [k for k in keys if not any("\ud800" <= c <= "\udfff" for c in k)]
+        assert len(valid) > 600 and not all(k.isascii() for k in valid)
+        # The batched path without the surrogate fallback, non-ASCII keys included.
+        assert reader.maybe_many(valid) == [reader.maybe(k) for k in valid]
+        for n in (1, 7, 15, 16, 17, 64):  # both sides of the per-key/numpy switch
+            assert reader.maybe_many(keys[-n:]) == expect[-n:]
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("other", [1, VERSION + 1])
+def test_reader_refuses_a_filter_of_another_version(writer: FilterWriter, other: int) -> None:
+    """Version 1 hashed with blake2b: reading its counters with this hash would report
+    present keys absent, so a mismatched reader must refuse, naming the fix."""
+    writer.mm[8:12] = struct.pack("<I", other)
+    with pytest.raises(ShmError, match=f"version {other}, this client reads version {VERSION}"):
+        FilterReader(writer.name, writer.size)
+
+
+def test_close_with_batched_reads_done(writer: FilterWriter) -> None:
+    reader = FilterReader(writer.name, writer.size)
+    assert reader.maybe_many([f"k{i}" for i in range(64)]) == [False] * 64
+    reader.close()  # the numpy view of the counters must not keep the mapping exported
+    assert reader.mm.closed
+
+
 # ------------------------------------------------------------------ real broker
 
 _PUT = """
@@ -228,3 +320,29 @@ def test_cross_process_put_then_has(broker) -> None:
         assert [t is not None for t in out] == [True, True, True, False]
         assert json.dumps(c.stats()["entries"]) == "50"
         torch.testing.assert_close(out[0], torch.arange(1024, dtype=torch.float32))
+
+
+def test_client_refuses_a_filter_of_another_version_and_asks_the_broker(
+    broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that finds another version's filter logs why and answers every lookup
+    through the broker: no filter, never a wrong answer."""
+    _put_in_other_process(broker.socket_path, "present-1")
+    (name,) = [s for s in shm_segments(broker.socket_path, include_filter=True) if s.endswith("-f")]
+    shm = posix_ipc.SharedMemory("/" + name)
+    try:
+        mm = mmap.mmap(shm.fd, HEADER_SIZE)
+    finally:
+        shm.close_fd()
+    try:
+        mm[8:12] = struct.pack("<I", 1)  # what a broker of the blake2b release publishes
+        with caplog.at_level(logging.WARNING), BrokerClient(broker.socket_path) as c:
+            assert c._filter is None
+            assert "version 1, this client reads version" in caplog.text
+            before = c.stats()["has_misses"]
+            assert c.has(["present-1", "absent-1"]) == [True, False]
+            assert c.stats()["has_misses"] == before + 1  # the miss was the broker's answer
+            assert c.local_misses == 0
+    finally:
+        mm[8:12] = struct.pack("<I", VERSION)
+        mm.close()

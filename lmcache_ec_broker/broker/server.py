@@ -98,6 +98,8 @@ MAX_LEASE_MS = 600_000
 MAX_QUEUED_FRAMES = 64
 # Requests whose keys are settled first (see BrokerServer.settle_reservations).
 _READS_KEYS = (Has, Get, Lookup)
+# The most common reply (Release, Commit, Unlease, ...) is a constant: encoded once.
+_OK_FRAME = encode_frame(msgspec.msgpack.Encoder(), OkReply())
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
 SERVER_COUNTERS = ("queue_pauses",)
 
@@ -214,8 +216,11 @@ class Connection(asyncio.Protocol):
         t = self.transport
         if t is None or self.closed or t.is_closing():
             return
-        t.write(self.server.encode_frame(reply))
-        if t.get_write_buffer_size() > _WRITE_HARD_CAP:
+        t.write(_OK_FRAME if type(reply) is OkReply else self.server.encode_frame(reply))
+        # The buffer passes the hard cap only after passing the high-water mark, and the
+        # transport calls pause_writing synchronously inside write() when it does: the
+        # size is only worth asking for while writing is paused.
+        if self.write_paused and t.get_write_buffer_size() > _WRITE_HARD_CAP:
             log.warning("client %d does not read its replies; disconnecting it", self.conn_id)
             self.close()
 
@@ -247,7 +252,9 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # a bug must not take the broker down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
             reply = ErrorReply(ErrorCode.INTERNAL, f"internal broker error: {exc!r}")
-        if isinstance(reply, Awaitable):
+        # Replies are Structs (a C type check); anything else is the awaitable of a slow
+        # request (the Awaitable ABC check costs a microsecond per request).
+        if not isinstance(reply, msgspec.Struct):
             self.busy = True
             asyncio.ensure_future(self._finish_async(reply, type(msg).__name__, started))
             return
@@ -368,9 +375,10 @@ class BrokerServer:
             self._settling = False
 
     def observe(self, op: str, started: float) -> None:
-        if self.observers:
+        observers = self.observers
+        if observers:
             elapsed = time.perf_counter() - started
-            for obs in self.observers:
+            for obs in observers:
                 obs(op, elapsed)
 
     def dispatch(

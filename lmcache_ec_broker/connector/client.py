@@ -86,6 +86,7 @@ from ..shm.filter import FilterReader
 from ..shm.segment import Segment, ShmError
 
 _MAX_REPLY_BYTES = 256 << 20
+_HEADER_FROM = FRAME_HEADER.unpack_from
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -451,7 +452,8 @@ class BrokerClient:
 
     def _frame(self, msg: msgspec.Struct) -> bytes:
         body = self._encoder.encode(msg)
-        limit = self._hello.max_frame_bytes if self._hello else 0
+        hello = self._hello
+        limit = hello.max_frame_bytes if hello is not None else 0
         if limit and len(body) > limit:
             # Refused here: sent, it would make the broker drop the whole connection.
             raise BrokerRefused(
@@ -486,21 +488,38 @@ class BrokerClient:
 
     def _roundtrip(self, msg: msgspec.Struct) -> Any:
         sock = self._sock
-        if sock is None or self._owed or self._rend:
+        if sock is None or self._rend:
             self._send(self._frame(msg))
             return self._read_replies(1)[0]
-        # Fast path (nothing owed or buffered): one send, usually one recv.
+        # Fast path (nothing buffered): one send, usually one recv holding the owed
+        # replies (a get's posted Release, a put's posted Commit) and then this reply.
+        # Whatever is not exactly that is left to the general reader, from where this
+        # stopped; the owed replies are decoded, checked and dropped as it would.
         buf = self._rbuf
+        decode = self._decoder.decode
+        pos = 0
         try:
             sock.sendall(self._frame(msg))
             n = sock.recv_into(buf)
-            if n >= 4:
-                (length,) = FRAME_HEADER.unpack_from(buf, 0)
-                if n == 4 + length:
+            while n - pos >= 4:
+                (length,) = _HEADER_FROM(buf, pos)
+                end = pos + 4 + length
+                if end > n:
+                    break
+                if not self._owed:
+                    if end != n:
+                        break
+                    self._posted_keys.clear()
                     with memoryview(buf) as view:
-                        reply = self._decoder.decode(view[4:n])
+                        reply = decode(view[pos + 4 : end])
                     self._confirmed_at = time.monotonic()
                     return reply
+                with memoryview(buf) as view:
+                    owed = decode(view[pos + 4 : end])
+                pos = end
+                self._owed -= 1
+                if isinstance(owed, ErrorReply):
+                    log.debug("deferred request refused: %s: %s", owed.code, owed.message)
         except (OSError, msgspec.MsgspecError) as exc:
             self._drop_socket()
             if isinstance(exc, TimeoutError):
@@ -509,7 +528,8 @@ class BrokerClient:
         if n == 0:
             self._drop_socket()
             raise BrokerUnavailable("the broker closed the connection")
-        self._rend = n  # a partial (or longer) reply: the general reader takes over
+        # A partial (or longer) reply: the general reader takes over from ``pos``.
+        self._rpos, self._rend = (pos, n) if pos < n else (0, 0)
         return self._read_replies(1)[0]
 
     def _post(self, msg: msgspec.Struct) -> None:
@@ -583,15 +603,17 @@ class BrokerClient:
         self, keys: list[str], device: str | torch.device = "cpu"
     ) -> list[torch.Tensor | None]:
         """New tensors (same dtype and shape as put) for the hits, None for misses."""
-        import torch
-
-        from .copy import check_device, torch_dtype
-
-        dev = torch.device(device)
-        check_device(dev)
+        cp = _copy()
+        dev = cp.torch.device(device)
+        cp.check_device(dev)
+        torch_dtype = cp.torch_dtype
         with self._lock:
             mask = self._maybe_mask(keys)
-            ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            ask = (
+                _as_list(keys)
+                if mask is None
+                else [k for k, m in zip(keys, mask, strict=True) if m]
+            )
             self.local_misses += len(keys) - len(ask)
             if not ask:
                 return [None] * len(keys)
@@ -599,11 +621,12 @@ class BrokerClient:
                 reply: GetReply = self._call(Get(ask))
             except BrokerUnavailable:
                 return [None] * len(keys)
-            hits: list[Hit] = [h for h in reply.items if h is not None]
+            items = reply.items
+            hits: list[Hit] = [h for h in items if h is not None]
             out: list[torch.Tensor | None] = []
             try:
                 slab = self._slab_view() if hits else None
-                for item in reply.items:
+                for item in items:
                     if item is None:
                         out.append(None)
                     else:
@@ -623,22 +646,24 @@ class BrokerClient:
         The copy-only path: no allocation, so no first-touch page faults on the
         destination. True on a hit; False on a miss or while the broker is away.
         """
-        from .copy import check_device, dtype_name
-
-        check_device(out.device)
+        cp = _copy()
+        if not out.is_cpu:
+            cp.check_device(out.device)
         with self._lock:
-            mask = self._maybe_mask([key])
+            keys = [key]
+            mask = self._maybe_mask(keys)
             if mask is not None and not mask[0]:
                 self.local_misses += 1
                 return False
             try:
-                reply: GetReply = self._call(Get([key]))
+                reply: GetReply = self._call(Get(keys))
             except BrokerUnavailable:
                 return False
             item = reply.items[0]
             if item is None:
                 return False
             try:
+                dtype_name = cp.dtype_name
                 if item.dtype != dtype_name(out.dtype) or item.shape != list(out.shape):
                     raise ValueError(
                         f"entry {key!r} is {item.dtype} {item.shape}, the output tensor is "
@@ -722,7 +747,11 @@ class BrokerClient:
         out are answered here, without a round trip."""
         with self._lock:
             mask = self._maybe_mask(keys)
-            ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
+            ask = (
+                _as_list(keys)
+                if mask is None
+                else [k for k, m in zip(keys, mask, strict=True) if m]
+            )
             self.local_misses += len(keys) - len(ask)
             if not ask:
                 return [False] * len(keys)
@@ -906,6 +935,26 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise BrokerUnavailable("the broker closed the connection")
         data += chunk
     return data
+
+
+def _as_list(keys: list[str]) -> list[str]:
+    """The caller's list as is (the request is encoded before the call returns and the
+    lock is held meanwhile), any other sequence copied into one."""
+    return keys if type(keys) is list else list(keys)
+
+
+_COPY: Any = None
+
+
+def _copy() -> Any:
+    """The copy module (it imports torch, so it is loaded on first use, not at import);
+    kept here because an import statement per call costs a microsecond."""
+    global _COPY
+    if _COPY is None:
+        from . import copy
+
+        _COPY = copy
+    return _COPY
 
 
 def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:

@@ -43,16 +43,28 @@ def check_device(device: torch.device) -> None:
         )
 
 
+# Both directions of the dtype <-> wire-name mapping, filled as names are checked (the
+# checks cost a microsecond per call otherwise). Only names that passed are cached.
+_NAMES: dict[torch.dtype, str] = {}
+_DTYPES: dict[str, torch.dtype] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    expected_nbytes(name, [1])  # raises ValueError naming the problem
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        expected_nbytes(name, [1])  # raises ValueError naming the problem
+        _NAMES[dtype] = name
     return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"the broker returned unknown dtype {name!r}")
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"the broker returned unknown dtype {name!r}")
+        _DTYPES[name] = dt
     return dt
 
 
@@ -73,6 +85,7 @@ class SlabView:
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.size = size
         self.u8 = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+        self._base = self.u8.data_ptr()  # the mapping's address (fixed while it lives)
         self._runtime: pinning.CudaRuntime | None = None  # set while registered
         self._registered_by = 0  # the pid that registered
         self._cuda_tried = False
@@ -163,14 +176,16 @@ class SlabView:
 
     def read_into(self, extents: list[Extent], out: torch.Tensor) -> None:
         """Copy the entry into ``out`` (contiguous, matching size); returns when done."""
-        check_device(out.device)
+        if not out.is_cpu:
+            check_device(out.device)
         if not out.is_contiguous():
             raise ValueError("the output tensor must be contiguous")
-        self._check(extents, out.numel() * out.element_size())
-        if out.numel() == 0:
+        nbytes = out.nbytes
+        self._check(extents, nbytes)
+        if not nbytes:
             return
-        dst = _flat_bytes(out)
         if out.is_cuda:
+            dst = _flat_bytes(out)
             stream = self._ensure_cuda(out.device)
             stream.wait_stream(torch.cuda.current_stream(out.device))
             with torch.cuda.stream(stream):
@@ -180,7 +195,8 @@ class SlabView:
                     off += n
             stream.synchronize()
             return
-        base, ptr, off = self.u8.data_ptr(), dst.data_ptr(), 0
+        # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
+        base, ptr, off = self._base, out.data_ptr(), 0
         for start, n in extents:
             _memmove(ptr + off, base + start, n)
             off += n
