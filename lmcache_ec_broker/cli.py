@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most has()/lookup() leases one connection may hold (default 65536)",
     )
     start.add_argument(
+        "--put-arena-size",
+        dest="put_arena_bytes",
+        type=_bytes,
+        help="slab one connection may hold for puts that wait for no reply, e.g. 8MiB "
+        "(default; 0: every put reserves)",
+    )
+    start.add_argument(
         "--local-disk", help="directory (or file:// URL) of the disk tier; off by default"
     )
     start.add_argument("--max-local-disk-size", type=_size, help="disk tier capacity")
@@ -168,6 +175,7 @@ _START_KEYS = (
     "max_connections",
     "max_pins_per_connection",
     "max_leases_per_connection",
+    "put_arena_bytes",
     "local_disk",
     "max_local_disk_size",
     "metrics_port",

@@ -189,6 +189,10 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # not allowed to grow the broker's memory): get() pins and has()/lookup() leases.
     max_pins_per_connection: int = 65536
     max_leases_per_connection: int = 65536
+    # Slab a connection may hold ahead of time for puts that wait for no round trip
+    # (docs/design.md "Put arenas"); all arenas together take at most a quarter of the
+    # slab. 0: every put reserves (one round trip).
+    put_arena_bytes: int = 8 * MiB
     # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
     # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
     events_port: int = 0  # 0: no events
@@ -253,6 +257,13 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.max_pins_per_connection < 1 or self.max_leases_per_connection < 1:
             raise ValueError("max_pins_per_connection and max_leases_per_connection must be >= 1")
+        if self.put_arena_bytes != 0 and not (
+            self.block_size <= self.put_arena_bytes <= self.shm_size
+        ):
+            raise ValueError(
+                f"put_arena_bytes must be 0 (off) or between block_size ({self.block_size}) "
+                f"and shm_size ({self.shm_size}), got {self.put_arena_bytes}"
+            )
         self._validate_access()
         self._validate_remote()
         from .events.settings import validate_events
@@ -402,6 +413,7 @@ _BYTE_SIZES = frozenset(
         "block_size",
         "max_entry_size",
         "max_frame_bytes",
+        "put_arena_bytes",
         "mooncake_global_segment_size",
         "mooncake_local_buffer_size",
     }

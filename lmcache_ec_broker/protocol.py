@@ -106,6 +106,28 @@ class Commit(msgspec.Struct, tag="commit", tag_field="op", forbid_unknown_fields
     token: int
 
 
+class ArenaGrant(msgspec.Struct, tag="arena_grant", tag_field="op", forbid_unknown_fields=True):
+    """Ask for up to ``nbytes`` more slab blocks in this connection's put arena (posted:
+    the client reads the ArenaReply with its other owed replies)."""
+
+    nbytes: int
+
+
+class Place(msgspec.Struct, tag="place", tag_field="op", forbid_unknown_fields=True):
+    """Commit an entry the client already copied into blocks of its own arena (posted).
+
+    ``runs``: (first block, number of blocks) in the order the bytes were written;
+    ``seq``: the client's placement count, which the broker writes to the connection's
+    journal slot once the placement is handled (shm/journal.py)."""
+
+    key: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    runs: list[tuple[int, int]]
+    seq: int
+
+
 class Abort(msgspec.Struct, tag="abort", tag_field="op", forbid_unknown_fields=True):
     token: int
 
@@ -163,6 +185,8 @@ Request = (
     | Reserve
     | Commit
     | Abort
+    | ArenaGrant
+    | Place
     | Get
     | Release
     | Delete
@@ -189,6 +213,14 @@ class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
     # The membership filter segment (shm/filter.py); "" when the broker publishes none.
     filter_name: str = ""
     filter_size: int = 0
+    # The put arena (shm/journal.py): 0 / "" when the broker grants none. The limits
+    # let a client place only entries the broker will accept (else it reserves, and the
+    # refusal is raised as usual); 0: unknown.
+    put_arena_bytes: int = 0
+    journal_name: str = ""
+    journal_size: int = 0
+    max_key_length: int = 0
+    max_entry_bytes: int = 0
 
 
 class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):
@@ -221,6 +253,21 @@ class ReserveReply(msgspec.Struct, tag="reserve_reply", tag_field="op"):
     status: str
     token: int = 0
     extents: list[Extent] = []
+
+
+class ArenaReply(msgspec.Struct, tag="arena_reply", tag_field="op"):
+    """Blocks newly granted to the connection's arena (possibly none) and its journal slot."""
+
+    slot: int
+    runs: list[tuple[int, int]] = []
+
+
+class PlaceReply(msgspec.Struct, tag="place_reply", tag_field="op"):
+    """``stored`` False: the key was already present or being written by another
+    client; the entry is kept and ``runs`` went back to the connection's arena."""
+
+    stored: bool
+    runs: list[tuple[int, int]] = []
 
 
 class Hit(msgspec.Struct):
@@ -261,6 +308,8 @@ Reply = (
     | HasReply
     | LookupReply
     | ReserveReply
+    | ArenaReply
+    | PlaceReply
     | GetReply
     | DeleteReply
     | StatsReply

@@ -298,8 +298,11 @@ class _CountingSocket:
         return getattr(self._sock, name)
 
 
-def test_put_waits_one_round_trip_and_is_read_by_the_next_request(broker) -> None:
-    # Fails on the old client: put waited for the Commit's reply too (2 waits).
+@pytest.mark.parametrize("arena", ["8MiB", "0"])
+def test_put_waits_one_round_trip_and_is_read_by_the_next_request(make_broker, arena) -> None:
+    # Fails on the old client: put waited for the Commit's reply too (2 waits); with a
+    # put arena (8MiB) put_many waited for its reservations (1 wait, now 0).
+    broker = make_broker("--shm-size", "64MiB", "--put-arena-size", arena)
     with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
         c._slab_view()  # map the slab first so the put below measures only its waits
         counting = _CountingSocket(c._sock)
@@ -312,10 +315,14 @@ def test_put_waits_one_round_trip_and_is_read_by_the_next_request(broker) -> Non
         got = c.get("posted")
         assert got is not None and torch.equal(got, t)
         assert other.has(["posted"]) == [True]
-        # put_many: one wait for all reservations, none for the commits.
+        # put_many: one wait for all reservations, none for the commits; none at all
+        # with an arena (the first put asked for it, its reserve read the grant).
         before = counting.waits
         assert c.put_many([(f"pm{i}", t + i) for i in range(8)]) == [True] * 8
-        assert counting.waits - before == 1
+        assert counting.waits - before == (0 if arena != "0" else 1)
+        before = counting.waits
+        assert c.put("one-more", t)
+        assert counting.waits - before == (0 if arena != "0" else 1)
         assert c.flush()  # another connection looks next: wait for the posted commits
         assert all(torch.equal(other.get(f"pm{i}"), t + i) for i in range(8))
         assert c.stats()["reserved_entries"] == 0

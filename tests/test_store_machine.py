@@ -1,8 +1,10 @@
 """A hypothesis state machine for the entry store: reserve/commit/abort, get/release,
 leases (has with a lease, unlease, expiry), delete, eviction under pressure, clear and
-close_connection over several connections; ``Store.check()`` after every step plus a
-model of what each connection holds, so a pinned or leased entry that disappears,
-or a block handed to two entries, fails the run."""
+close_connection over several connections, and put arenas (grant, place from one's own
+arena or from blocks it does not hold, close); ``Store.check()`` after every step plus
+a model of what each connection holds, so a pinned or leased entry that disappears, a
+block handed to two entries or arenas, or a placement of blocks the connection does not
+hold, fails the run."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmcache_ec_broker.broker.store import State, Store
-from lmcache_ec_broker.protocol import ErrorReply, ReserveReply, ReserveStatus
+from lmcache_ec_broker.broker.store import Entry, State, Store
+from lmcache_ec_broker.protocol import (
+    ArenaReply,
+    ErrorReply,
+    PlaceReply,
+    ReserveReply,
+    ReserveStatus,
+)
 
 BS = 4096
 NBLOCKS = 24
@@ -34,9 +42,12 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
-        self.store = Store(NBLOCKS * BS, BS, clock=self.clock)
+        # Arenas: 4 blocks per connection, 6 (a quarter) in all, 2 journal slots for 3
+        # connections (the third gets no arena while two hold one).
+        self.store = Store(NBLOCKS * BS, BS, clock=self.clock, arena_bytes=4 * BS, arena_slots=2)
         for c in CONNS:
             self.store.open_connection(c)
+        self.arenas: dict[int, set[int]] = {c: set() for c in CONNS}  # what each was granted
         self.tokens: dict[int, tuple[int, str]] = {}  # token -> (conn, key)
         self.pins: dict[int, tuple[int, str]] = {}  # pin id -> (conn, key) from get()
         self.leases: dict[tuple[int, str], float] = {}  # (conn, key) -> expiry
@@ -81,6 +92,76 @@ class StoreMachine(RuleBasedStateMachine):
         conn, _key = self.tokens[token]
         if other != conn:
             assert isinstance(self.store.commit(other, token), ErrorReply)
+
+    # ------------------------------------------------------------ put arenas
+
+    @rule(conn=conns, nblocks=st.integers(0, 6))
+    def grant(self, conn: int, nblocks: int) -> None:
+        r = self.store.grant(conn, nblocks * BS)  # may evict unpinned entries
+        assert isinstance(r, ArenaReply)
+        new = {b for s, n in r.runs for b in range(s, s + n)}
+        owned = {b for e in self.store._live_entries() for s, n in e.runs for b in range(s, s + n)}
+        assert not (new & owned), "granted blocks of an entry"
+        assert not (new & set().union(*self.arenas.values())), "granted blocks of an arena"
+        assert len(new) <= nblocks
+        self.arenas[conn] |= new
+        assert len(self.arenas[conn]) <= 4
+        if r.slot < 0:
+            assert not new and self.store.arena_slot(conn) == -1
+
+    @rule(
+        conn=conns,
+        key=st.sampled_from([*KEYS, ""]),
+        nblocks=st.integers(0, 4),
+        partial=st.booleans(),
+        how=st.sampled_from(["own", "own", "foreign", "twice", "count"]),
+        start=st.integers(0, NBLOCKS - 1),
+        reverse=st.booleans(),
+    )
+    def place(
+        self,
+        conn: int,
+        key: str,
+        nblocks: int,
+        partial: bool,
+        how: str,
+        start: int,
+        reverse: bool,
+    ) -> None:
+        nbytes = max(nblocks * BS - (1 if partial else 0), 0)
+        need = -(-nbytes // BS)
+        mine = sorted(self.arenas[conn])
+        if how == "own":  # valid when the arena holds enough
+            blocks = mine[:need]
+        elif how == "foreign":  # the right count, anywhere (others' arenas, entries, free)
+            blocks = [(start + 5 * i) % NBLOCKS for i in range(need)]
+        elif how == "twice":  # one block named twice
+            blocks = mine[: max(need - 1, 0)] + mine[:1]
+        else:  # one block too many
+            blocks = mine[: need + 1]
+        if reverse:
+            blocks = blocks[::-1]
+        runs = [(b, 1) for b in blocks]
+        arena_before = set(self.arenas[conn])
+        before = self.store.entries.get(key)
+        r = self.store.place(conn, key, nbytes, "uint8", [nbytes], runs)
+        valid = (
+            key != ""
+            and self.store.arena_slot(conn) >= 0
+            and len(set(blocks)) == len(blocks) == -(-nbytes // BS)
+            and set(blocks) <= arena_before
+        )
+        if not valid:
+            assert isinstance(r, ErrorReply), (r, blocks, arena_before)
+            assert self.store.entries.get(key) is before
+            return
+        if before is not None:  # present or reserved: kept; the blocks stay in the arena
+            assert r == PlaceReply(False, runs)
+            assert self.store.entries[key] is before
+            return
+        assert isinstance(r, Entry) and r.state is State.READY
+        assert self.store.entries[key] is r and r.runs == runs and r.nbytes == nbytes
+        self.arenas[conn] -= set(blocks)
 
     # ------------------------------------------------------------ reads
 
@@ -153,7 +234,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.tokens = {t: v for t, v in self.tokens.items() if v[0] != conn}
         self.pins = {p: v for p, v in self.pins.items() if v[0] != conn}
         self.leases = {k: t for k, t in self.leases.items() if k[0] != conn}
+        self.arenas[conn] = set()  # back to the allocator
         self.store.open_connection(conn)
+        assert conn not in self.store.arena_conns
 
     # ------------------------------------------------------------ invariants
 
@@ -173,6 +256,10 @@ class StoreMachine(RuleBasedStateMachine):
         got = {pid for pid, p in store.pins.items() if not p.expires_at}
         assert got == set(self.pins)
         assert set(store.reservations) == set(self.tokens)
+        # Each arena is exactly what was granted to it and not yet placed.
+        for c in CONNS:
+            arena = store.conns[c].arena
+            assert (arena.free if arena else set()) == self.arenas[c]
 
 
 TestStoreMachine = StoreMachine.TestCase

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState, ReserveStatus
+from ..protocol import EntryInfo, ErrorReply, Extent, GetReply, Hit, LookupState, ReserveStatus
 from .store import Entry, Membership, Store
 from .tiers import all_empty_stats
 from .tiers.base import (
@@ -430,6 +430,16 @@ class Coordinator:
         try:
             if remote:
                 want = list(dict.fromkeys(keys[i] for i in remote))
+                fetcher = self.remote_tiers[0]
+                if hasattr(fetcher, "fetch"):
+                    # No lookup first: the promotion reads the value and its header says
+                    # what it is -- one store round trip (a miss falls to the next tier).
+                    for key in want:
+                        if key not in waits:
+                            prom = self._promotion(key, [(fetcher, None)])
+                            prom.waiters += 1
+                            waits[key] = prom
+                    want = []
                 for tier in self.remote_tiers:
                     metas = await self._remote_lookup(tier, want)
                     rest = []
@@ -459,7 +469,9 @@ class Coordinator:
 
     # ---------------------------------------------------------------- promotion
 
-    def _promotion(self, key: str, sources: list[tuple[LowerTier, EntryMeta]]) -> _Promotion:
+    def _promotion(
+        self, key: str, sources: list[tuple[LowerTier, EntryMeta | None]]
+    ) -> _Promotion:
         prom = self._promoting.get(key)
         if prom is None:
             assert self._loop is not None, "start() first"
@@ -477,11 +489,16 @@ class Coordinator:
                 self.store.release(TIER_CONN, [prom.pin])
             prom.pin = 0
 
-    async def _promote(self, prom: _Promotion, sources: list[tuple[LowerTier, EntryMeta]]) -> None:
+    async def _promote(
+        self, prom: _Promotion, sources: list[tuple[LowerTier, EntryMeta | None]]
+    ) -> None:
         ok: bool | None = False
         try:
             for tier, meta in sources:
-                ok = await self._promote_from(prom, tier, meta)
+                if meta is None:  # a remote get no lookup preceded
+                    ok = await self._fetch_from(prom, tier)
+                else:
+                    ok = await self._promote_from(prom, tier, meta)
                 if ok is not False or prom.cancelled:
                     break
         except Exception:
@@ -498,6 +515,77 @@ class Coordinator:
                         lease.tier.unhold(prom.key)
             prom.future.set_result(bool(ok))
             self._release_promotion(prom)
+
+    async def _fetch_from(self, prom: _Promotion, tier: Any) -> bool | None:
+        """``_promote_from`` for a remote get no lookup preceded: the tier's ``fetch``
+        reads the value's header, this reserves the slab range for it (on the loop, in
+        the same store round trip) and the payload lands there. Then as a promotion;
+        without ``fetch`` here (None), a lookup and then ``_promote_from``."""
+        store = self.store
+        key = prom.key
+        took: dict[str, Any] = {}
+
+        def reserve(meta: EntryMeta) -> list[Extent] | None:
+            if prom.cancelled or self._closing or TIER_CONN not in store.conns:
+                return None
+            reply = store.reserve(TIER_CONN, key, meta.nbytes, meta.dtype, list(meta.shape))
+            if isinstance(reply, ErrorReply):
+                log.warning("cannot promote %r from the %s tier: %s", key[:200], tier.name,
+                            reply.message)  # fmt: skip
+                return None
+            took["status"] = reply.status
+            if reply.status != ReserveStatus.RESERVED:
+                return None  # in the slab already, or a client is writing it
+            took["reply"] = reply
+            took["meta"] = meta
+            return list(reply.extents)
+
+        try:
+            done = await tier.fetch(key, reserve)
+        except BaseException as exc:
+            if "reply" in took and TIER_CONN in store.conns:
+                store.abort(TIER_CONN, took["reply"].token)
+            if isinstance(exc, TierMiss | TierCorrupt):
+                return False
+            if isinstance(exc, TierUnavailable):
+                self.counters["tier_unavailable"] += 1
+                return False
+            raise
+        if done is None:  # not here: look up, then promote from what the lookup found
+            (meta,) = await self._remote_lookup(tier, [key])
+            if meta is None or prom.cancelled:
+                return False
+            return await self._promote_from(prom, tier, meta)
+        status = took.get("status")
+        if status == ReserveStatus.IN_PROGRESS:
+            return None
+        if status == ReserveStatus.PRESENT:
+            return self._promoted(prom, tier, fresh=False)
+        if not done:
+            return False
+        reply = took["reply"]
+        if prom.cancelled or self._closing:
+            store.abort(TIER_CONN, reply.token)
+            return False
+        if store.commit(TIER_CONN, reply.token) is not None:
+            return False
+        self.counters["promotions"] += 1
+        return self._promoted(prom, tier, fresh=True)
+
+    def _promoted(self, prom: _Promotion, tier: LowerTier, fresh: bool) -> bool:
+        """The promoted entry is READY: pin it for the waiting gets, lease it to every
+        connection that leased it, and (``fresh``: this promotion wrote it) offer it to
+        the other tiers."""
+        store = self.store
+        entry = store.ready(prom.key)
+        if entry is None:
+            return False
+        prom.pin = store.pin_entry(TIER_CONN, entry)
+        for conn, lease in self._leases_on(prom.key):
+            store.lease_entry(conn, prom.key, lease.expires_at)
+        if fresh:
+            self._write_down(entry, skip=tier)
+        return True
 
     async def _promote_from(
         self, prom: _Promotion, tier: LowerTier, meta: EntryMeta
@@ -550,6 +638,10 @@ class Coordinator:
         if err is None and entry is not None:
             self._write_down(entry, skip=None)
         return err
+
+    def placed(self, entry: Entry) -> None:
+        """An entry stored from a put arena (Store.place): offered down as a commit's is."""
+        self._write_down(entry, skip=None)
 
     def _write_down(self, entry: Entry, skip: LowerTier | None) -> None:
         """Offer a READY slab entry to every lower tier but ``skip`` (its source)."""

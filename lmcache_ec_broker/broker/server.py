@@ -41,6 +41,7 @@ from ..config import BrokerConfig, ensure_socket_dir, format_size
 from ..protocol import (
     PROTOCOL_VERSION,
     Abort,
+    ArenaGrant,
     Clear,
     Commit,
     Delete,
@@ -57,6 +58,8 @@ from ..protocol import (
     LookupReply,
     OkReply,
     Ping,
+    Place,
+    PlaceReply,
     PongReply,
     ProtocolError,
     Release,
@@ -69,6 +72,7 @@ from ..protocol import (
     encode_frame,
 )
 from ..shm.filter import FilterWriter, slots_for
+from ..shm.journal import Journal
 from ..shm.segment import Segment, remove_stale, unlink_segment
 from .access import AccessPolicy
 from .coordinator import Coordinator
@@ -83,7 +87,7 @@ from .lifecycle import (
     run_broker,
     segment_prefix,
 )
-from .store import State, Store
+from .store import Entry, State, Store
 from .tiers import TierError, make_lower_tiers
 
 __all__ = ["BrokerError", "BrokerServer", "probe_socket", "run_broker", "segment_prefix"]
@@ -138,8 +142,12 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.queued.clear()
-        self.server.connections.pop(self.conn_id, None)
-        self.server.tiers.close_connection(self.conn_id)
+        srv = self.server
+        srv.connections.pop(self.conn_id, None)
+        slot = srv.store.arena_slot(self.conn_id)
+        srv.tiers.close_connection(self.conn_id)  # frees its arena with the rest
+        if slot >= 0 and srv.journal is not None:
+            srv.journal.reset(slot)  # nothing of this connection is pending any more
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -304,6 +312,13 @@ class Connection(asyncio.Protocol):
                 max_frame_bytes=srv.config.max_frame_bytes,
                 filter_name=srv.filter.name if srv.filter else "",
                 filter_size=srv.filter.size if srv.filter else 0,
+                put_arena_bytes=srv.store.arena_cap_blocks * srv.store.block_size
+                if srv.journal
+                else 0,
+                journal_name=srv.journal.name if srv.journal else "",
+                journal_size=srv.journal.size if srv.journal else 0,
+                max_key_length=srv.store.max_key_length,
+                max_entry_bytes=srv.store.max_entry_bytes,
             )
         )
 
@@ -321,12 +336,15 @@ class BrokerServer:
             max_key_length=config.max_key_length,
             max_pins_per_conn=config.max_pins_per_connection,
             max_leases_per_conn=config.max_leases_per_connection,
+            arena_bytes=config.put_arena_bytes,
+            arena_slots=config.max_connections,
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
         self.access = AccessPolicy(os.getuid(), config.allowed_uids, None, config.max_connections)
         self.segment: Segment | None = None
         self.filter: FilterWriter | None = None
+        self.journal: Journal | None = None  # put arenas' placement journal (shm/journal.py)
         # Names of the segments this start is about to create (they carry this epoch, so
         # nobody else's): cleanup() unlinks them by name too, because a stop signal can
         # land after a segment exists but before its object is assigned anywhere.
@@ -358,21 +376,60 @@ class BrokerServer:
         """Before ``conn`` reads ``keys``: any key another client has reserved may have
         its posted Commit waiting in that client's socket; handle it first, so a put
         that returned is seen by every request made after it (read-after-put across
-        processes). One level deep: frames handled here do not settle in turn."""
+        processes). A key the index lacks may have been placed from another client's
+        put arena: the connections whose journal slot shows a placement not handled
+        yet are read first (bounded: only those, one read_pending each). One level
+        deep: frames handled here do not settle in turn."""
         if self._settling:
             return
         entries = self.store.entries
         self._settling = True
         try:
+            missing = False
             for key in keys:
                 entry = entries.get(key)
-                if entry is None or entry.state is not State.RESERVED or entry.owner == conn:
+                if entry is None:
+                    missing = True
+                    continue
+                if entry.state is not State.RESERVED or entry.owner == conn:
                     continue
                 owner = self.connections.get(entry.owner)
                 if owner is not None:
                     owner.read_pending()
+            if missing and self.store.arena_conns and self.journal is not None:
+                self._settle_arenas(conn)
         finally:
             self._settling = False
+
+    def _settle_arenas(self, conn: int) -> None:
+        journal = self.journal
+        assert journal is not None
+        for holder, slot in list(self.store.arena_conns.items()):
+            if holder != conn and journal.unsettled(slot):
+                owner = self.connections.get(holder)
+                if owner is not None:
+                    owner.read_pending()
+
+    def _place(self, conn: int, msg: Place) -> msgspec.Struct:
+        """Store an entry the client wrote into its arena; the journal slot is settled
+        afterwards whatever the outcome (shm/journal.py: after the filter add)."""
+        store = self.store
+        got = store.place(conn, msg.key, msg.nbytes, msg.dtype, msg.shape, msg.runs)
+        if isinstance(got, Entry):
+            self.tiers.placed(got)
+            got = PlaceReply(True)
+        slot = store.arena_slot(conn)
+        if slot >= 0 and self.journal is not None:
+            self.journal.settle(slot, msg.seq)
+        return got
+
+    def _grant(self, conn: int, nbytes: int) -> msgspec.Struct:
+        had = self.store.arena_slot(conn)
+        reply = self.store.grant(conn, nbytes)
+        slot = self.store.arena_slot(conn)
+        if had < 0 <= slot and self.journal is not None:
+            self.journal.reset(slot)  # before the client learns the slot
+        return reply
 
     def observe(self, op: str, started: float) -> None:
         observers = self.observers
@@ -412,6 +469,12 @@ class BrokerServer:
                 return store.reserve(conn, key, nbytes, dtype, shape)
             case Commit(token=token):
                 return tiers.commit(conn, token) or OkReply()
+            case Place():
+                return self._place(conn, msg)
+            case ArenaGrant(nbytes=nbytes):
+                if self.journal is None:
+                    return ErrorReply(ErrorCode.BAD_REQUEST, "this broker grants no put arenas")
+                return self._grant(conn, nbytes)
             case Abort(token=token):
                 return store.abort(conn, token) or OkReply()
             case Get(keys=keys):
@@ -515,7 +578,8 @@ class BrokerServer:
                 )
             self.access.group_gid = gid
             name = "/" + segment_prefix(path) + self.epoch[:12]
-            self._segment_names = [name, name + "-f"]  # the slab, then its filter
+            # The slab, its filter, the put arenas' journal.
+            self._segment_names = [name, name + "-f", name + "-j"]
             t0 = time.perf_counter()
             self.segment = Segment.create(name, self.store.capacity_bytes, mode=cfg.socket_mode)
             if gid is not None:
@@ -528,6 +592,8 @@ class BrokerServer:
                 time.perf_counter() - t0,
             )
             self._publish_filter(name, gid)
+            if self.store.arena_cap_blocks:
+                self._publish_journal(name + "-j", gid)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
                 self._start_metrics(cfg.metrics_port)
             if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
@@ -562,6 +628,11 @@ class BrokerServer:
         if gid is not None:
             os.chown("/dev/shm" + self.filter.name, -1, gid)
         self.tiers.attach_filter(self.filter)
+
+    def _publish_journal(self, name: str, gid: int | None) -> None:
+        self.journal = Journal.create(name, self.config.max_connections, self.config.socket_mode)
+        if gid is not None:
+            os.chown("/dev/shm" + name, -1, gid)
 
     async def serve(self) -> None:
         assert self._sock is not None and self.segment is not None, "prepare() first"
@@ -639,6 +710,10 @@ class BrokerServer:
             self.tiers.attach_filter(None)
             self.filter.close()
             self.filter = None
+        if self.journal is not None:
+            self.journal.unlink()
+            self.journal.close()
+            self.journal = None
         if self._tiers_open:
             self.tiers.close()
             self._tiers_open = False

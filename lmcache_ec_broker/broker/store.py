@@ -13,8 +13,22 @@ Invariants (``check()`` asserts them; tests call it after every step):
 4. Pinned (by a get or a lease) and reserved entries are never evicted.
 5. Allocation fails only if the free blocks plus the blocks of unpinned READY
    entries are not enough.
-6. Everything a connection holds (reservations, pins, leases) is released by
-   ``close_connection``.
+6. Everything a connection holds (reservations, pins, leases, its put arena) is
+   released by ``close_connection``.
+
+Put arenas (``grant``/``place``; docs/design.md "Put arenas"): a connection may hold
+slab blocks granted ahead of time, copy an entry into them and post a Place that
+turns them into a READY entry without a round trip. Invariants, also in ``check()``:
+7. ``free + used + reserved + arena == capacity``: arena blocks are neither free nor
+   evictable; they belong to exactly one connection and to no entry.
+8. A placement is accepted only if every block it names is a free block of *this*
+   connection's arena, no block twice, exactly ``ceil(nbytes / block_size)`` blocks,
+   and key/dtype/shape/nbytes pass the same checks as a reserve; otherwise it is
+   refused and the arena is unchanged. A key that is already present or reserved
+   keeps its entry; the placed blocks stay in the arena (PlaceReply.stored False).
+9. The filter has the key before the entry becomes visible (as for commit).
+10. One connection holds at most ``arena_cap_blocks`` arena blocks and all arenas
+    together at most a quarter of the slab, so arenas can never starve the cache.
 """
 
 from __future__ import annotations
@@ -28,10 +42,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..protocol import (
+    ArenaReply,
     ErrorCode,
     ErrorReply,
     Extent,
     Hit,
+    PlaceReply,
     ReserveReply,
     ReserveStatus,
     expected_nbytes,
@@ -54,6 +70,9 @@ STORE_COUNTERS = (
     "bytes_stored",
     "bytes_loaded",
     "no_space",
+    "arena_grants",  # grant requests answered (possibly with no blocks)
+    "arena_places",  # entries stored by a placement from a put arena
+    "arena_place_refused",  # placements refused (bad blocks/key/shape) or of a present key
     "pin_limit_refusals",  # requests refused: the connection held max_pins_per_connection
     "lease_limit_refusals",  # requests refused: the connection held max_leases_per_connection
 )
@@ -87,10 +106,17 @@ class Pin:
 
 
 @dataclass(slots=True)
+class Arena:
+    slot: int  # the connection's placement-journal slot (shm/journal.py)
+    free: set[int] = field(default_factory=set)  # granted blocks not part of any entry
+
+
+@dataclass(slots=True)
 class ConnState:
     reservations: set[int] = field(default_factory=set)
     pins: set[int] = field(default_factory=set)
     leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
+    arena: Arena | None = None
 
 
 class Membership(Protocol):
@@ -117,6 +143,8 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
         max_pins_per_conn: int = 1 << 16,
         max_leases_per_conn: int = 1 << 16,
+        arena_bytes: int = 0,
+        arena_slots: int = 1024,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block size must be positive")
@@ -148,6 +176,13 @@ class Store:
         self.reserved_blocks = 0
         self.used_blocks = 0
         self.pinned_entries = 0
+        # Put arenas: per connection at most arena_cap_blocks, all together at most a
+        # quarter of the slab (invariant 10); 0 turns them off.
+        self.arena_cap_blocks = arena_bytes // block_size
+        self.arena_total_cap = self.nblocks // 4
+        self.arena_blocks = 0
+        self._free_slots = list(range(arena_slots))  # a heap: lowest slot first
+        self.arena_conns: dict[int, int] = {}  # connection -> its arena's journal slot
         self.counters = dict.fromkeys(STORE_COUNTERS, 0)
 
     # ------------------------------------------------------------ connections
@@ -163,6 +198,20 @@ class Store:
             self._abort(token)
         for pin_id in list(state.pins):
             self._unpin(pin_id)
+        if state.arena is not None:
+            self._free_arena(conn, state.arena)
+
+    def _free_arena(self, conn: int, arena: Arena) -> None:
+        self.allocator.free(_runs_of(arena.free))
+        self.arena_blocks -= len(arena.free)
+        arena.free.clear()
+        del self.arena_conns[conn]
+        heapq.heappush(self._free_slots, arena.slot)
+
+    def arena_slot(self, conn: int) -> int:
+        """The journal slot of ``conn``'s arena, -1 if it holds none."""
+        state = self.conns.get(conn)
+        return -1 if state is None or state.arena is None else state.arena.slot
 
     # ------------------------------------------------------------ helpers
 
@@ -307,25 +356,8 @@ class Store:
     def reserve(
         self, conn: int, key: str, nbytes: int, dtype: str, shape: list[int]
     ) -> ReserveReply | ErrorReply:
-        if (err := self.validate_key(key)) is not None:
+        if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
             return err
-        try:
-            implied = expected_nbytes(dtype, shape)
-        except ValueError as exc:
-            code = ErrorCode.DTYPE_INVALID if "dtype" in str(exc) else ErrorCode.SHAPE_MISMATCH
-            return ErrorReply(code, str(exc))
-        if nbytes != implied:
-            return ErrorReply(
-                ErrorCode.SHAPE_MISMATCH,
-                f"nbytes={nbytes} but dtype {dtype} with shape {shape} needs {implied} bytes",
-            )
-        if nbytes > self.max_entry_bytes:
-            return ErrorReply(
-                ErrorCode.TOO_LARGE,
-                f"entry of {nbytes} bytes exceeds the maximum entry size of "
-                f"{self.max_entry_bytes} bytes (slab capacity {self.capacity_bytes} bytes); "
-                "start the broker with a larger --shm-size or max_entry_size",
-            )
         existing = self.entries.get(key)
         if existing is not None:
             if existing.state is State.READY:
@@ -367,6 +399,139 @@ class Store:
         self.reserved_blocks += nblocks
         self.conns[conn].reservations.add(token)
         return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
+
+    def check_entry(self, key: str, nbytes: int, dtype: str, shape: list[int]) -> ErrorReply | None:
+        """What reserve and place both require of a new entry's description."""
+        if (err := self.validate_key(key)) is not None:
+            return err
+        try:
+            implied = expected_nbytes(dtype, shape)
+        except ValueError as exc:
+            code = ErrorCode.DTYPE_INVALID if "dtype" in str(exc) else ErrorCode.SHAPE_MISMATCH
+            return ErrorReply(code, str(exc))
+        if nbytes != implied:
+            return ErrorReply(
+                ErrorCode.SHAPE_MISMATCH,
+                f"nbytes={nbytes} but dtype {dtype} with shape {shape} needs {implied} bytes",
+            )
+        if nbytes > self.max_entry_bytes:
+            return ErrorReply(
+                ErrorCode.TOO_LARGE,
+                f"entry of {nbytes} bytes exceeds the maximum entry size of "
+                f"{self.max_entry_bytes} bytes (slab capacity {self.capacity_bytes} bytes); "
+                "start the broker with a larger --shm-size or max_entry_size",
+            )
+        return None
+
+    # ------------------------------------------------------------ put arenas
+
+    def grant(self, conn: int, nbytes: int) -> ArenaReply | ErrorReply:
+        """Add up to ``nbytes`` of blocks to ``conn``'s arena (created on first use).
+        May evict like a reserve; with no room the grant is smaller or empty (the
+        client's puts then take the reserve path)."""
+        self.counters["arena_grants"] += 1
+        if self.arena_cap_blocks <= 0:
+            return ErrorReply(
+                ErrorCode.BAD_REQUEST,
+                "this broker grants no put arenas (put_arena_bytes = 0); use reserve",
+            )
+        if nbytes < 0:
+            return ErrorReply(ErrorCode.BAD_REQUEST, f"arena grant of {nbytes} bytes")
+        state = self.conns[conn]
+        arena = state.arena
+        if arena is None:
+            if not self._free_slots:
+                return ArenaReply(slot=-1)  # no journal slot: no arena for this connection
+            arena = state.arena = Arena(heapq.heappop(self._free_slots))
+            self.arena_conns[conn] = arena.slot
+        want = min(
+            self._blocks_for(nbytes),
+            self.arena_cap_blocks - len(arena.free),
+            self.arena_total_cap - self.arena_blocks,
+        )
+        if want <= 0:
+            return ArenaReply(arena.slot)
+        if not self._make_room(want):
+            want = self.allocator.free_blocks
+            if want <= 0:
+                return ArenaReply(arena.slot)
+        runs = self.allocator.allocate(want)
+        assert runs is not None  # _make_room or the free count guaranteed the blocks
+        for start, length in runs:
+            arena.free.update(range(start, start + length))
+        self.arena_blocks += want
+        return ArenaReply(arena.slot, runs)
+
+    def place(
+        self,
+        conn: int,
+        key: str,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        runs: list[tuple[int, int]],
+    ) -> Entry | PlaceReply | ErrorReply:
+        """Turn blocks of ``conn``'s arena, already written by the client, into the
+        READY entry ``key`` (the entry is returned). Invariant 8: nothing the client
+        says is trusted; a refusal leaves the arena and the index unchanged."""
+        state = self.conns[conn]
+        arena = state.arena
+        if arena is None:
+            self.counters["arena_place_refused"] += 1
+            return ErrorReply(
+                ErrorCode.UNKNOWN_TOKEN, "place without a put arena: ask for a grant first"
+            )
+        if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
+            self.counters["arena_place_refused"] += 1
+            return err
+        blocks: set[int] = set()
+        total = 0
+        for start, length in runs:
+            if length <= 0 or start < 0 or start + length > self.nblocks:
+                blocks = set()
+                total = -1
+                break
+            blocks.update(range(start, start + length))
+            total += length
+        if total != self._blocks_for(nbytes) or len(blocks) != total or not blocks <= arena.free:
+            self.counters["arena_place_refused"] += 1
+            return ErrorReply(
+                ErrorCode.BAD_REQUEST,
+                f"placement of {key!r} names blocks {runs[:8]} that are not "
+                f"{self._blocks_for(nbytes)} distinct free blocks of this connection's arena",
+            )
+        existing = self.entries.get(key)
+        if existing is not None:
+            # The blocks never left the arena: the client may use them again.
+            if existing.state is State.READY:
+                self.lru.touch(key)
+                self.counters["put_present"] += 1
+            else:
+                self.counters["put_in_progress"] += 1
+            return PlaceReply(False, list(runs))
+        arena.free -= blocks
+        self.arena_blocks -= total
+        self.used_blocks += total
+        runs = [(start, length) for start, length in runs]
+        entry = Entry(
+            key=key,
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=list(shape),
+            runs=runs,
+            extents=self._extents(runs, nbytes),
+            state=State.READY,
+        )
+        if self.membership is not None:
+            self.membership.add(key)  # before the entry is visible (invariant 9)
+        self.entries[key] = entry
+        self.lru.insert(key)
+        self.counters["puts"] += 1
+        self.counters["arena_places"] += 1
+        self.counters["bytes_stored"] += nbytes
+        if self.observer is not None:
+            self.observer.slab_stored(key, nbytes)
+        return entry
 
     def _owned_reservation(self, conn: int, token: int) -> Entry | ErrorReply:
         entry = self.reservations.get(token)
@@ -552,6 +717,8 @@ class Store:
             "reserved_entries": len(self.reservations),
             "used_bytes": self.used_blocks * bs,
             "reserved_bytes": self.reserved_blocks * bs,
+            "arena_bytes": self.arena_blocks * bs,
+            "arenas": sum(1 for c in self.conns.values() if c.arena is not None),
             "free_bytes": self.allocator.free_blocks * bs,
             "capacity_bytes": self.capacity_bytes,
             "block_size": bs,
@@ -565,8 +732,9 @@ class Store:
     def check(self) -> None:
         self.allocator.check()
         assert (
-            self.allocator.free_blocks + self.used_blocks + self.reserved_blocks == self.nblocks
-        ), "free + used + reserved != capacity"
+            self.allocator.free_blocks + self.used_blocks + self.reserved_blocks + self.arena_blocks
+            == self.nblocks
+        ), "free + used + reserved + arena != capacity"
         owned: set[int] = set()
         entries = self._live_entries()
         for entry in entries:
@@ -575,6 +743,23 @@ class Store:
                 assert not (blocks & owned), f"block shared by two entries ({entry.key!r})"
                 owned |= blocks
         assert len(owned) == self.used_blocks + self.reserved_blocks, "block accounting drift"
+        arena_total = 0
+        slots: set[int] = set()
+        for state in self.conns.values():
+            arena = state.arena
+            if arena is None:
+                continue
+            assert arena.slot not in slots and arena.slot not in self._free_slots, "slot twice"
+            slots.add(arena.slot)
+            assert len(arena.free) <= self.arena_cap_blocks, "arena over its cap"
+            assert not (arena.free & owned), "arena block shared with an entry or arena"
+            used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
+            assert all(used_map[b] for b in arena.free), "arena block is also free"
+            owned |= arena.free
+            arena_total += len(arena.free)
+        assert arena_total == self.arena_blocks, "arena accounting drift"
+        assert len(slots) == len(self.arena_conns), "arena holders drift"
+        assert self.arena_blocks <= max(self.arena_total_cap, 0), "arenas over a quarter"
         assert sum(1 for e in entries if e.pins) == self.pinned_entries, "pinned count drift"
 
     def _live_entries(self) -> list[Entry]:
@@ -582,3 +767,14 @@ class Store:
         uniq = {id(e): e for e in self.entries.values()}
         uniq.update((id(p.entry), p.entry) for p in self.pins.values())
         return list(uniq.values())
+
+
+def _runs_of(blocks: set[int]) -> list[Run]:
+    """The sorted, coalesced runs covering ``blocks``."""
+    runs: list[Run] = []
+    for b in sorted(blocks):
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

@@ -51,6 +51,8 @@ from ..protocol import (
     FRAME_HEADER,
     PROTOCOL_VERSION,
     Abort,
+    ArenaGrant,
+    ArenaReply,
     Clear,
     Commit,
     Delete,
@@ -68,6 +70,8 @@ from ..protocol import (
     LookupReply,
     LookupState,
     Ping,
+    Place,
+    PlaceReply,
     PongReply,
     ProtocolError,
     Release,
@@ -83,10 +87,14 @@ from ..protocol import (
     frame_length,
 )
 from ..shm.filter import FilterReader
+from ..shm.journal import Journal
 from ..shm.segment import Segment, ShmError
 
 _MAX_REPLY_BYTES = 256 << 20
 _HEADER_FROM = FRAME_HEADER.unpack_from
+# Posted requests whose replies may be left unread; past this a put reads them first
+# (they are usually in already), so the broker's write buffer never backs up.
+_MAX_OWED = 256
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -160,6 +168,17 @@ class BrokerClient:
         # Keys of posted commits whose replies are still owed: the filter may not list
         # them yet, so they are never ruled out locally (read-your-writes).
         self._posted_keys: set[str] = set()
+        # The put arena (docs/design.md "Put arenas"): slab blocks granted to this
+        # connection ahead of time, as sorted (first block, count) runs. Invariant: a
+        # block is in _arena_runs only while the broker has it in this connection's
+        # arena and no posted Place names it; everything resets with the connection.
+        self._journal: Journal | None = None
+        self._arena_runs: list[tuple[int, int]] = []
+        self._arena_blocks = 0
+        self._arena_slot = -1  # this connection's journal slot, known from the first grant
+        self._arena_seq = 0  # placements made (journal "placed"; wraps at 2**32)
+        self._grant_owed = False  # an ArenaGrant is posted and its reply not read yet
+        self._grant_after = 0.0  # after an empty grant: ask again no sooner than this
         # The broker's membership filter: a local "absent" skips the round trip. It is
         # trusted only while the connection was confirmed within filter_trust_s, so a
         # killed broker's stale filter cannot hide a restarted broker's entries for long.
@@ -322,6 +341,7 @@ class BrokerClient:
                 self._unmap()  # the broker restarted: its old segment is gone
         self._hello = reply
         self._map_filter(reply)
+        self._map_journal(reply)
 
     def _check_peer(self, sock: socket.socket) -> None:
         """Before sending or mapping anything: is the listener a broker we trust?"""
@@ -354,6 +374,19 @@ class BrokerClient:
             except (ShmError, ValueError, OverflowError) as exc:
                 log.warning("not using the broker's membership filter: %s", exc)
 
+    def _map_journal(self, hello: HelloReply) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        if hello.put_arena_bytes and hello.journal_name:
+            try:
+                self._journal = Journal.attach(
+                    hello.journal_name, hello.journal_size, self.trusted_uids
+                )
+            except (ShmError, ValueError, OverflowError) as exc:
+                # Without it, arena puts are off and the filter is not trusted (_maybe_mask).
+                log.warning("not using the broker's put arena: %s", exc)
+
     def _drop_socket(self) -> None:
         if self._sock is not None:
             try:
@@ -364,6 +397,10 @@ class BrokerClient:
         self._rpos = self._rend = 0
         self._owed = 0
         self._posted_keys.clear()
+        self._arena_runs = []  # the broker frees the arena with the connection
+        self._arena_blocks = 0
+        self._arena_slot = -1
+        self._grant_owed = False
 
     def _unmap(self) -> None:
         if self._slab is not None:
@@ -470,9 +507,9 @@ class BrokerClient:
             while self._owed:
                 owed = self._read_reply()
                 self._owed -= 1
-                if isinstance(owed, ErrorReply):
-                    log.debug("deferred request refused: %s: %s", owed.code, owed.message)
+                self._owed_reply(owed)
             self._posted_keys.clear()
+            self._grant_owed = False  # its reply, if one was owed, was just read
             out = [self._read_reply() for _ in range(n)]
         except (OSError, msgspec.MsgspecError) as exc:
             # The stream position is unknown, so start over; a timeout also trips.
@@ -485,6 +522,14 @@ class BrokerClient:
             raise
         self._confirmed_at = time.monotonic()
         return out
+
+    def _owed_reply(self, owed: Any) -> None:
+        """The reply of a posted request: arena grants and returned placements are kept
+        (they carry blocks), refusals logged, the rest dropped."""
+        if isinstance(owed, (ArenaReply, PlaceReply)):
+            self._arena_reply(owed)
+        elif isinstance(owed, ErrorReply):
+            log.debug("deferred request refused: %s: %s", owed.code, owed.message)
 
     def _roundtrip(self, msg: msgspec.Struct) -> Any:
         sock = self._sock
@@ -518,8 +563,7 @@ class BrokerClient:
                     owed = decode(view[pos + 4 : end])
                 pos = end
                 self._owed -= 1
-                if isinstance(owed, ErrorReply):
-                    log.debug("deferred request refused: %s: %s", owed.code, owed.message)
+                self._owed_reply(owed)
         except (OSError, msgspec.MsgspecError) as exc:
             self._drop_socket()
             if isinstance(exc, TimeoutError):
@@ -550,7 +594,13 @@ class BrokerClient:
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store ``tensor`` under ``key``. True if this call stored it; False if the entry
-        is already present, another writer is storing it, or the broker is unavailable."""
+        is already present, another writer is storing it, or the broker is unavailable.
+
+        With a put arena (the common case once the connection holds one) nothing is
+        waited for: the tensor is copied into this connection's own blocks and the
+        Place is posted. Such a put returns True also in the rare race where another
+        client stores the same key first (the broker keeps that entry, which by the
+        cache's contract holds the same value, and the blocks return to the arena)."""
         from .copy import check_device, dtype_name
 
         check_device(tensor.device)
@@ -559,6 +609,13 @@ class BrokerClient:
         nbytes = expected_nbytes(dtype, shape)
         with self._lock:
             try:
+                if not self._ensure_connected():
+                    return False
+                placed = self._place_copy(key, tensor, dtype, shape, nbytes)
+                if placed is not None:
+                    self._send_placed([placed[0]], [key])
+                    return True
+                self._ask_arena()
                 reply: ReserveReply = self._call(Reserve(key, nbytes, dtype, shape))
                 if reply.status != ReserveStatus.RESERVED:
                     return False
@@ -581,6 +638,163 @@ class BrokerClient:
                 return True
             except BrokerUnavailable:
                 return False
+
+    # ------------------------------------------------------------ put arena
+
+    def _may_place(self, key: str, nbytes: int) -> bool:
+        """Whether ``key`` can go into the arena: the broker grants one, it will accept
+        the entry (else the reserve path raises its refusal), and the trusted filter
+        says the key is absent (a present key would be copied for nothing)."""
+        hello = self._hello
+        flt = self._filter
+        return (
+            hello is not None
+            and self._arena_slot >= 0
+            and self._journal is not None
+            and flt is not None
+            and 0 < len(key) <= hello.max_key_length
+            and nbytes <= hello.max_entry_bytes
+            and key not in self._posted_keys
+            and time.monotonic() - self._confirmed_at <= self.filter_trust_s
+            and not self._arena_hidden()  # else the filter's "absent" is no proof
+            and not flt.maybe(key)
+        )
+
+    def _place_copy(
+        self, key: str, tensor: torch.Tensor, dtype: str, shape: list[int], nbytes: int
+    ) -> tuple[bytes, list[tuple[int, int]]] | None:
+        """Copy ``tensor`` into arena blocks and return its Place frame (not sent yet)
+        and the blocks; None: not placeable now, take the reserve path. Call with the
+        lock held."""
+        if self._owed >= _MAX_OWED:
+            self._read_replies(0)
+        if not self._may_place(key, nbytes):
+            return None
+        hello = self._hello
+        assert hello is not None
+        bs = hello.block_size
+        need = -(-nbytes // bs)
+        if self._arena_blocks < need and self._grant_owed:
+            self._read_replies(0)  # the refill's reply, usually in already
+            if not self._may_place(key, nbytes):
+                return None
+        runs = self._arena_take(need)
+        if runs is None:
+            return None
+        try:
+            self._slab_view().write(_extents_of(runs, nbytes, bs), tensor)
+        except BrokerUnavailable:
+            raise  # the connection, and with it the arena, is gone
+        except BaseException:
+            self._arena_give(runs)
+            raise
+        self._arena_seq = (self._arena_seq + 1) & 0xFFFFFFFF
+        return self._frame(Place(key, nbytes, dtype, shape, runs, self._arena_seq)), runs
+
+    def _send_placed(self, frames: list[bytes], keys: list[str]) -> None:
+        """Post the Place frames (and a refill if the arena runs low) in one send. The
+        journal says "placed" before the frames leave: from then on other processes
+        ask the broker rather than trust their filter (shm/journal.py)."""
+        assert self._journal is not None
+        self._journal.mark_placed(self._arena_slot, self._arena_seq)
+        grant = self._grant_frame()
+        self._send(b"".join(frames) + grant)
+        self._owed += len(frames) + (1 if grant else 0)
+        if grant:
+            self._grant_owed = True
+        self._posted_keys.update(keys)
+
+    def _grant_frame(self) -> bytes:
+        """An ArenaGrant frame topping the arena up to the broker's cap, or b"" when it
+        is at least half full, a grant is owed, or the last grant came back empty."""
+        hello = self._hello
+        if hello is None or not hello.put_arena_bytes or self._journal is None:
+            return b""
+        held = self._arena_blocks * hello.block_size
+        if self._grant_owed or held * 2 >= hello.put_arena_bytes:
+            return b""
+        if time.monotonic() < self._grant_after:
+            return b""
+        return self._frame(ArenaGrant(hello.put_arena_bytes - held))
+
+    def _ask_arena(self) -> None:
+        """Post a grant when the arena is low (lazily: the first put of a connection);
+        the reserve that follows reads its reply. Call with the lock held."""
+        grant = self._grant_frame()
+        if grant:
+            self._send(grant)
+            self._owed += 1
+            self._grant_owed = True
+
+    def _arena_reply(self, reply: ArenaReply | PlaceReply) -> None:
+        """A grant's new blocks, or the blocks of a placement the broker did not store
+        (the key was present), go (back) into the arena."""
+        hello = self._hello
+        if hello is None:
+            return
+        if isinstance(reply, ArenaReply):
+            self._grant_owed = False
+            if reply.slot >= 0:
+                self._arena_slot = reply.slot
+            if not reply.runs:
+                self._grant_after = time.monotonic() + 1.0
+        elif reply.stored:
+            return
+        nblocks = hello.segment_size // hello.block_size
+        ok = [(b, n) for b, n in reply.runs if n > 0 and 0 <= b and b + n <= nblocks]
+        if ok:
+            self._arena_give(ok)
+
+    def _arena_take(self, n: int) -> list[tuple[int, int]] | None:
+        """``n`` blocks: the shortest run that holds them, else the first runs; None if
+        the arena holds fewer."""
+        if n > self._arena_blocks:
+            return None
+        if n == 0:
+            return []
+        runs = self._arena_runs
+        best = -1
+        for i, (_, length) in enumerate(runs):
+            if length >= n and (best < 0 or length < runs[best][1]):
+                best = i
+        self._arena_blocks -= n
+        if best >= 0:
+            start, length = runs[best]
+            if length == n:
+                del runs[best]
+            else:
+                runs[best] = (start + n, length - n)
+            return [(start, n)]
+        out = []
+        while n:
+            start, length = runs[0]
+            take = min(length, n)
+            out.append((start, take))
+            if take == length:
+                del runs[0]
+            else:
+                runs[0] = (start + take, length - take)
+            n -= take
+        return out
+
+    def _arena_give(self, runs: list[tuple[int, int]]) -> None:
+        merged: list[tuple[int, int]] = []
+        for start, length in sorted(self._arena_runs + [tuple(r) for r in runs]):
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._arena_runs = merged
+        self._arena_blocks = sum(n for _, n in merged)
+
+    def _arena_hidden(self) -> bool:
+        """True while another connection may have placed an entry the broker has not
+        handled yet: a local filter "absent" is then no proof (shm/journal.py)."""
+        hello = self._hello
+        if hello is None or not hello.put_arena_bytes:
+            return False
+        journal = self._journal
+        return journal is None or journal.any_unsettled(self._arena_slot)
 
     def flush(self) -> bool:
         """Wait until the broker has handled every request this client posted (the
@@ -678,68 +892,117 @@ class BrokerClient:
             return True
 
     def put_many(self, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
-        """Batched put: all reservations in one round trip, all commits posted in one send.
+        """Batched put: entries that fit the arena are copied and their Places posted;
+        the others are reserved in one round trip (sent with those Places) and their
+        commits posted in one send. No wait at all when every entry fits the arena.
 
         One bool per item, as ``put``. If the broker refuses some items, the others
         are still stored, then the first refusal is raised as ``BrokerRefused``.
         """
         from .copy import check_device, dtype_name
 
-        reqs = []
-        for key, tensor in items:
+        descs = []
+        for _key, tensor in items:
             check_device(tensor.device)
             dtype = dtype_name(tensor.dtype)
             shape = list(tensor.shape)
-            reqs.append(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
-        if not reqs:
+            descs.append((dtype, shape, expected_nbytes(dtype, shape)))
+        if not items:
             return []
         with self._lock:
             if not self._ensure_connected():
                 return [False] * len(items)
+            stored = [False] * len(items)
             try:
+                placed = self._place_many(items, descs, stored)
+            except BrokerUnavailable:
+                return [False] * len(items)
+            rest = [i for i in range(len(items)) if not stored[i]]
+            if not rest:
+                try:
+                    self._send_placed(*placed)
+                except BrokerUnavailable:
+                    return [False] * len(items)
+                return stored
+            reqs = [Reserve(items[i][0], descs[i][2], *descs[i][:2]) for i in rest]
+            try:
+                if placed[0]:
+                    self._send_placed(*placed)
+                else:
+                    self._ask_arena()
                 self._send(b"".join(self._frame(r) for r in reqs))
                 replies = self._read_replies(len(reqs))
             except BrokerUnavailable:
                 return [False] * len(items)
             refusal = next((r for r in replies if isinstance(r, ErrorReply)), None)
             todo = [
-                (i, r.token)
-                for i, r in enumerate(replies)
+                (rest[j], r.token, r.extents)
+                for j, r in enumerate(replies)
                 if isinstance(r, ReserveReply) and r.status == ReserveStatus.RESERVED
             ]
             done: list[int] = []
             try:
                 slab = self._slab_view() if todo else None
-                for i, token in todo:
+                for i, token, extents in todo:
                     assert slab is not None
-                    slab.write(replies[i].extents, items[i][1])
+                    slab.write(extents, items[i][1])
                     done.append(token)
             except BrokerUnavailable:
                 # The segment cannot be mapped (the connection, and with it every
                 # reservation, is already dropped): an outage, not an error.
                 return [False] * len(items)
             except BaseException:
-                for _, token in todo:
+                for _, token, _ in todo:
                     if self._sock is not None:
                         try:
                             self._post(Abort(token))
                         except BrokerUnavailable:
                             pass
                 raise
-            stored = [False] * len(items)
             if done:
                 # Posted, as in put: one send, no wait (see put for why they cannot fail).
                 try:
                     self._send(b"".join(self._frame(Commit(t)) for t in done))
                 except BrokerUnavailable:
-                    return stored
+                    return [False] * len(items)
                 self._owed += len(done)
-                self._posted_keys.update(items[i][0] for i, _ in todo)
-                for i, _ in todo:
+                self._posted_keys.update(items[i][0] for i, _, _ in todo)
+                for i, _, _ in todo:
                     stored[i] = True
             if refusal is not None:
                 raise BrokerRefused(refusal.code, refusal.message)
             return stored
+
+    def _place_many(
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        descs: list[tuple[str, list[int], int]],
+        stored: list[bool],
+    ) -> tuple[list[bytes], list[str]]:
+        """Copy every placeable item into the arena (marking it in ``stored``); the
+        Place frames and keys, not sent yet. A failed copy gives every block back."""
+        frames: list[bytes] = []
+        keys: list[str] = []
+        taken: list[tuple[int, int]] = []
+        try:
+            for i, (key, tensor) in enumerate(items):
+                if key in keys:
+                    continue  # a second item of the same key reserves (and finds it)
+                dtype, shape, nbytes = descs[i]
+                got = self._place_copy(key, tensor, dtype, shape, nbytes)
+                if got is None:
+                    continue
+                frames.append(got[0])
+                taken += got[1]
+                keys.append(key)
+                stored[i] = True
+        except BrokerUnavailable:
+            raise
+        except BaseException:
+            if self._sock is not None:
+                self._arena_give(taken)  # nothing of this batch was sent
+            raise
+        return frames, keys
 
     def has(self, keys: list[str], lease_ms: int = 0) -> list[bool]:
         """One bool per key. ``lease_ms > 0`` protects each hit from eviction for that long
@@ -813,6 +1076,8 @@ class BrokerClient:
             or self._sock is None
             or time.monotonic() - self._confirmed_at > self.filter_trust_s
         ):
+            return None
+        if self._arena_hidden():
             return None
         mask = flt.maybe_many(keys)
         if self._posted_keys:
@@ -961,3 +1226,15 @@ def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:
     """Merge the broker's answers for the "maybe" keys back into one list per key."""
     it = iter(answers)
     return [next(it) if m else absent for m in mask]
+
+
+def _extents_of(runs: list[tuple[int, int]], nbytes: int, block_size: int) -> list[tuple[int, int]]:
+    """The byte extents of ``nbytes`` laid over block ``runs`` in order (as the broker's
+    Store._extents lays them, so both sides agree where every byte is)."""
+    out = []
+    left = nbytes
+    for start, length in runs:
+        n = min(length * block_size, left)
+        out.append((start * block_size, n))
+        left -= n
+    return out
