@@ -31,7 +31,9 @@ between two touched buffers. For has() also, as p50s: a uvloop
 loop), a pre-encoded Has frame sent on a raw connection to the broker (the
 broker's part without the client's Python) and has() itself, uninstrumented. ``put (commit waited)`` replays the previous put
 (Reserve, copy, Commit, wait for the Commit's reply) with the same client, for
-the before/after of the posted commit.
+the before/after of the posted commit; ``put (reserve path)`` is put without its
+put arena (Reserve waited, Commit posted), for the before/after of the arena
+(``put`` itself copies into the arena and posts a Place: no wait).
 """
 
 from __future__ import annotations
@@ -289,6 +291,22 @@ def bare_memcpy(nbytes: int, iters: int) -> float:
     return (time.perf_counter_ns() - t0) / iters / 1e3
 
 
+def put_reserved(client: Any, key: str, tensor: Any) -> bool:
+    """put without the arena: Reserve (waited), copy, Commit posted."""
+    from lmcache_ec_broker.connector.copy import dtype_name
+    from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
+
+    dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
+    with client._lock:
+        reply = client._call(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
+        if reply.status != ReserveStatus.RESERVED:
+            return False
+        client._slab_view().write(reply.extents, tensor)
+        client._post(Commit(reply.token))
+        client._posted_keys.add(key)
+        return True
+
+
 def put_commit_waited(client: Any, key: str, tensor: Any) -> bool:
     """The previous put: Reserve, copy, Commit and wait for its reply."""
     from lmcache_ec_broker.connector.copy import dtype_name
@@ -367,9 +385,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tensor = torch.ones(size // (2 * 1024), 1024, dtype=torch.bfloat16)
                 out = torch.empty_like(tensor)
                 results[f"memcpy_us {label}"] = bare_memcpy(size, max(20, iters // 4))
-                for mode, fn in (
-                    ("put", lambda k, t: client.put(k, t)),
-                    ("put (commit waited)", lambda k, t: put_commit_waited(client, k, t)),
+                # put: into the connection's put arena (a Place posted, no wait);
+                # reserve path: what put does without an arena (Reserve waited, Commit
+                # posted); commit waited: the put before issue 18.
+                for mode, fn, waited, posted in (
+                    ("put", client.put, (), ("place", "arenagrant", "reserve", "commit")),
+                    (
+                        "put (reserve path)",
+                        lambda k, t: put_reserved(client, k, t),
+                        ("reserve",),
+                        ("commit",),
+                    ),
+                    (
+                        "put (commit waited)",
+                        lambda k, t: put_commit_waited(client, k, t),
+                        ("reserve", "commit"),
+                        (),
+                    ),
                 ):
                     tag = mode.replace(" ", "_")
                     rows.append(
@@ -381,8 +413,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             iters,
                             timers,
                             port,
-                            ("reserve", "commit") if "waited" in mode else ("reserve",),
-                            () if "waited" in mode else ("commit",),
+                            waited,
+                            posted,
                         )
                     )
                 key = f"put-{label}-0"

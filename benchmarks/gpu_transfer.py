@@ -4,8 +4,10 @@
     .venv/bin/python benchmarks/gpu_transfer.py --sizes 2MiB,34MiB --runs 3
 
 Per size (median of --runs), in one process and one run:
-- ``put``: BrokerClient.put(cuda tensor) -- reserve, D2H copy into the registered
-  slab on the client's copy stream, synchronize, post the commit (not waited for);
+- ``put``: BrokerClient.put(cuda tensor) -- D2H copy into the registered slab on
+  the client's copy stream, synchronize, then post: into the connection's put arena
+  (entries under put_arena_bytes, 8 MiB by default: a Place, no wait) or, larger,
+  after a reserve (one wait), the commit;
 - ``get_into``: BrokerClient.get_into(key, cuda tensor) -- get, H2D copy, release;
 - ``D2H pinned`` / ``H2D pinned``: the same bytes between the device and an
   ordinary pinned host buffer (cudaMemcpyAsync + synchronize): the PCIe limit;

@@ -62,6 +62,27 @@ def test_posted_commit_of_a_device_put_is_never_torn_for_another_reader(broker) 
             assert got is not None and bool((got == -float(i)).all()), i
 
 
+def test_a_device_put_into_the_arena_is_never_torn_for_another_reader(broker) -> None:
+    # An entry under put_arena_bytes (8 MiB) is copied into the connection's put arena
+    # and its Place posted with no wait at all: the D2H copy must be complete before
+    # the frame leaves (SlabView.write synchronises), or a reader that asks right after
+    # put returned could load a half-copied entry. The same code path as a CPU put.
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as reader:
+        assert c.put("first", torch.ones(8, device="cuda"))  # reserves, asks for the arena
+        for i in range(24):
+            src = torch.full((1024, 1024), float(i + 1), device="cuda", dtype=torch.bfloat16)
+            assert c.put(f"arena{i}", src)  # 2 MiB: placed
+            got = reader.get(f"arena{i}")
+            assert got is not None and torch.equal(got, src.cpu()), i
+        assert c.put_many(
+            [(f"apm{i}", torch.full((512, 512), -float(i), device="cuda")) for i in range(3)]
+        ) == [True] * 3
+        for i in range(3):
+            got = reader.get(f"apm{i}")
+            assert got is not None and bool((got == -float(i)).all()), i
+        assert reader.stats()["arena_places"] >= 24
+
+
 def test_cpu_written_entry_loads_onto_the_device(broker) -> None:
     with BrokerClient(broker.socket_path) as c:
         src = torch.randn(300, 64, dtype=torch.bfloat16)

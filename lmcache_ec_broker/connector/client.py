@@ -22,13 +22,16 @@ Failure model (what a serving engine can rely on):
   ever touches a stale segment. Every data operation runs under the client's
   lock from request to copy to commit/release, so a concurrent reconnect cannot
   unmap memory under a copy.
-- Waits per call (issue 18): ``put`` waits for its Reserve reply only: the Commit
-  is posted (sent after the copy; its reply is read and dropped before the next
-  reply). A put that returned is still seen by every request made after it, from
-  any process: the commit is already in the broker's socket, a reserved key is
-  in the membership filter (so other clients ask), and the broker handles a
-  reserved key's pending commit before answering for it. ``flush()`` waits for
-  the posted replies. ``get`` waits for its Get reply and posts the Release;
+- Waits per call (issue 18): a ``put`` into the connection's put arena waits for
+  nothing (copy, post a Place; docs/design.md "Put arenas"). The first put of a
+  connection, and one the arena cannot take, reserves and waits for the Reserve
+  reply only: the Commit is posted (sent after the copy; its reply is read and
+  dropped before the next reply). A put that returned is still seen by every
+  request made after it, from any process: its frame is already in the broker's
+  socket; a reserved key is in the membership filter and a placed one is marked
+  in the placement journal (so other clients ask), and the broker handles the
+  pending frames of a reserving or placing connection before answering for a
+  key it lacks. ``flush()`` waits for the posted replies. ``get`` waits for its Get reply and posts the Release;
   ``has`` is one short request.
 """
 
