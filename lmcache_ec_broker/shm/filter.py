@@ -16,17 +16,17 @@ the two little-endian u32 words of the hash's 8-byte canonical digest, masked to
 batched read decodes the same bytes, so they agree on every key.
 
 Why xxh3 and not a keyed cryptographic hash (version 1 used blake2b keyed with a
-salt): a blake2b call costs ~0.55 us per key from Python, xxh3 ~0.08 us, and the
-filter exists to make a 64-key miss cheaper than a round trip. The property kept
-is weaker and stated precisely: xxh3 is not a PRF, so nothing *proves* that keys
-chosen without the seed cannot be aimed at chosen slots (none is known for the
-seeded xxh3 at these lengths, but it is not designed to resist it). That is
-acceptable because (1) every client that maps the filter reads the seed from
-this header anyway, so the seed only ever hid slots from remote key authors
-(e.g. request-supplied multimodal uuids), and (2) an aimed key's only effect is
-the filter's only failure mode: slots that read >= 1 (or saturate, stickily)
-answer "maybe", which costs one round trip -- the cost with the filter off --
-never a wrong answer.
+16-byte salt): a blake2b call costs ~0.55 us per key from Python, xxh3 ~0.08 us,
+and the filter exists to make a 64-key miss cheaper than a round trip. The
+property kept is weaker, stated precisely: xxh3 is a non-cryptographic hash, not
+a PRF, so nothing proves that keys chosen without the 64-bit seed cannot be
+aimed at chosen slots (the seed makes that harder than an unseeded hash, no
+more). That is acceptable because (1) every client that maps the filter reads
+the seed from this header anyway, so the seed only ever hid slots from remote
+key authors (e.g. request-supplied multimodal uuids), and (2) aimed keys can
+only cause the filter's one failure mode: slots that read >= 1 (or saturate,
+stickily) answer "maybe" for other keys, which costs those lookups the round
+trip they would pay with the filter off -- never a wrong answer.
 
 Invariant (what makes a local "absent" safe): every slot of a key is >= 1 from
 before the broker first answers True for that key until after it last does.
