@@ -281,11 +281,11 @@ class Soak:
                     self.problem("the broker did not answer a leak check")
                     return
                 if (
-                    st["free_bytes"] + st["used_bytes"] + st["reserved_bytes"]
+                    st["free_bytes"] + st["used_bytes"] + st["reserved_bytes"] + st["arena_bytes"]
                     != st["capacity_bytes"]
                 ):
                     self.fig.leaks_found += 1
-                    self.problem(f"free + used + reserved != capacity: {st}")
+                    self.problem(f"free + used + reserved + arena != capacity: {st}")
                     return
                 held = (
                     st["reserved_bytes"],

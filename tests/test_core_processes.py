@@ -51,7 +51,8 @@ def assert_nothing_held(c: BrokerClient, timeout: float = 5.0) -> dict:
             break
         assert time.monotonic() < deadline, f"leaked: {st}"
         time.sleep(0.05)
-    assert st["free_bytes"] + st["used_bytes"] + st["reserved_bytes"] == st["capacity_bytes"]
+    held = st["used_bytes"] + st["reserved_bytes"] + st["arena_bytes"]  # arena: put arenas
+    assert st["free_bytes"] + held == st["capacity_bytes"]
     return st
 
 

@@ -85,7 +85,8 @@ def spawn(sock: str, mode: str) -> subprocess.Popen:
 
 
 def books_balance(st: dict) -> None:
-    assert st["free_bytes"] + st["used_bytes"] + st["reserved_bytes"] == st["capacity_bytes"], st
+    held = st["used_bytes"] + st["reserved_bytes"] + st["arena_bytes"]  # + put arenas
+    assert st["free_bytes"] + held == st["capacity_bytes"], st
 
 
 def wait_nothing_held(c: BrokerClient, timeout: float = 5.0) -> dict:

@@ -294,6 +294,7 @@ class BrokerClient:
             if self._filter is not None:
                 self._filter.close()
                 self._filter = None
+            self._close_journal()
             self._back_off()
             if not self._outage_logged:
                 log.warning(
@@ -377,10 +378,13 @@ class BrokerClient:
             except (ShmError, ValueError, OverflowError) as exc:
                 log.warning("not using the broker's membership filter: %s", exc)
 
-    def _map_journal(self, hello: HelloReply) -> None:
+    def _close_journal(self) -> None:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
+
+    def _map_journal(self, hello: HelloReply) -> None:
+        self._close_journal()
         if hello.put_arena_bytes and hello.journal_name:
             try:
                 self._journal = Journal.attach(
@@ -557,7 +561,8 @@ class BrokerClient:
                 if not self._owed:
                     if end != n:
                         break
-                    self._posted_keys.clear()
+                    self._posted_keys.clear()  # as _read_replies does once nothing is owed
+                    self._grant_owed = False
                     with memoryview(buf) as view:
                         reply = decode(view[pos + 4 : end])
                     self._confirmed_at = time.monotonic()
@@ -825,13 +830,7 @@ class BrokerClient:
         cp.check_device(dev)
         torch_dtype = cp.torch_dtype
         with self._lock:
-            mask = self._maybe_mask(keys)
-            ask = (
-                _as_list(keys)
-                if mask is None
-                else [k for k, m in zip(keys, mask, strict=True) if m]
-            )
-            self.local_misses += len(keys) - len(ask)
+            ask, mask = self._ask(keys)
             if not ask:
                 return [None] * len(keys)
             try:
@@ -1012,22 +1011,14 @@ class BrokerClient:
         (or until this client disconnects). Keys the broker's membership filter rules
         out are answered here, without a round trip."""
         with self._lock:
-            mask = self._maybe_mask(keys)
-            ask = (
-                _as_list(keys)
-                if mask is None
-                else [k for k, m in zip(keys, mask, strict=True) if m]
-            )
-            self.local_misses += len(keys) - len(ask)
+            ask, mask = self._ask(keys)
             if not ask:
                 return [False] * len(keys)
             try:
                 reply: HasReply = self._call(Has(ask, lease_ms))
             except BrokerUnavailable:
                 return [False] * len(keys)
-            if mask is None or len(ask) == len(keys):
-                return reply.hits
-            return _expand(mask, reply.hits, False)
+            return reply.hits if mask is None else _expand(mask, reply.hits, False)
 
     def lookup(self, keys: list[str], lease_ms: int = 0) -> list[EntryInfo]:
         """Per key: MISS, READY (in the slab) or PENDING (being promoted from a lower
@@ -1069,6 +1060,16 @@ class BrokerClient:
                 return True
             except BrokerUnavailable:
                 return False
+
+    def _ask(self, keys: list[str]) -> tuple[list[str], list[bool] | None]:
+        """The keys to ask the broker about, and the filter's mask when it ruled some out
+        (None when every key is asked, the usual case of a hit). Call with the lock held."""
+        mask = self._maybe_mask(keys)
+        if mask is None or all(mask):
+            return _as_list(keys), None
+        ask = [k for k, m in zip(keys, mask, strict=True) if m]
+        self.local_misses += len(keys) - len(ask)
+        return ask, mask
 
     def _maybe_mask(self, keys: list[str]) -> list[bool] | None:
         """Per key, False where the filter proves a miss; None if the filter is not usable.
@@ -1143,6 +1144,7 @@ class BrokerClient:
             if self._filter is not None:
                 self._filter.close()
                 self._filter = None
+            self._close_journal()
             self._hello = None
 
     def __enter__(self) -> BrokerClient:
