@@ -138,9 +138,11 @@ class SlabView:
 
     def write(self, extents: list[Extent], tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes into ``extents``; returns when the bytes are in the slab."""
-        check_device(tensor.device)
-        self._check(extents, tensor.numel() * tensor.element_size())
-        if tensor.numel() == 0:
+        if not tensor.is_cpu:
+            check_device(tensor.device)
+        nbytes = tensor.nbytes  # numel * element size, whatever the strides
+        self._check(extents, nbytes)
+        if not nbytes:
             return
         if tensor.is_cuda:
             stream = self._ensure_cuda(tensor.device)
@@ -159,8 +161,9 @@ class SlabView:
             dst = self.u8[start : start + n].view(tensor.dtype).view(tensor.shape)
             dst.copy_(tensor)
             return
-        src = _flat_bytes(tensor.contiguous())
-        base, ptr, off = self.u8.data_ptr(), src.data_ptr(), 0
+        # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
+        src = tensor if tensor.is_contiguous() else tensor.contiguous()
+        base, ptr, off = self._base, src.data_ptr(), 0
         for start, n in extents:
             _memmove(base + start, ptr + off, n)
             off += n
