@@ -63,7 +63,12 @@ def _cli_stats(sock: str) -> dict:
 
 def test_scrape_matches_stats(make_broker) -> None:
     port = _free_port()
-    b = make_broker("--shm-size", "4MiB", "--block-size", "64KiB", "--metrics-port", str(port))
+    # Puts on the reserve path (counted as op=reserve below): no put arena, which a 4 MiB
+    # slab is also too small for at its default size.
+    b = make_broker(
+        "--shm-size", "4MiB", "--block-size", "64KiB", "--metrics-port", str(port),
+        "--put-arena-size", "0",
+    )  # fmt: skip
     subprocess.run([sys.executable, "-c", _WORK, b.socket_path], check=True, timeout=60)
     # 4 MiB holds 32 entries of 128 KiB: fill past it to force evictions.
     fill = _WORK.replace("range(5)", "range(5, 45)").replace("range(3)", "range(0)")
@@ -108,7 +113,7 @@ def test_taken_port_is_a_clear_refusal(make_broker) -> None:
     port = blocker.getsockname()[1]
     try:
         with pytest.raises(RuntimeError, match="--metrics-port"):
-            make_broker("--shm-size", "4MiB", "--metrics-port", str(port))
+            make_broker("--shm-size", "4MiB", "--put-arena-size", "0", "--metrics-port", str(port))
     finally:
         blocker.close()
 
@@ -128,7 +133,7 @@ def test_latency_recorder_quantiles() -> None:
 def test_refusals_at_the_per_connection_caps_are_counters(make_broker) -> None:
     port = _free_port()
     b = make_broker(
-        "--shm-size", "4MiB", "--metrics-port", str(port),
+        "--shm-size", "4MiB", "--put-arena-size", "0", "--metrics-port", str(port),
         "--max-pins-per-connection", "1", "--max-leases-per-connection", "1",
     )  # fmt: skip
     subprocess.run([sys.executable, "-c", _WORK, b.socket_path], check=True, timeout=60)
