@@ -402,3 +402,49 @@ def test_clear_of_a_prefix_keeps_a_nested_prefix(server, node) -> None:
     wait_until(lambda: server.cli("exists", "a:mine") == "0", what="A's clear")
     time.sleep(1.0)
     assert server.cli("exists", "a:b:theirs") == "1", "clearing a: removed a:b:'s value"
+
+
+# ---------------------------------------------------------------- issue 18: a remote hit's waits
+
+
+def test_a_remote_hit_waits_for_the_store_only_and_a_cut_read_is_not_reused(
+    server, proxy, node
+) -> None:
+    """Once B holds an idle connection to the store, a get of a key only the store
+    holds is one store round trip (no lookup first: the value's header says what it
+    is), done on B's event loop (no worker-thread hand-off). A read cut mid-value by
+    its deadline (the value trickling in) is a miss
+    answered in time while B serves other requests; its connection is never reused
+    (half a value left on it would be read as the next value's header), so the
+    next hits are exact and nothing is refused."""
+    a = node(server.url("unix"))
+    b = node(proxy.url(server.password), remote_timeout_s=0.5)
+    tensors = {f"hit-{i}": tensor((512, 512), seed=30 + i) for i in range(4)}  # 1 MiB each
+    for k, t in tensors.items():
+        assert a.put(k, t)
+    wait_until(lambda: rstats(a)["remote_writes"] >= 4, what="A's writes")
+    wait_until(lambda: rstats(b)["remote_known_keys"] >= 4, what="B learns the keys")
+    assert same(b.get("hit-0"), tensors["hit-0"])  # B's connections are warm from here on
+    before = rstats(b)
+    assert same(b.get("hit-1"), tensors["hit-1"])
+    after = rstats(b)
+    assert after["remote_latency_ms_le_inf"] - before["remote_latency_ms_le_inf"] == 1
+    assert after["remote_loop_reads"] - before["remote_loop_reads"] == 1
+
+    # Each reply byte 0.5 ms late: the 1 MiB value would take minutes -- the read's
+    # deadline cuts it mid-value.
+    proxy.trickle_s = 0.0005
+    with BrokerClient(b.socket_path, timeout_s=30) as other:
+        got: list[object] = []
+        getter = threading.Thread(target=lambda: got.append(b.get("hit-2")))
+        t0 = time.monotonic()
+        getter.start()
+        time.sleep(0.1)
+        assert other.ping(), "B stopped serving while a read trickled in"
+        getter.join(30)
+        assert got == [None] and time.monotonic() - t0 < 5.0
+    proxy.trickle_s = 0.0
+    wait_until(lambda: rstats(b)["remote_up"] == 1, what="B's breaker closes", timeout=30)
+    for k in ("hit-2", "hit-3"):
+        assert same(b.get(k), tensors[k]), k
+    assert rstats(b)["remote_refused_values"] == 0

@@ -43,7 +43,7 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     execute,
 )
 from lmcache_ec_broker.broker.tiers.remote_policy import LATE_WRITE_TIMEOUTS, RemotePolicy
-from lmcache_ec_broker.broker.tiers.remote_transport import Outcome, StoreDown
+from lmcache_ec_broker.broker.tiers.remote_transport import Declined, Outcome, StoreDown
 from lmcache_ec_broker.broker.tiers.remote_value import BadValue
 
 KEYS = [f"k{i}" for i in range(3)]
@@ -207,6 +207,8 @@ class PolicyMachine(RuleBasedStateMachine):
         self.refused_seen: set[str] = set()
         self.must_replace: set[int] = set()  # write job ids
         self.late: list[tuple[float, WriteJob]] = []  # failed writes still on the wire
+        # fetches in flight: (job, the store as it was when the fetch began)
+        self.fetches: list[tuple[LookupJob, dict[str, Value]]] = []
 
     # ------------------------------------------------------------ the broker's calls
 
@@ -254,6 +256,55 @@ class PolicyMachine(RuleBasedStateMachine):
             assert key not in self.deleted_since, f"{key} served after its delete"
             self.policy.read_ended(key, None)
             self.refused_seen.discard(key)
+
+    @rule(key=keys)
+    def fetch(self, key: str) -> None:
+        """A get's lookup and read in one round trip (promise 9): admitted now, ended
+        by ``complete_fetch`` after any interleaving."""
+        try:
+            job = self.policy.fetch_start(key)
+        except (TierUnavailable, TierMiss):
+            return
+        self.fetches.append((job, dict(self.store.data)))
+
+    @precondition(lambda self: self.fetches)
+    @rule(
+        i=st.integers(0, 10),
+        mode=st.sampled_from(["ok", "early", "fail", "declined", "cancelled"]),
+    )
+    def complete_fetch(self, i: int, mode: str) -> None:
+        """The fetch's GET answers with the value now ("ok") or as it was when the
+        fetch began ("early": its bytes were on the way meanwhile), or the store did
+        not answer, or the caller had no room after the header, or it was cancelled."""
+        job, seen = self.fetches.pop(i % len(self.fetches))
+        key = job.keys[0]
+        data = seen if mode == "early" else self.store.data
+        v = data.get(key)
+        result: EntryMeta | BaseException | None
+        if mode == "fail":
+            result = StoreDown([node_of(key)], "connection lost")
+        elif mode == "declined":
+            result = Declined("no room")
+        elif mode == "cancelled":
+            result = TierUnavailable("cancelled")
+        elif v is None:
+            result = TierMiss(key)
+        elif not v.valid:
+            result = BadValue("poisoned")
+            self.refused_seen.add(key)
+        else:
+            result = v.meta
+        served = self.policy.fetch_ended(job, result)
+        if served:
+            assert isinstance(result, EntryMeta)
+            assert key not in self.deleted_since, f"{key} fetched and served after its delete"
+            assert v is not None and v.valid, f"{key}: a refused or absent value was served"
+            self.refused_seen.discard(key)
+        else:
+            assert key not in self.policy.known or not isinstance(result, BadValue | TierMiss)
+        if isinstance(result, StoreDown):
+            cb = self.policy.breakers[node_of(key)]
+            assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
 
     # ------------------------------------------------------------ the store's side
 
@@ -536,3 +587,22 @@ def test_writes_ended_without_io_do_not_stall_the_queue() -> None:
     m.complete(0, "fail")  # k0's write (n0) fails
     m.the_queue_moves()
     assert any(isinstance(j, DeleteJob) for j in m.runner.pending)
+
+
+def test_a_fetch_that_read_before_a_delete_is_not_served() -> None:
+    """A get's fetch (lookup and read in one round trip) read the value; the key is
+    deleted, and the delete ends, before the fetch does: it must not be served, nor
+    learned. (``complete_fetch`` asserts the first; spelled out as the broad run
+    rarely reaches this order.)"""
+    m = PolicyMachine()
+    m.store_side("k0", "write")
+    m.fetch("k0")
+    assert m.fetches, "the fetch was not admitted"
+    m.delete(["k0"])
+    (delete,) = m.runner.pending
+    assert isinstance(delete, DeleteJob)
+    m.complete(0, "ok")  # the delete lands
+    hits = m.policy.counters["remote_hits"]
+    m.complete_fetch(0, "early")  # the value it read before the delete arrives
+    assert m.policy.counters["remote_hits"] == hits
+    assert "k0" not in m.policy.known

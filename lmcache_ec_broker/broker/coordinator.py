@@ -63,6 +63,7 @@ class _Promotion:
     pin: int = 0
     waiters: int = 0
     cancelled: bool = False  # deleted or cleared meanwhile: do not resurrect it
+    missed: bool = False  # a fetch found no value: a miss, not a failed promotion
 
 
 @dataclass(slots=True, eq=False)
@@ -441,6 +442,8 @@ class Coordinator:
                             waits[key] = prom
                     want = []
                 for tier in self.remote_tiers:
+                    if not want:
+                        break
                     metas = await self._remote_lookup(tier, want)
                     rest = []
                     for key, meta in zip(want, metas, strict=True):
@@ -506,7 +509,7 @@ class Coordinator:
             ok = False
         finally:
             del self._promoting[prom.key]
-            if ok is False and not prom.cancelled:
+            if ok is False and not prom.cancelled and not prom.missed:
                 self.counters["promotion_failures"] += 1
                 for _conn, lease in self._leases_on(prom.key):
                     lease.failed = True
@@ -545,6 +548,7 @@ class Coordinator:
         except BaseException as exc:
             if "reply" in took and TIER_CONN in store.conns:
                 store.abort(TIER_CONN, took["reply"].token)
+            prom.missed = isinstance(exc, TierMiss)
             if isinstance(exc, TierMiss | TierCorrupt):
                 return False
             if isinstance(exc, TierUnavailable):
@@ -554,6 +558,7 @@ class Coordinator:
         if done is None:  # not here: look up, then promote from what the lookup found
             (meta,) = await self._remote_lookup(tier, [key])
             if meta is None or prom.cancelled:
+                prom.missed = True
                 return False
             return await self._promote_from(prom, tier, meta)
         status = took.get("status")

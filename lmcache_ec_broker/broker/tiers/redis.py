@@ -9,6 +9,10 @@ RESP (``resp.py``) and lists keys:
   parses and matches the value's length (``remote_value.py``).
 - *read_into* (promotion): ``GET`` streamed straight into the reserved slab extents,
   hashed as it lands; served only after checksum (and HMAC) matched.
+- *lookup_on_loop* / *read_on_loop*: the same two calls on the broker's event loop
+  (``resp_async.py``) when an idle pooled connection is at hand and the store is not
+  behind TLS: a remote hit then waits for the store only, no thread hand-offs. They
+  answer None/False when they cannot run there; the runtime then uses the threads.
 - *write*: skipped (PRESENT) when the store holds a *valid* value of the key --
   a refused one is overwritten; ``SET`` is one gathered send of header + slab views,
   then the key is announced on ``<prefix>announce``.
@@ -28,6 +32,7 @@ that per socket operation and an overall deadline scaled by its size).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -43,7 +48,15 @@ from .connect_error import ConnectTrouble
 from .remote_policy import Limits
 from .remote_stats import REMOTE_COUNTERS
 from .remote_tier import BACKGROUND_NICE, Meter, RemoteTier
-from .remote_transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem, owned
+from .remote_transport import (
+    Declined,
+    LookupAnswer,
+    Node,
+    Outcome,
+    StoreDown,
+    WriteItem,
+    owned,
+)
 from .remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
 from .remote_value import (
     FIXED,
@@ -67,9 +80,11 @@ from .resp import (
     Redirect,
     RespError,
     Router,
+    pack,
     pack_set,
     parse_redirect,
 )
+from .resp_async import LoopConnection
 
 if TYPE_CHECKING:
     from ...config import BrokerConfig
@@ -329,6 +344,197 @@ class RedisTransport:
             self._routed(self._rk(key), get)
         except RespError as exc:
             raise StoreDown([self.node_of(key)], str(exc)) from None
+
+    # ------------------------------------------------------------ on the event loop
+
+    def _loop_conn(self, rk: bytes) -> LoopConnection | None:
+        if self.params.tls is not None or self._stop.is_set():
+            return None
+        ep = self.router.cached_node(rk)
+        if ep is None:
+            return None
+        lc = LoopConnection.take(self.pool, ep, asyncio.get_running_loop())
+        if lc is not None:
+            with self._lock:
+                self._active.add(lc.conn)  # stop() cuts it too
+        return lc
+
+    def _loop_done(self, lc: LoopConnection, t0: float) -> None:
+        with self._lock:
+            self._active.discard(lc.conn)
+        lc.release()
+        self.meter.observe(time.monotonic() - t0)
+
+    async def lookup_on_loop(self, keys: list[str]) -> list[LookupAnswer] | None:
+        """``lookup`` on the event loop: one pipelined round trip when every key lives
+        on one node with an idle connection. None: not here (use ``lookup``)."""
+        rks = [self._rk(k) for k in keys]
+        if len({self.router.cached_node(rk) for rk in rks}) != 1:
+            return None
+        lc = self._loop_conn(rks[0])
+        if lc is None:
+            return None
+        ep = lc.conn.ep
+        pieces: list[bytes | memoryview] = []
+        for rk in rks:
+            pieces += pack(["GETRANGE", rk, 0, MAX_HEADER - 1])
+            pieces += pack(["STRLEN", rk])
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                replies = await lc.pipeline(pieces, 2 * len(keys))
+        except (OSError, TimeoutError, ValueError) as exc:
+            lc.close()
+            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
+        except BaseException:
+            lc.close()
+            raise
+        finally:
+            self._loop_done(lc, t0)
+        out: list[LookupAnswer] = []
+        for j, key in enumerate(keys):
+            head, total = replies[2 * j], replies[2 * j + 1]
+            err = head if isinstance(head, RespError) else total
+            if isinstance(err, RespError):
+                if self.target.cluster and parse_redirect(str(err), ep) is not None:
+                    return None  # a slot moved: the threads follow redirects
+                out.append(None)  # any other error reply reads as a miss (as ``lookup``)
+                continue
+            out.append(self._meta(key, head, total))
+        self.meter.count("remote_loop_lookups")
+        return out
+
+    async def read_on_loop(
+        self, key: str, meta: EntryMeta, extents: list[Extent], slab: SlabAccess
+    ) -> bool:
+        """``read_into`` on the event loop (the same checks, the same bytes); False:
+        not here -- nothing was written -- use ``read_into``."""
+        rk = self._rk(key)
+        lc = self._loop_conn(rk)
+        if lc is None:
+            return False
+        ep = lc.conn.ep
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s * (1 + meta.nbytes / (64 << 20))):
+                await lc.send(pack(["GET", rk]))
+                try:
+                    total = await lc.bulk_len()
+                except RespError as exc:
+                    if self.target.cluster and parse_redirect(str(exc), ep) is not None:
+                        return False  # a slot moved: the threads follow redirects
+                    raise StoreDown([ep], str(exc)) from None
+                if total is None:
+                    raise TierMiss(key)
+                if total > MAX_HEADER + self.max_entry_bytes:
+                    raise BadValue(f"value of {total} bytes exceeds the entry size limit")
+                fixed = await lc.exact(min(FIXED.size, total))
+                size, _ = fixed_lengths(fixed)
+                if size > total:
+                    raise BadValue("value is truncated inside its header")
+                head = parse_header(
+                    fixed + await lc.exact(size - FIXED.size),
+                    key,
+                    self.max_entry_bytes,
+                    self.hmac_key,
+                    total_len=total,
+                )
+                if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
+                    raise BadValue("value changed since the lookup (other dtype/shape)")
+                verifier = Verifier(head)
+                with slab.views(extents) as views:
+                    await lc.stream_into(views, verifier)
+                await lc.crlf()
+                lc.in_step = True
+                verifier.finish()
+        except (TierMiss, BadValue, StoreDown):
+            raise  # a BadValue mid-value leaves the stream out of step: release closes it
+        except (OSError, TimeoutError, ValueError) as exc:
+            lc.close()
+            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
+        except BaseException:
+            lc.close()
+            raise
+        finally:
+            self._loop_done(lc, t0)
+        self.meter.count("remote_bytes_read", total)
+        self.meter.count("remote_loop_reads")
+        return True
+
+    def loop_fetch_conn(self, key: str) -> LoopConnection | None:
+        """A connection for ``fetch_on_loop`` (standalone stores: a Cluster redirect
+        would need the threads), or None."""
+        if self.target.cluster:
+            return None
+        return self._loop_conn(self._rk(key))
+
+    async def fetch_on_loop(
+        self,
+        lc: LoopConnection,
+        key: str,
+        reserve: Callable[[EntryMeta], list[Extent] | None],
+        slab: SlabAccess,
+    ) -> EntryMeta:
+        """Lookup and read in one round trip: ``GET``, the header checked as a lookup
+        checks it, then ``reserve(meta)`` (on the loop, no hand-off) and the payload
+        streamed into those extents and verified. Raises TierMiss, BadValue, Declined
+        (``reserve`` took nothing: the connection, mid-value, is closed), StoreDown."""
+        ep = lc.conn.ep
+        t0 = time.monotonic()
+        total = 0
+        try:
+            async with asyncio.timeout(self.timeout_s) as deadline:
+                await lc.send(pack(["GET", self._rk(key)]))
+                try:
+                    n = await lc.bulk_len()
+                except RespError as exc:
+                    raise StoreDown([ep], str(exc)) from None
+                if n is None:
+                    raise TierMiss(key)
+                total = n
+                if total > MAX_HEADER + self.max_entry_bytes:
+                    raise BadValue(f"value of {total} bytes exceeds the entry size limit")
+                fixed = await lc.exact(min(FIXED.size, total))
+                size, _ = fixed_lengths(fixed)
+                if size > total:
+                    raise BadValue("value is truncated inside its header")
+                head = parse_header(
+                    fixed + await lc.exact(size - FIXED.size),
+                    key,
+                    self.max_entry_bytes,
+                    self.hmac_key,
+                    total_len=total,
+                )
+                meta = EntryMeta(head.nbytes, head.dtype, head.shape)
+                extents = reserve(meta)
+                if extents is None:
+                    raise Declined(f"no room for {key[:200]!r}")
+                # never a byte outside what was reserved for exactly this payload
+                if sum(n for _, n in extents) != head.nbytes:
+                    raise ValueError("reserved extents do not match the value's size")
+                deadline.reschedule(
+                    asyncio.get_running_loop().time()
+                    + self.timeout_s * (1 + head.nbytes / (64 << 20))
+                )
+                verifier = Verifier(head)
+                with slab.views(extents) as views:
+                    await lc.stream_into(views, verifier)
+                await lc.crlf()
+                lc.in_step = True
+                verifier.finish()
+        except (TierMiss, BadValue, StoreDown, Declined):
+            raise  # mid-value the stream is out of step: release closes the connection
+        except (OSError, TimeoutError, ValueError) as exc:
+            lc.close()
+            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
+        except BaseException:
+            lc.close()
+            raise
+        finally:
+            self._loop_done(lc, t0)
+        self.meter.count("remote_bytes_read", total)
+        self.meter.count("remote_loop_reads")
+        return meta
 
     # ------------------------------------------------------------ write-behind
 

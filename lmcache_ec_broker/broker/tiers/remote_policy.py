@@ -43,6 +43,10 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    ends -- each in the order the store saw them (rule 1), never for keys learned
    from announcements, scans or lookups. (Checked by ``tests/test_events.py``
    with real brokers and a real store, not by the machine.)
+9. Fetches (a get's lookup and read in one store round trip, ``fetch_start`` /
+   ``fetch_ended``) obey rules 1-3 and 6 as a lookup followed by a read does: a
+   fetch of a key deleted or cleared before it ended is not served, a refused value
+   is remembered, a store failure feeds the breaker.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from .remote_jobs import (
     WriteBatch,
     WriteJob,
 )
-from .remote_transport import Node, Outcome, Retry, StoreDown
+from .remote_transport import Declined, Node, Outcome, Retry, StoreDown
 from .remote_value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
@@ -562,6 +566,66 @@ class RemotePolicy(KeyDiscovery):
             self.refuse(key, exc)
         elif isinstance(exc, TierMiss):
             self._forget(key)
+
+    # ------------------------------------------------------------ fetch: lookup + read
+
+    def fetch_start(self, key: str) -> LookupJob:
+        """May a get read ``key`` straight away, its lookup and read one store round trip
+        (the value's header says what it is)? The admission of a one-key lookup and of a
+        read: raises TierMiss (a delete or clear is pending, the key is refused, or a
+        complete filter lacks it) or TierUnavailable (circuit open, shutting down).
+        ``fetch_ended`` must follow, whatever happens."""
+        if self.closing:
+            raise TierUnavailable("remote tier is shutting down")
+        now = self.clock()
+        if (
+            self._blocked(key)
+            or (self.complete and key not in self.known)
+            or self.refused.get(key, 0.0) > now
+        ):
+            self.counters["remote_misses"] += 1
+            raise TierMiss(key)
+        if not self.breakers[self.node_of(key)].allow():
+            raise TierUnavailable("remote store unavailable (circuit open)")
+        job = LookupJob(self._next_id(), [key], [key], deadline=now + self.limits.timeout_s)
+        job.started = True
+        self.live.add(job)  # a delete or clear meanwhile marks it (rule 1)
+        return job
+
+    def fetch_ended(self, job: LookupJob, result: EntryMeta | BaseException | None) -> bool:
+        """How a fetch ended: the meta of the valid value now in the caller's reserved
+        range, or why not (StoreDown, BadValue, TierMiss/None: absent, Declined: the
+        caller took nothing after the header, anything else: no verdict). True: it may
+        be served -- never a value whose key was deleted or cleared meanwhile."""
+        self.live.discard(job)
+        key = job.keys[0]
+        node = self.node_of(key)
+        if isinstance(result, StoreDown):
+            self.counters["remote_read_errors"] += 1
+            self._fail(result.nodes or [node])
+            return False
+        if isinstance(result, Declined):
+            self._ok([node])  # the store answered; the caller had no room for it
+            return False
+        if isinstance(result, BaseException) and not isinstance(result, BadValue | TierMiss):
+            self.breakers[node].release()  # no verdict (cancelled, Retry)
+            return False
+        self._ok([node])
+        if isinstance(result, BadValue):
+            self.refuse(key, result)
+            self.counters["remote_misses"] += 1
+            return False
+        if not isinstance(result, EntryMeta):  # absent
+            self._forget(key)
+            self.counters["remote_misses"] += 1
+            return False
+        if job.cleared or key in job.gone or self._blocked(key):
+            self.counters["remote_misses"] += 1
+            return False
+        self.refused.pop(key, None)
+        self._learn(key)
+        self.counters["remote_hits"] += 1
+        return True
 
     # ------------------------------------------------------------ probes
 

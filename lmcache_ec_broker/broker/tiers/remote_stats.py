@@ -26,6 +26,8 @@ REMOTE_COUNTERS = (
     "remote_lookups_shed",  # lookups answered as a miss at once: too many waiting
     "remote_lookup_timeouts",  # lookups answered as a miss at their deadline
     "remote_lease_conflicts",  # Mooncake: deletes deferred by a reader's lease
+    "remote_loop_lookups",  # lookups done on the event loop (no worker thread)
+    "remote_loop_reads",  # promotions read on the event loop (no worker thread)
     *LATENCY_KEYS,
     "remote_latency_seconds_sum",
 )

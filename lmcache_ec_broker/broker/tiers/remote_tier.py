@@ -6,6 +6,12 @@ Threads: lookups (``lookup_concurrency``), promotions (reads), write-behind
 probes. Every result comes back to the loop through the executor's future, where
 the policy -- and only the policy -- updates its state; the futures' results are
 always retrieved (no "exception was never retrieved" from an abandoned lookup).
+
+A transport that can do a lookup or a promotion's read on the event loop itself
+(``lookup_on_loop`` / ``read_on_loop``: Redis with an idle connection at hand) is
+asked first: a remote hit then pays no thread hand-offs. It answers "not here"
+(None / False) before any I/O when it cannot, and the threads do it as before; its
+result goes to the policy exactly as a thread's would.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from .remote_jobs import (
 )
 from .remote_policy import Limits, RemotePolicy
 from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
-from .remote_transport import Retry, StoreDown, Transport
+from .remote_transport import Declined, Retry, StoreDown, Transport
 from .remote_value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
@@ -210,6 +216,31 @@ class RemoteTier(LowerTier):
 
     def dispatch(self, job: Job) -> None:
         assert self._loop is not None
+        if isinstance(job, LookupJob) and hasattr(self.transport, "lookup_on_loop"):
+            task = self._loop.create_task(self._lookup_on_loop(job))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+            return
+        self._dispatch_thread(job)
+
+    async def _lookup_on_loop(self, job: LookupJob) -> None:
+        try:
+            result: Any = await self.transport.lookup_on_loop(job.keys)  # type: ignore[attr-defined]
+        except (StoreDown, Retry) as exc:
+            result = exc
+        except asyncio.CancelledError:  # shutdown: the policy still hears of it
+            self.policy.finished(job, StoreDown([], "cancelled at shutdown"))
+            raise
+        except Exception as exc:  # a transport bug: treated as the store failing
+            log.exception("remote tier: a lookup on the loop failed")
+            result = StoreDown([], f"{type(exc).__name__}: {exc}")
+        if result is None:  # not on the loop: a thread does it
+            self._dispatch_thread(job)
+            return
+        self.policy.finished(job, result)
+
+    def _dispatch_thread(self, job: Job) -> None:
+        assert self._loop is not None
         if isinstance(job, LookupJob):
             pool = self._pools["lookup"]
         elif isinstance(job, WriteBatch | DeleteJob | ClearJob):
@@ -298,6 +329,20 @@ class RemoteTier(LowerTier):
         self.policy.read_start(key)
         slab = self._slab
         assert self._loop is not None and slab is not None
+        on_loop = getattr(self.transport, "read_on_loop", None)
+        if on_loop is not None:
+            try:
+                done = await on_loop(key, meta, extents, slab)
+            except (StoreDown, Retry, BadValue, TierMiss) as exc:
+                self._read_ended(key, exc)
+                return
+            except Exception as exc:  # a transport bug: treated as the store failing
+                log.exception("remote tier: reading %r failed", key[:200])
+                self._read_ended(key, StoreDown([], f"{type(exc).__name__}: {exc}"))
+                return
+            if done:
+                self._read_ended(key, None)
+                return
 
         def job() -> BaseException | None:
             try:
@@ -312,7 +357,10 @@ class RemoteTier(LowerTier):
         fut = self._loop.run_in_executor(self._pools["read"], job)
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
-        exc = await _uncancellable(fut)
+        self._read_ended(key, await _uncancellable(fut))
+
+    def _read_ended(self, key: str, exc: BaseException | None) -> None:
+        """The policy hears how a promotion's read ended; raises what the caller sees."""
         if isinstance(exc, Retry):  # busy here, not the store's fault
             raise TierUnavailable(str(exc))
         self.policy.read_ended(key, exc)
@@ -322,6 +370,47 @@ class RemoteTier(LowerTier):
             raise TierCorrupt(str(exc))
         if isinstance(exc, TierMiss):
             raise exc
+
+    async def fetch(
+        self, key: str, reserve: Callable[[EntryMeta], list[Extent] | None]
+    ) -> bool | None:
+        """A get of ``key`` that no lookup preceded: lookup and read in one store round
+        trip where the transport can (on the loop). The value's header says what it is;
+        ``reserve(meta)`` gives the extents to fill, or None to take nothing. True: the
+        extents hold the verified value; False: ``reserve`` declined; None: not done
+        here (no I/O, nothing reserved): look up and read as usual. Raises TierMiss,
+        TierCorrupt or TierUnavailable (then anything reserved must be aborted)."""
+        transport: Any = self.transport
+        if not hasattr(transport, "fetch_on_loop") or self._slab is None:
+            return None
+        lc = transport.loop_fetch_conn(key)
+        if lc is None:
+            return None
+        try:
+            job = self.policy.fetch_start(key)
+        except BaseException:
+            lc.release()
+            raise
+        try:
+            meta = await transport.fetch_on_loop(lc, key, reserve, self._slab)
+        except (StoreDown, Retry, BadValue, TierMiss, Declined) as exc:
+            self.policy.fetch_ended(job, exc)
+            if isinstance(exc, Declined):
+                return False
+            if isinstance(exc, BadValue):
+                raise TierCorrupt(str(exc)) from None
+            if isinstance(exc, TierMiss):
+                raise
+            raise TierUnavailable(str(exc)) from None
+        except BaseException as exc:  # cancelled, or a transport bug
+            self.policy.fetch_ended(job, exc)
+            if isinstance(exc, Exception):
+                log.exception("remote tier: fetching %r failed", key[:200])
+                raise TierUnavailable(f"{type(exc).__name__}: {exc}") from None
+            raise
+        if not self.policy.fetch_ended(job, meta):
+            raise TierMiss(key)  # deleted or cleared meanwhile
+        return True
 
     def write(self, key: str, meta: EntryMeta, extents: list[Extent]) -> Awaitable[None] | None:
         if self._loop is None or self._slab is None:

@@ -45,6 +45,11 @@ class Retry(Exception):
         self.after_s = after_s
 
 
+class Declined(Exception):
+    """A fetch's caller took nothing after reading the value's header (no room in the
+    slab, or a client is writing the key): not the store's fault, not the value's."""
+
+
 class Outcome(enum.Enum):
     """How one write-behind ended. Exactly one per accepted write."""
 

@@ -394,6 +394,12 @@ class Pool:
                 return idle.pop()
         return Connection(ep, self.params)
 
+    def take_idle(self, ep: Endpoint) -> Connection | None:
+        """An idle connection to ``ep``, never a new one (no blocking connect)."""
+        with self._lock:
+            idle = self._idle.get(ep)
+            return idle.pop() if idle else None
+
     def put(self, conn: Connection) -> None:
         conn.asking = False
         if not conn.idle:
