@@ -257,12 +257,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.max_pins_per_connection < 1 or self.max_leases_per_connection < 1:
             raise ValueError("max_pins_per_connection and max_leases_per_connection must be >= 1")
-        if self.put_arena_bytes != 0 and not (
-            self.block_size <= self.put_arena_bytes <= self.shm_size
-        ):
+        # Larger values are fine: every arena is capped at a quarter of the slab anyway.
+        if self.put_arena_bytes != 0 and self.put_arena_bytes < self.block_size:
             raise ValueError(
-                f"put_arena_bytes must be 0 (off) or between block_size ({self.block_size}) "
-                f"and shm_size ({self.shm_size}), got {self.put_arena_bytes}"
+                f"put_arena_bytes must be 0 (off) or at least block_size ({self.block_size}), "
+                f"got {self.put_arena_bytes}"
             )
         self._validate_access()
         self._validate_remote()

@@ -292,7 +292,7 @@ def test_put_arena_size_zero_turns_arenas_off(make_broker) -> None:
         assert st["arena_places"] == 0 and st["arena_grants"] == 0 and st["puts"] == 5
 
 
-@pytest.mark.parametrize("value", ["1KiB", "3GiB", "-1"])
+@pytest.mark.parametrize("value", ["1KiB", "-1"])
 def test_put_arena_bytes_out_of_range_is_refused(value: str, monkeypatch) -> None:
     monkeypatch.setenv("LMCACHE_EC_PUT_ARENA_BYTES", value)
     with pytest.raises(ValueError, match="put_arena_bytes"):

@@ -1103,8 +1103,10 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
 
 def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
     """Worker side: the first put waits worker_budget_ms, later puts are skipped at
-    once and counted, a load fails at once (and is encoded); all published after."""
-    b = make_broker("--shm-size", "64MiB")
+    once and counted, a load fails at once (and is encoded); all published after.
+    Without put arenas: a put into its arena waits for nothing, hung broker or not
+    (tests/test_put_arena.py), so here the first wait would be the load's."""
+    b = make_broker("--shm-size", "64MiB", "--put-arena-size", "0")
     p = pairs(socket_path=b.socket_path, worker_budget_ms=150, probe_interval_ms=100)
     p.worker.save_caches({"0" * 64: embedding(51)}, "0" * 64)  # connected, mapped
     cache = {f"{i + 1:064x}": embedding(60 + i) for i in range(5)}

@@ -178,8 +178,8 @@ class Store:
         self.pinned_entries = 0
         # Put arenas: per connection at most arena_cap_blocks, all together at most a
         # quarter of the slab (invariant 10); 0 turns them off.
-        self.arena_cap_blocks = arena_bytes // block_size
         self.arena_total_cap = self.nblocks // 4
+        self.arena_cap_blocks = min(arena_bytes // block_size, self.arena_total_cap)
         self.arena_blocks = 0
         self._free_slots = list(range(arena_slots))  # a heap: lowest slot first
         self.arena_conns: dict[int, int] = {}  # connection -> its arena's journal slot
