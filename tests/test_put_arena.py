@@ -103,10 +103,11 @@ def _spawn(script: str, *args: str, fds: tuple[int, ...]) -> subprocess.Popen:
 
 def test_a_placed_put_is_seen_at_once_by_another_process(broker) -> None:
     # Writer and reader are separate processes in lock step: the reader asks (get, has,
-    # lookup in turn) right after each put returned. Fails if the reader trusts its
-    # filter while a placement is unsettled (shm/journal.py), and fails if the broker
-    # answers a miss without first reading the writer's pending Place
-    # (server.settle_reservations): both were seen failing.
+    # lookup in turn) right after each put returned. Seen failing (about a third of the
+    # reads) with the reader trusting its filter while a placement is unsettled
+    # (shm/journal.py). The broker's side (reading the writer's pending Place before
+    # answering) is what the next-but-one test pins down: here the broker's loop
+    # usually serves the writer's socket first anyway.
     w2r_r, w2r_w = os.pipe()
     r2w_r, r2w_w = os.pipe()
     n = 300
@@ -297,3 +298,34 @@ def test_put_arena_bytes_out_of_range_is_refused(value: str, monkeypatch) -> Non
     monkeypatch.setenv("LMCACHE_EC_PUT_ARENA_BYTES", value)
     with pytest.raises(ValueError, match="put_arena_bytes"):
         load_config({})
+
+
+def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker) -> None:
+    # Deterministic order: with the broker stopped, the reader posts a request first (its
+    # socket is then ahead of the writer's in the broker's ready list), the writer's put
+    # returns (its Place waits in the writer's socket), then the reader asks. The broker
+    # resumes and reads the reader's socket first: it must handle the writer's pending
+    # Place before answering (server.settle_reservations). Seen failing without that.
+    import signal
+    import threading
+
+    with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as r:
+        assert w.put("warm-up", torch.ones(8))  # reserves; reads its arena grant
+        assert r.has(["nothing"]) == [False]
+        got: dict[str, object] = {}
+        for i in range(5):
+            t = torch.full((1024,), float(i))
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                r.unlease(["nothing"])  # posted: the reader's socket is ready first
+                assert w.put(f"late{i}", t)  # placed: returns with the broker stopped
+                asker = threading.Thread(
+                    target=lambda i=i: got.__setitem__(f"has{i}", r.has([f"late{i}"]))
+                )
+                asker.start()
+                time.sleep(0.2)  # the reader's Has is in its socket too
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            asker.join(10)
+            assert got[f"has{i}"] == [True], i
+            assert torch.equal(r.get(f"late{i}"), t)
