@@ -103,9 +103,8 @@ def _spawn(script: str, *args: str, fds: tuple[int, ...]) -> subprocess.Popen:
 
 def test_a_placed_put_is_seen_at_once_by_another_process(broker) -> None:
     # Writer and reader are separate processes in lock step: the reader asks (get, has,
-    # lookup in turn) right after each put returned. Seen failing (about a third of the
-    # reads) with the reader trusting its filter while a placement is unsettled
-    # (shm/journal.py). The broker's side (reading the writer's pending Place before
+    # lookup in turn) right after each put returned. Seen failing with the reader
+    # trusting its filter while a placement is unsettled (shm/journal.py). The broker's side (reading the writer's pending Place before
     # answering) is what the next-but-one test pins down: here the broker's loop
     # usually serves the writer's socket first anyway.
     w2r_r, w2r_w = os.pipe()
