@@ -484,21 +484,22 @@ class Store:
         if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
             self.counters["arena_place_refused"] += 1
             return err
+        need = self._blocks_for(nbytes)
         blocks: set[int] = set()
         total = 0
         for start, length in runs:
-            if length <= 0 or start < 0 or start + length > self.nblocks:
-                blocks = set()
+            total += length
+            # Checked before expanding: the work stays O(need + len(runs)), whatever is sent.
+            if length <= 0 or start < 0 or start + length > self.nblocks or total > need:
                 total = -1
                 break
             blocks.update(range(start, start + length))
-            total += length
-        if total != self._blocks_for(nbytes) or len(blocks) != total or not blocks <= arena.free:
+        if total != need or len(blocks) != total or not blocks <= arena.free:
             self.counters["arena_place_refused"] += 1
             return ErrorReply(
                 ErrorCode.BAD_REQUEST,
                 f"placement of {key!r} names blocks {runs[:8]} that are not "
-                f"{self._blocks_for(nbytes)} distinct free blocks of this connection's arena",
+                f"{need} distinct free blocks of this connection's arena",
             )
         existing = self.entries.get(key)
         if existing is not None:
