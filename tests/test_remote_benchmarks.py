@@ -48,6 +48,28 @@ def test_remote_benchmark_smoke() -> None:
         assert "Mooncake skipped: " + mooncake_unavailable() in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_remote_attribution_smoke(tmp_path: Path) -> None:
+    """One remote hit's phases through a traced broker B (Redis) are printed, and
+    every hit was one store round trip (no separate lookup phase)."""
+    import json
+
+    out = tmp_path / "attr.json"
+    r = _run(
+        "benchmarks/remote_attribution.py", "--size", "256KiB", "--hits", "2",
+        "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "one remote hit of 256 KiB" in r.stdout, r.stdout
+    for phase in ("client -> broker", "read: store, first byte", "read: checksum", "bare get"):
+        assert phase in r.stdout, phase
+    hits = json.loads(out.read_text())["hits"]["Redis"]
+    assert len(hits) == 2
+    for hit in hits:
+        assert hit["total"] > 0 and hit["read: store, first byte"] > 0
+        assert hit["lookup: store"] == 0, hit  # the lookup rode on the read
+
+
 def test_fleet_sim_smoke() -> None:
     r = _run(
         "benchmarks/fleet_sim.py", "--nodes", "1,4", "--requests", "3000", "--catalogue", "2000",

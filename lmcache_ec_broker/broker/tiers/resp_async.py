@@ -20,7 +20,7 @@ from typing import Any
 
 from .resp import MAX_LINE, MAX_SMALL_BULK, Connection, Pool, ProtocolViolation, Reply, RespError
 
-_FILL = 256 * 1024
+_FILL = 16 * 1024  # the header's read: the payload goes straight into the slab
 
 
 class LoopConnection:
