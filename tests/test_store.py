@@ -166,3 +166,43 @@ def test_zero_byte_entries_are_accepted(store: Store) -> None:
     hit = store.get(2, ["empty"])[0]
     assert hit is not None and hit.shape == [0, 128] and hit.extents == []
     store.check()
+
+
+def test_an_arena_grant_evicts_like_a_reserve_but_never_a_pinned_entry(clock: FakeClock) -> None:
+    from lmcache_ec_broker.protocol import ArenaReply
+
+    s = Store(capacity_bytes=16 * BS, block_size=BS, clock=clock, arena_bytes=4 * BS)
+    for c in (1, 2):
+        s.open_connection(c)
+    for i in range(4):
+        put(s, 1, f"k{i}", 3)  # 12 of 16 blocks used
+    (pinned,) = s.get(1, ["k0"])
+    assert pinned is not None
+    g = s.grant(2, 4 * BS)  # a quarter of the slab: 4 blocks, 4 free: no eviction
+    assert isinstance(g, ArenaReply) and sum(n for _, n in g.runs) == 4
+    assert s.counters["evictions"] == 0
+    s.close_connection(2)  # the arena goes back
+    assert s.stats()["arena_bytes"] == 0 and s.allocator.free_blocks == 4
+    s.open_connection(2)
+    put(s, 1, "k4", 4)  # full now
+    g = s.grant(2, 4 * BS)  # evicts the LRU unpinned entry (k1), never pinned k0
+    assert sum(n for _, n in g.runs) == 4 and "k0" in s.entries and "k1" not in s.entries
+    s.check()
+    assert s.release(1, [pinned.pin]) is None
+    # All arenas together hold at most a quarter of the slab: a third connection's
+    # grant is empty (its puts reserve), not an error.
+    s.open_connection(3)
+    g = s.grant(3, 4 * BS)
+    assert isinstance(g, ArenaReply) and g.runs == [] and g.slot >= 0
+    s.check()
+    # With room only behind pinned entries, a grant is what is free (here nothing).
+    s.close_connection(2)
+    for key in list(s.entries):
+        s.get(1, [key])
+    put_free = s.allocator.free_blocks
+    for i in range(put_free):
+        put(s, 1, f"fill{i}", 1)
+        s.get(1, [f"fill{i}"])
+    g = s.grant(3, 4 * BS)
+    assert g.runs == [] and all(e.pins for e in s.entries.values())
+    s.check()
