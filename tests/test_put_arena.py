@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -328,3 +329,41 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker) -
             asker.join(10)
             assert got[f"has{i}"] == [True], i
             assert torch.equal(r.get(f"late{i}"), t)
+
+
+def test_readers_scan_only_the_slots_handed_out() -> None:
+    """The journal's ``bound``: a reader scans the slots the broker handed out (a few),
+    not every connection's (1024), and still sees every placement in them; a
+    scribbled ``bound`` beyond the journal is clamped, never read past the pairs."""
+    from lmcache_ec_broker.shm.journal import Journal
+
+    broker_side = Journal.create(f"/lmcache-ec-test-j-{os.getpid()}", 1024)
+    try:
+        reader = Journal.attach(broker_side.name, broker_side.size, None)
+        writer = Journal.attach(broker_side.name, broker_side.size, None)
+        try:
+            assert not reader.any_unsettled()
+            writer.mark_placed(5, 1)  # a slot never handed out: nobody placed there
+            assert not reader.any_unsettled()
+            for slot in range(3):
+                broker_side.hand_out(slot)
+            writer.mark_placed(2, 7)
+            assert reader.any_unsettled(own_slot=0)
+            assert not reader.any_unsettled(own_slot=2)  # a writer's own slot is skipped
+            broker_side.settle(2, 7)
+            assert not reader.any_unsettled(own_slot=0)
+            for slot in range(3, 40):  # past the pure-Python scan: the numpy path
+                broker_side.hand_out(slot)
+            writer.mark_placed(39, 1)
+            assert reader.any_unsettled(own_slot=0)
+            broker_side.settle(39, 1)
+            writer.mark_placed(100, 1)  # beyond bound: not scanned
+            assert not reader.any_unsettled(own_slot=0)
+            struct.pack_into("<I", writer.segment.mm, 1024 * 8, 0xFFFFFFFF)
+            assert reader.any_unsettled(own_slot=0)  # clamped to 1024: slot 100 is seen
+        finally:
+            reader.close()
+            writer.close()
+    finally:
+        broker_side.unlink()
+        broker_side.close()

@@ -428,7 +428,7 @@ class BrokerServer:
         reply = self.store.grant(conn, nbytes)
         slot = self.store.arena_slot(conn)
         if had < 0 <= slot and self.journal is not None:
-            self.journal.reset(slot)  # before the client learns the slot
+            self.journal.hand_out(slot)  # before the client learns the slot
         return reply
 
     def observe(self, op: str, started: float) -> None:
