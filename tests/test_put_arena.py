@@ -232,7 +232,7 @@ def test_a_crashed_clients_arena_is_released_and_its_puts_stay(broker) -> None:
                 c = BrokerClient(sys.argv[1])
                 c.put("a", torch.ones(16))
                 ok = c.put("placed-then-exit", torch.full((4096,), 3.0))
-                held = c._arena_blocks
+                held = c._arena.blocks
                 print(json.dumps({"ok": ok, "held": held}), flush=True)
                 os._exit(0)
                 """

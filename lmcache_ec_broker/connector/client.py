@@ -92,6 +92,7 @@ from ..protocol import (
 from ..shm.filter import FilterReader
 from ..shm.journal import Journal
 from ..shm.segment import Segment, ShmError
+from .arena_blocks import ArenaBlocks, extents_of
 
 _MAX_REPLY_BYTES = 256 << 20
 _HEADER_FROM = FRAME_HEADER.unpack_from
@@ -173,11 +174,10 @@ class BrokerClient:
         self._posted_keys: set[str] = set()
         # The put arena (docs/design.md "Put arenas"): slab blocks granted to this
         # connection ahead of time, as sorted (first block, count) runs. Invariant: a
-        # block is in _arena_runs only while the broker has it in this connection's
-        # arena and no posted Place names it; everything resets with the connection.
+        # block is in _arena only while the broker has it in this connection's arena
+        # and no posted Place names it; everything resets with the connection.
         self._journal: Journal | None = None
-        self._arena_runs: list[tuple[int, int]] = []
-        self._arena_blocks = 0
+        self._arena = ArenaBlocks()
         self._arena_slot = -1  # this connection's journal slot, known from the first grant
         self._arena_seq = 0  # placements made (journal "placed"; wraps at 2**32)
         self._grant_owed = False  # an ArenaGrant is posted and its reply not read yet
@@ -404,8 +404,7 @@ class BrokerClient:
         self._rpos = self._rend = 0
         self._owed = 0
         self._posted_keys.clear()
-        self._arena_runs = []  # the broker frees the arena with the connection
-        self._arena_blocks = 0
+        self._arena.clear()  # the broker frees the arena with the connection
         self._arena_slot = -1
         self._grant_owed = False
 
@@ -682,19 +681,19 @@ class BrokerClient:
         assert hello is not None
         bs = hello.block_size
         need = -(-nbytes // bs)
-        if self._arena_blocks < need and self._grant_owed:
+        if self._arena.blocks < need and self._grant_owed:
             self._read_replies(0)  # the refill's reply, usually in already
             if not self._may_place(key, nbytes):
                 return None
-        runs = self._arena_take(need)
+        runs = self._arena.take(need)
         if runs is None:
             return None
         try:
-            self._slab_view().write(_extents_of(runs, nbytes, bs), tensor)
+            self._slab_view().write(extents_of(runs, nbytes, bs), tensor)
         except BrokerUnavailable:
             raise  # the connection, and with it the arena, is gone
         except BaseException:
-            self._arena_give(runs)
+            self._arena.give(runs)
             raise
         self._arena_seq = (self._arena_seq + 1) & 0xFFFFFFFF
         return self._frame(Place(key, nbytes, dtype, shape, runs, self._arena_seq)), runs
@@ -718,7 +717,7 @@ class BrokerClient:
         hello = self._hello
         if hello is None or not hello.put_arena_bytes or self._journal is None:
             return b""
-        held = self._arena_blocks * hello.block_size
+        held = self._arena.blocks * hello.block_size
         if self._grant_owed or held * 2 >= hello.put_arena_bytes:
             return b""
         if time.monotonic() < self._grant_after:
@@ -751,49 +750,7 @@ class BrokerClient:
         nblocks = hello.segment_size // hello.block_size
         ok = [(b, n) for b, n in reply.runs if n > 0 and 0 <= b and b + n <= nblocks]
         if ok:
-            self._arena_give(ok)
-
-    def _arena_take(self, n: int) -> list[tuple[int, int]] | None:
-        """``n`` blocks: the shortest run that holds them, else the first runs; None if
-        the arena holds fewer."""
-        if n > self._arena_blocks:
-            return None
-        if n == 0:
-            return []
-        runs = self._arena_runs
-        best = -1
-        for i, (_, length) in enumerate(runs):
-            if length >= n and (best < 0 or length < runs[best][1]):
-                best = i
-        self._arena_blocks -= n
-        if best >= 0:
-            start, length = runs[best]
-            if length == n:
-                del runs[best]
-            else:
-                runs[best] = (start + n, length - n)
-            return [(start, n)]
-        out = []
-        while n:
-            start, length = runs[0]
-            take = min(length, n)
-            out.append((start, take))
-            if take == length:
-                del runs[0]
-            else:
-                runs[0] = (start + take, length - take)
-            n -= take
-        return out
-
-    def _arena_give(self, runs: list[tuple[int, int]]) -> None:
-        merged: list[tuple[int, int]] = []
-        for start, length in sorted(self._arena_runs + [tuple(r) for r in runs]):
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self._arena_runs = merged
-        self._arena_blocks = sum(n for _, n in merged)
+            self._arena.give(ok)
 
     def _arena_hidden(self) -> bool:
         """True while another connection may have placed an entry the broker has not
@@ -1002,7 +959,7 @@ class BrokerClient:
             raise
         except BaseException:
             if self._sock is not None:
-                self._arena_give(taken)  # nothing of this batch was sent
+                self._arena.give(taken)  # nothing of this batch was sent
             raise
         return frames, keys
 
@@ -1237,15 +1194,3 @@ def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:
     """Merge the broker's answers for the "maybe" keys back into one list per key."""
     it = iter(answers)
     return [next(it) if m else absent for m in mask]
-
-
-def _extents_of(runs: list[tuple[int, int]], nbytes: int, block_size: int) -> list[tuple[int, int]]:
-    """The byte extents of ``nbytes`` laid over block ``runs`` in order (as the broker's
-    Store._extents lays them, so both sides agree where every byte is)."""
-    out = []
-    left = nbytes
-    for start, length in runs:
-        n = min(length * block_size, left)
-        out.append((start * block_size, n))
-        left -= n
-    return out
