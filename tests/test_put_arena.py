@@ -300,8 +300,10 @@ def test_put_arena_bytes_out_of_range_is_refused(value: str, monkeypatch) -> Non
         load_config({})
 
 
-def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker) -> None:
-    # Deterministic order: with the broker stopped, the reader posts a request first (its
+@pytest.mark.parametrize("ask", ["has", "delete"])
+def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker, ask) -> None:
+    # A delete made after the put returned must find (and remove) the entry too, not
+    # answer False and let the placement land after it. Deterministic order: with the broker stopped, the reader posts a request first (its
     # socket is then ahead of the writer's in the broker's ready list), the writer's put
     # returns (its Place waits in the writer's socket), then the reader asks. The broker
     # resumes and reads the reader's socket first: it must handle the writer's pending
@@ -319,8 +321,9 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker) -
             try:
                 r.unlease(["nothing"])  # posted: the reader's socket is ready first
                 assert w.put(f"late{i}", t)  # placed: returns with the broker stopped
+                call = r.has if ask == "has" else r.delete_many
                 asker = threading.Thread(
-                    target=lambda i=i: got.__setitem__(f"has{i}", r.has([f"late{i}"]))
+                    target=lambda i=i, call=call: got.__setitem__(f"has{i}", call([f"late{i}"]))
                 )
                 asker.start()
                 time.sleep(0.2)  # the reader's Has is in its socket too
@@ -328,7 +331,10 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker) -
                 os.kill(broker.pid, signal.SIGCONT)
             asker.join(10)
             assert got[f"has{i}"] == [True], i
-            assert torch.equal(r.get(f"late{i}"), t)
+            if ask == "has":
+                assert torch.equal(r.get(f"late{i}"), t)
+            else:
+                assert r.has([f"late{i}"]) == [False]
 
 
 def test_readers_scan_only_the_slots_handed_out() -> None:

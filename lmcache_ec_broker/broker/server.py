@@ -100,8 +100,9 @@ MAX_LEASE_MS = 600_000
 # Frames a connection may have queued behind an in-flight async request before
 # the broker stops reading from it (it resumes when the queue is empty).
 MAX_QUEUED_FRAMES = 64
-# Requests whose keys are settled first (see BrokerServer.settle_reservations).
-_READS_KEYS = (Has, Get, Lookup)
+# Requests whose keys are settled first (see BrokerServer.settle_reservations): a
+# delete made after another client's put returned must find that entry too.
+_READS_KEYS = (Has, Get, Lookup, Delete)
 # The most common reply (Release, Commit, Unlease, ...) is a constant: encoded once.
 _OK_FRAME = encode_frame(msgspec.msgpack.Encoder(), OkReply())
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
