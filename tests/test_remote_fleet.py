@@ -448,3 +448,22 @@ def test_a_remote_hit_waits_for_the_store_only_and_a_cut_read_is_not_reused(
     for k in ("hit-2", "hit-3"):
         assert same(b.get(k), tensors[k]), k
     assert rstats(b)["remote_refused_values"] == 0
+
+
+def test_a_get_of_many_remote_keys_is_one_batched_lookup(server, node) -> None:
+    """A get of 20 keys only the store holds: every one a hit. Such a get keeps one
+    batched lookup (then the promotions); a fetch per key (the one-round-trip get)
+    would outrun the tier's lookup limits (4 running, 8 waiting) wherever no idle
+    connection is at hand, and the shed ones would be misses."""
+    a = node(server.url("unix"))
+    b = node(server.url("unix"), shm="128MiB")
+    tensors = {f"many-{i}": tensor((64, 64), seed=60 + i) for i in range(20)}
+    for k, t in tensors.items():
+        assert a.put(k, t)
+    wait_until(lambda: rstats(a)["remote_writes"] >= 20, what="A's writes")
+    wait_until(lambda: rstats(b)["remote_known_keys"] >= 20, what="B learns the keys")
+    got = b.get_many(list(tensors))
+    assert all(same(g, t) for g, t in zip(got, tensors.values(), strict=True)), [
+        g is not None for g in got
+    ]
+    assert rstats(b)["remote_lookups_shed"] == 0

@@ -432,9 +432,10 @@ class Coordinator:
             if remote:
                 want = list(dict.fromkeys(keys[i] for i in remote))
                 fetcher = self.remote_tiers[0]
-                if hasattr(fetcher, "fetch"):
+                if len(want) == 1 and getattr(fetcher, "can_fetch", False):
                     # No lookup first: the promotion reads the value and its header says
-                    # what it is -- one store round trip (a miss falls to the next tier).
+                    # what it is -- one store round trip. (Several keys keep one batched
+                    # lookup: a fetch each could outrun the tier's lookup limits.)
                     for key in want:
                         if key not in waits:
                             prom = self._promotion(key, [(fetcher, None)])

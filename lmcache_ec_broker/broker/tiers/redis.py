@@ -139,6 +139,9 @@ class RedisTransport:
         else:
             seeds = [Endpoint(h, p) for h, p in self.target.hosts]
         self.pool = Pool(self.params)
+        # a get's lookup and read in one round trip, on the loop (``fetch_on_loop``):
+        # not behind TLS (the loop reads plain sockets) nor on a Cluster (redirects)
+        self.fetches = not self.target.cluster and tls is None
         self.router = Router(seeds, self.target.cluster, self.pool)
         self._lock = threading.Lock()
         self._active: set[Connection] = set()

@@ -371,6 +371,11 @@ class RemoteTier(LowerTier):
         if isinstance(exc, TierMiss):
             raise exc
 
+    @property
+    def can_fetch(self) -> bool:
+        """Can ``fetch`` read a value without a lookup first (the transport's kind)?"""
+        return bool(getattr(self.transport, "fetches", False))
+
     async def fetch(
         self, key: str, reserve: Callable[[EntryMeta], list[Extent] | None]
     ) -> bool | None:
