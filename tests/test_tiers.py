@@ -45,9 +45,15 @@ MiB = 1 << 20
 ENTRY = (64, 1024)  # float32: 256 KiB, four blocks of 64 KiB
 
 
+# These tests count entries in a tiny slab; a put arena would hold a quarter of it
+# (arena puts reach the tiers as commits do: tests/test_disk_tier.py runs with them).
+NO_ARENA = ("--put-arena-size", "0")
+
+
 def start(make_broker, disk: str, *extra: str, shm="1MiB", cap="2MiB", **kw):
     return make_broker(
-        "--shm-size", shm, "--local-disk", disk, "--max-local-disk-size", cap, *extra, **kw
+        "--shm-size", shm, "--local-disk", disk, "--max-local-disk-size", cap, *NO_ARENA,
+        *extra, **kw,
     )  # fmt: skip
 
 
@@ -152,7 +158,7 @@ def _cycles(c: BrokerClient, n: int, unlease: bool) -> int:
 
 
 def test_unlease_ends_leases_so_no_put_is_refused(make_broker):
-    b = make_broker("--shm-size", "1MiB")
+    b = make_broker("--shm-size", "1MiB", *NO_ARENA)
     with BrokerClient(b.socket_path) as c:
         assert _cycles(c, 40, unlease=True) == 0
         s = c.stats()
@@ -161,7 +167,7 @@ def test_unlease_ends_leases_so_no_put_is_refused(make_broker):
 
 def test_without_unlease_leases_fill_the_slab(make_broker):
     # The control for the test above: the same stream without unlease is refused.
-    b = make_broker("--shm-size", "1MiB")
+    b = make_broker("--shm-size", "1MiB", *NO_ARENA)
     with BrokerClient(b.socket_path) as c:
         assert _cycles(c, 40, unlease=False) > 0
         assert c.stats()["no_space"] > 0
