@@ -1022,8 +1022,14 @@ class BrokerClient:
         """The keys to ask the broker about, and the filter's mask when it ruled some out
         (None when every key is asked, the usual case of a hit). Call with the lock held."""
         mask = self._maybe_mask(keys)
-        if mask is None or all(mask):
+        if mask is None:
             return _as_list(keys), None
+        maybe = mask.count(True)  # one C pass; the common answers need no list built
+        if maybe == len(mask):
+            return _as_list(keys), None
+        if not maybe:
+            self.local_misses += len(keys)
+            return [], mask
         ask = [k for k, m in zip(keys, mask, strict=True) if m]
         self.local_misses += len(keys) - len(ask)
         return ask, mask
