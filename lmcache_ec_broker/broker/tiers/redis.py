@@ -62,6 +62,7 @@ from .remote_value import (
     FIXED,
     MAX_HEADER,
     BadValue,
+    Header,
     Verifier,
     checksum,
     default_algo,
@@ -420,28 +421,10 @@ class RedisTransport:
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s * (1 + meta.nbytes / (64 << 20))):
-                await lc.send(pack(["GET", rk]))
-                try:
-                    total = await lc.bulk_len()
-                except RespError as exc:
-                    if self.target.cluster and parse_redirect(str(exc), ep) is not None:
-                        return False  # a slot moved: the threads follow redirects
-                    raise StoreDown([ep], str(exc)) from None
-                if total is None:
-                    raise TierMiss(key)
-                if total > MAX_HEADER + self.max_entry_bytes:
-                    raise BadValue(f"value of {total} bytes exceeds the entry size limit")
-                fixed = await lc.exact(min(FIXED.size, total))
-                size, _ = fixed_lengths(fixed)
-                if size > total:
-                    raise BadValue("value is truncated inside its header")
-                head = parse_header(
-                    fixed + await lc.exact(size - FIXED.size),
-                    key,
-                    self.max_entry_bytes,
-                    self.hmac_key,
-                    total_len=total,
-                )
+                got = await self._loop_get_head(lc, key)
+                if got is None:
+                    return False  # a slot moved: the threads follow redirects
+                total, head = got
                 if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
                     raise BadValue("value changed since the lookup (other dtype/shape)")
                 verifier = Verifier(head)
@@ -463,6 +446,35 @@ class RedisTransport:
         self.meter.count("remote_bytes_read", total)
         self.meter.count("remote_loop_reads")
         return True
+
+    async def _loop_get_head(self, lc: LoopConnection, key: str) -> tuple[int, Header] | None:
+        """Send ``GET`` and read the value's length and header on the loop, checked as a
+        lookup checks them; the payload is left in the stream. None: a Cluster slot
+        moved (the threads follow redirects). Raises TierMiss, BadValue, StoreDown."""
+        ep = lc.conn.ep
+        await lc.send(pack(["GET", self._rk(key)]))
+        try:
+            total = await lc.bulk_len()
+        except RespError as exc:
+            if self.target.cluster and parse_redirect(str(exc), ep) is not None:
+                return None
+            raise StoreDown([ep], str(exc)) from None
+        if total is None:
+            raise TierMiss(key)
+        if total > MAX_HEADER + self.max_entry_bytes:
+            raise BadValue(f"value of {total} bytes exceeds the entry size limit")
+        fixed = await lc.exact(min(FIXED.size, total))
+        size, _ = fixed_lengths(fixed)
+        if size > total:
+            raise BadValue("value is truncated inside its header")
+        head = parse_header(
+            fixed + await lc.exact(size - FIXED.size),
+            key,
+            self.max_entry_bytes,
+            self.hmac_key,
+            total_len=total,
+        )
+        return total, head
 
     def loop_fetch_conn(self, key: str) -> LoopConnection | None:
         """A connection for ``fetch_on_loop`` (standalone stores: a Cluster redirect
@@ -487,27 +499,10 @@ class RedisTransport:
         total = 0
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
-                await lc.send(pack(["GET", self._rk(key)]))
-                try:
-                    n = await lc.bulk_len()
-                except RespError as exc:
-                    raise StoreDown([ep], str(exc)) from None
-                if n is None:
-                    raise TierMiss(key)
-                total = n
-                if total > MAX_HEADER + self.max_entry_bytes:
-                    raise BadValue(f"value of {total} bytes exceeds the entry size limit")
-                fixed = await lc.exact(min(FIXED.size, total))
-                size, _ = fixed_lengths(fixed)
-                if size > total:
-                    raise BadValue("value is truncated inside its header")
-                head = parse_header(
-                    fixed + await lc.exact(size - FIXED.size),
-                    key,
-                    self.max_entry_bytes,
-                    self.hmac_key,
-                    total_len=total,
-                )
+                got = await self._loop_get_head(lc, key)
+                if got is None:  # standalone stores only (loop_fetch_conn): never a redirect
+                    raise StoreDown([ep], f"{ep}: unexpected cluster redirect")
+                total, head = got
                 meta = EntryMeta(head.nbytes, head.dtype, head.shape)
                 extents = reserve(meta)
                 if extents is None:
