@@ -82,12 +82,19 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 class Broker:
     """A real broker process (the CLI) on a private socket; stopped on exit."""
 
-    def __init__(self, shm_size: int, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        shm_size: int,
+        extra: Sequence[str] = (),
+        launcher: Sequence[str] = ("-m", "lmcache_ec_broker.cli"),
+    ) -> None:
+        """``launcher``: what runs the CLI after the interpreter (a wrapper script that
+        calls ``cli.main`` may stand in for ``-m lmcache_ec_broker.cli``)."""
         self.dir = tempfile.mkdtemp(prefix="ecb-bench-", dir="/tmp")
         self.socket_path = os.path.join(self.dir, "b.sock")
         self.log = open(os.path.join(self.dir, "broker.log"), "wb")  # noqa: SIM115
         cmd = [
-            sys.executable, "-m", "lmcache_ec_broker.cli", "start",
+            sys.executable, *launcher, "start",
             "--socket", self.socket_path, "--shm-size", f"{-(-shm_size // MiB)}MiB", *extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

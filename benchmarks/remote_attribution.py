@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,11 +60,9 @@ sys.path.insert(
 from benchmarks._common import (  # noqa: E402
     Broker,
     MiB,
-    die_with_parent,
     fmt_size,
     median,
     parse_sizes,
-    stop_process,
     table,
 )
 
@@ -213,27 +212,16 @@ class TracedBroker(Broker):
     """``Broker``, started through ``traced_broker``."""
 
     def __init__(self, shm_size: int, extra: list[str]) -> None:  # noqa: D107
-        self.dir = tempfile.mkdtemp(prefix="ecb-bench-", dir="/tmp")
-        self.socket_path = os.path.join(self.dir, "b.sock")
-        self.trace = os.path.join(self.dir, "trace.json")
-        self.log = open(os.path.join(self.dir, "broker.log"), "wb")  # noqa: SIM115
-        cmd = [
-            sys.executable, os.path.abspath(__file__), "--traced-broker", self.trace,
-            "start", "--socket", self.socket_path, "--shm-size", f"{-(-shm_size // MiB)}MiB",
-            *extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        # The launcher needs the trace path before Broker makes its directory.
+        self.trace_dir = tempfile.mkdtemp(prefix="ecb-trace-", dir="/tmp")
+        self.trace = os.path.join(self.trace_dir, "trace.json")
+        super().__init__(
+            shm_size, extra, launcher=(os.path.abspath(__file__), "--traced-broker", self.trace)
         )
-        from lmcache_ec_broker.broker.server import probe_socket
 
-        deadline = time.monotonic() + 60
-        while not probe_socket(self.socket_path, 0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = self.read_log()
-                stop_process(self.proc)
-                raise RuntimeError("traced broker did not start: " + log)
-            time.sleep(0.02)
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.trace_dir, ignore_errors=True)
 
     def events(self) -> list[tuple[str, int, int]]:
         """The events recorded since the last call."""
@@ -446,4 +434,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
