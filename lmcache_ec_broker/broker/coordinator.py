@@ -547,15 +547,10 @@ class Coordinator:
         try:
             done = await tier.fetch(key, reserve)
         except BaseException as exc:
-            if "reply" in took and TIER_CONN in store.conns:
-                store.abort(TIER_CONN, took["reply"].token)
             prom.missed = isinstance(exc, TierMiss)
-            if isinstance(exc, TierMiss | TierCorrupt):
-                return False
-            if isinstance(exc, TierUnavailable):
-                self.counters["tier_unavailable"] += 1
-                return False
-            raise
+            if not self._read_failed(exc, took["reply"].token if "reply" in took else None):
+                raise
+            return False
         if done is None:  # not here: look up, then promote from what the lookup found
             (meta,) = await self._remote_lookup(tier, [key])
             if meta is None or prom.cancelled:
@@ -612,14 +607,9 @@ class Coordinator:
             try:
                 await tier.read_into(key, meta, list(reply.extents))
             except BaseException as exc:
-                if TIER_CONN in store.conns:
-                    store.abort(TIER_CONN, reply.token)
-                if isinstance(exc, TierMiss | TierCorrupt):
-                    return False
-                if isinstance(exc, TierUnavailable):
-                    self.counters["tier_unavailable"] += 1
-                    return False
-                raise
+                if not self._read_failed(exc, reply.token):
+                    raise
+                return False
             if prom.cancelled or self._closing:
                 store.abort(TIER_CONN, reply.token)
                 return False
@@ -644,6 +634,17 @@ class Coordinator:
         if err is None and entry is not None:
             self._write_down(entry, skip=None)
         return err
+
+    def _read_failed(self, exc: BaseException, token: int | None) -> bool:
+        """A promotion's read into its reserved range raised: free the reservation (if
+        any). True: an answer the tier may give (not there, corrupt, unavailable), the
+        promotion simply fails; False: anything else, for the caller to re-raise."""
+        if token is not None and TIER_CONN in self.store.conns:
+            self.store.abort(TIER_CONN, token)
+        if isinstance(exc, TierUnavailable):
+            self.counters["tier_unavailable"] += 1
+            return True
+        return isinstance(exc, TierMiss | TierCorrupt)
 
     def placed(self, entry: Entry) -> None:
         """An entry stored from a put arena (Store.place): offered down as a commit's is."""

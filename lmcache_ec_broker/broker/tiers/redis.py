@@ -427,12 +427,7 @@ class RedisTransport:
                 total, head = got
                 if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
                     raise BadValue("value changed since the lookup (other dtype/shape)")
-                verifier = Verifier(head)
-                with slab.views(extents) as views:
-                    await lc.stream_into(views, verifier)
-                await lc.crlf()
-                lc.in_step = True
-                verifier.finish()
+                await self._loop_stream(lc, head, extents, slab)
         except (TierMiss, BadValue, StoreDown):
             raise  # a BadValue mid-value leaves the stream out of step: release closes it
         except (OSError, TimeoutError, ValueError) as exc:
@@ -446,6 +441,18 @@ class RedisTransport:
         self.meter.count("remote_bytes_read", total)
         self.meter.count("remote_loop_reads")
         return True
+
+    async def _loop_stream(
+        self, lc: LoopConnection, head: Header, extents: list[Extent], slab: SlabAccess
+    ) -> None:
+        """The payload after ``head`` streamed into ``extents`` and verified; the
+        connection is back in step only once the whole value and its CRLF are read."""
+        verifier = Verifier(head)
+        with slab.views(extents) as views:
+            await lc.stream_into(views, verifier)
+        await lc.crlf()
+        lc.in_step = True
+        verifier.finish()
 
     async def _loop_get_head(self, lc: LoopConnection, key: str) -> tuple[int, Header] | None:
         """Send ``GET`` and read the value's length and header on the loop, checked as a
@@ -514,12 +521,7 @@ class RedisTransport:
                     asyncio.get_running_loop().time()
                     + self.timeout_s * (1 + head.nbytes / (64 << 20))
                 )
-                verifier = Verifier(head)
-                with slab.views(extents) as views:
-                    await lc.stream_into(views, verifier)
-                await lc.crlf()
-                lc.in_step = True
-                verifier.finish()
+                await self._loop_stream(lc, head, extents, slab)
         except (TierMiss, BadValue, StoreDown, Declined):
             raise  # mid-value the stream is out of step: release closes the connection
         except (OSError, TimeoutError, ValueError) as exc:
