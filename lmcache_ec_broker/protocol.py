@@ -140,6 +140,17 @@ class Release(msgspec.Struct, tag="release", tag_field="op", forbid_unknown_fiel
     pins: list[int]
 
 
+class Served(msgspec.Struct, tag="served", tag_field="op", forbid_unknown_fields=True):
+    """Posted, and the broker sends NO reply: what the client answered from the residency
+    index (shm/residency.py) without asking. ``keys``/``nbytes``: entries it copied (the
+    broker counts their hits and bytes_loaded and touches them in the LRU, as a Get
+    would); ``has_hits``: has() hits it answered."""
+
+    keys: list[str] = []
+    nbytes: list[int] = []
+    has_hits: int = 0
+
+
 class Delete(msgspec.Struct, tag="delete", tag_field="op", forbid_unknown_fields=True):
     keys: list[str]
 
@@ -189,6 +200,7 @@ Request = (
     | Place
     | Get
     | Release
+    | Served
     | Delete
     | Clear
     | Stats
@@ -221,6 +233,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
     journal_size: int = 0
     max_key_length: int = 0
     max_entry_bytes: int = 0
+    # The residency index (shm/residency.py); "" when the broker publishes none.
+    residency_name: str = ""
+    residency_size: int = 0
 
 
 class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):

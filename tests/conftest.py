@@ -53,13 +53,13 @@ def broker_stats(socket_path: str) -> dict:
 
 def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
     """The broker's slab segments; with include_filter also its membership-filter
-    segments (name ends in -f) and put-arena journals (-j), which leak checks must
-    count too."""
+    segments (name ends in -f), put-arena journals (-j) and residency indexes (-r),
+    which leak checks must count too."""
     prefix = segment_prefix(socket_path)
     return [
         n
         for n in os.listdir("/dev/shm")
-        if n.startswith(prefix) and (include_filter or not n.endswith(("-f", "-j")))
+        if n.startswith(prefix) and (include_filter or not n.endswith(("-f", "-j", "-r")))
     ]
 
 

@@ -65,6 +65,7 @@ from ..protocol import (
     Release,
     Request,
     Reserve,
+    Served,
     Shutdown,
     Stats,
     StatsReply,
@@ -73,6 +74,8 @@ from ..protocol import (
 )
 from ..shm.filter import FilterWriter, slots_for
 from ..shm.journal import Journal
+from ..shm.residency import ResidencyWriter
+from ..shm.residency import slots_for as residency_slots
 from ..shm.segment import Segment, remove_stale, unlink_segment
 from .access import AccessPolicy
 from .coordinator import Coordinator
@@ -261,6 +264,9 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # a bug must not take the broker down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
             reply = ErrorReply(ErrorCode.INTERNAL, f"internal broker error: {exc!r}")
+        if reply is None:  # a request answered by no reply (Served)
+            srv.observe(type(msg).__name__, started)
+            return
         # Replies are Structs (a C type check); anything else is the awaitable of a slow
         # request (the Awaitable ABC check costs a microsecond per request).
         if not isinstance(reply, msgspec.Struct):
@@ -320,6 +326,8 @@ class Connection(asyncio.Protocol):
                 journal_size=srv.journal.size if srv.journal else 0,
                 max_key_length=srv.store.max_key_length,
                 max_entry_bytes=srv.store.max_entry_bytes,
+                residency_name=srv.residency.name if srv.residency else "",
+                residency_size=srv.residency.size if srv.residency else 0,
             )
         )
 
@@ -346,6 +354,7 @@ class BrokerServer:
         self.segment: Segment | None = None
         self.filter: FilterWriter | None = None
         self.journal: Journal | None = None  # put arenas' placement journal (shm/journal.py)
+        self.residency: ResidencyWriter | None = None  # the residency index (shm/residency.py)
         # Names of the segments this start is about to create (they carry this epoch, so
         # nobody else's): cleanup() unlinks them by name too, because a stop signal can
         # land after a segment exists but before its object is assigned anywhere.
@@ -441,7 +450,7 @@ class BrokerServer:
 
     def dispatch(
         self, conn: int, msg: object, peer_uid: int = -1
-    ) -> msgspec.Struct | Awaitable[msgspec.Struct]:
+    ) -> msgspec.Struct | Awaitable[msgspec.Struct] | None:
         tiers = self.tiers
         store = self.store
         match msg:
@@ -484,6 +493,9 @@ class BrokerServer:
                 return tiers.get(conn, keys)  # awaitable when promoting from a lower tier
             case Release(pins=pins):
                 return store.release(conn, pins) or OkReply()
+            case Served(keys=keys, nbytes=nbytes, has_hits=has_hits):
+                store.served(keys, nbytes, has_hits)
+                return None  # posted without a reply: the client owes itself nothing
             case Delete(keys=keys):
                 return DeleteReply(tiers.delete(keys))
             case Clear(shared=shared):
@@ -545,6 +557,10 @@ class BrokerServer:
             )
         if self.filter is not None:
             out.update(filter_slots=self.filter.nslots, filter_saturated=self.filter.saturated)
+        if self.residency is not None:
+            out.update(
+                residency_slots=self.residency.nslots, residency_entries=self.residency.entries
+            )
         for provide in self.stats_providers:
             out.update(provide())
         return out
@@ -579,8 +595,8 @@ class BrokerServer:
                 )
             self.access.group_gid = gid
             name = "/" + segment_prefix(path) + self.epoch[:12]
-            # The slab, its filter, the put arenas' journal.
-            self._segment_names = [name, name + "-f", name + "-j"]
+            # The slab, its filter, the put arenas' journal, the residency index.
+            self._segment_names = [name, name + "-f", name + "-j", name + "-r"]
             t0 = time.perf_counter()
             self.segment = Segment.create(name, self.store.capacity_bytes, mode=cfg.socket_mode)
             if gid is not None:
@@ -593,6 +609,7 @@ class BrokerServer:
                 time.perf_counter() - t0,
             )
             self._publish_filter(name, gid)
+            self._publish_residency(name + "-r", gid)
             if self.store.arena_cap_blocks:
                 self._publish_journal(name + "-j", gid)
             if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
@@ -629,6 +646,15 @@ class BrokerServer:
         if gid is not None:
             os.chown("/dev/shm" + self.filter.name, -1, gid)
         self.tiers.attach_filter(self.filter)
+
+    def _publish_residency(self, name: str, gid: int | None) -> None:
+        store = self.store
+        self.residency = ResidencyWriter(
+            name, residency_slots(store.nblocks), store.capacity_bytes, self.config.socket_mode
+        )
+        if gid is not None:
+            os.chown("/dev/shm" + name, -1, gid)
+        store.residency = self.residency
 
     def _publish_journal(self, name: str, gid: int | None) -> None:
         self.journal = Journal.create(name, self.config.max_connections, self.config.socket_mode)
@@ -715,6 +741,10 @@ class BrokerServer:
             self.journal.unlink()
             self.journal.close()
             self.journal = None
+        if self.residency is not None:
+            self.store.residency = None
+            self.residency.close()  # clears LIVE first: readers ask the broker from here
+            self.residency = None
         if self._tiers_open:
             self.tiers.close()
             self._tiers_open = False

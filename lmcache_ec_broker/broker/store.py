@@ -126,6 +126,15 @@ class Membership(Protocol):
     def remove(self, key: str) -> None: ...
 
 
+class Residency(Protocol):
+    """What the store needs of the residency index (shm.residency.ResidencyWriter)."""
+
+    def publish(
+        self, key: str, nbytes: int, dtype: str, shape: list[int], extents: list[Extent]
+    ) -> bool: ...
+    def withdraw(self, key: str) -> None: ...
+
+
 class StoreObserver(Protocol):
     """Told of slab residency changes on the loop thread; must not block."""
 
@@ -167,6 +176,11 @@ class Store:
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
         self.membership: Membership | None = None
+        # The published residency index (shm/residency.py); None when not published.
+        # Invariant: a key is in it only while its entry is READY with the published
+        # extents: ``publish`` after the entry turns READY (commit, place), ``withdraw``
+        # first thing in _drop_ready, before the blocks can be freed or reused.
+        self.residency: Residency | None = None
         # Residency events (events/ package): told of every entry that became READY
         # (commit) and every READY entry that left the index (evict, delete, clear).
         self.observer: StoreObserver | None = None
@@ -269,6 +283,10 @@ class Store:
         """Remove a READY entry from the index; free now or at its last release.
         Leases on it end now: they protect a later load, which can no longer happen,
         and must not hold the blocks until they expire (a reader's pin does)."""
+        if self.residency is not None:
+            # First: clients stop copying from these blocks before they can be freed
+            # (below, or at the last release) and granted to a writer.
+            self.residency.withdraw(entry.key)
         del self.entries[entry.key]
         if self.membership is not None:
             self.membership.remove(entry.key)
@@ -530,6 +548,8 @@ class Store:
         self.counters["puts"] += 1
         self.counters["arena_places"] += 1
         self.counters["bytes_stored"] += nbytes
+        if self.residency is not None:  # the client's copy is in: the bytes are final
+            self.residency.publish(key, nbytes, entry.dtype, entry.shape, entry.extents)
         if self.observer is not None:
             self.observer.slab_stored(key, nbytes)
         return entry
@@ -559,6 +579,8 @@ class Store:
         self.lru.insert(entry.key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += entry.nbytes
+        if self.residency is not None:  # the writer's copy is in: the bytes are final
+            self.residency.publish(entry.key, entry.nbytes, entry.dtype, entry.shape, entry.extents)
         if self.observer is not None:
             self.observer.slab_stored(entry.key, entry.nbytes)
         return None
@@ -596,6 +618,22 @@ class Store:
             pin_id = self._pin(entry, conn)
             out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
         return out
+
+    def served(self, keys: list[str], nbytes: list[int], has_hits: int) -> None:
+        """Count what a client answered from the residency index, as a Get or Has would
+        have: a hit and its bytes per copied key, and touch the ones still present in
+        the LRU (an entry read often must not be evicted because its reads were local).
+        ``nbytes`` is clamped to the largest entry: a client cannot inflate it much."""
+        counters = self.counters
+        counters["has_hits"] += max(0, has_hits)
+        counters["hits"] += len(keys)
+        cap = self.max_entry_bytes
+        counters["bytes_loaded"] += sum(min(max(0, n), cap) for n in nbytes[: len(keys)])
+        entries, touch = self.entries, self.lru.touch
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and entry.state is State.READY:
+                touch(key)
 
     def pin_entry(self, conn: int, entry: Entry) -> int:
         """Pin a READY entry for a broker-internal reader (a tier's write-behind)

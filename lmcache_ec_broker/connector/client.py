@@ -82,6 +82,7 @@ from ..protocol import (
     Reserve,
     ReserveReply,
     ReserveStatus,
+    Served,
     Shutdown,
     Stats,
     StatsReply,
@@ -91,7 +92,9 @@ from ..protocol import (
 )
 from ..shm.filter import FilterReader
 from ..shm.journal import Journal
+from ..shm.residency import ResidencyReader
 from ..shm.segment import Segment, ShmError
+from . import index_path
 from .arena_blocks import ArenaBlocks, extents_of
 
 _MAX_REPLY_BYTES = 256 << 20
@@ -189,6 +192,11 @@ class BrokerClient:
         self._filter: FilterReader | None = None
         self._confirmed_at = 0.0
         self.local_misses = 0
+        # The broker's residency index (connector/index_path.py): positives answered
+        # and copied here, trusted under the same rule as the filter.
+        self._index: ResidencyReader | None = None
+        self.index_hits = 0  # has() hits and gets served from the index
+        self.index_retries = 0  # index copies discarded (slot rewritten) and asked again
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._outage_logged = False
@@ -295,6 +303,7 @@ class BrokerClient:
                 self._filter.close()
                 self._filter = None
             self._close_journal()
+            self._close_index()
             self._back_off()
             if not self._outage_logged:
                 log.warning(
@@ -346,6 +355,8 @@ class BrokerClient:
         self._hello = reply
         self._map_filter(reply)
         self._map_journal(reply)
+        self._close_index()
+        self._index = index_path.map_index(reply, self.trusted_uids)
 
     def _check_peer(self, sock: socket.socket) -> None:
         """Before sending or mapping anything: is the listener a broker we trust?"""
@@ -377,6 +388,31 @@ class BrokerClient:
                 )
             except (ShmError, ValueError, OverflowError) as exc:
                 log.warning("not using the broker's membership filter: %s", exc)
+
+    def _close_index(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+
+    def _usable_index(self) -> ResidencyReader | None:
+        """The residency index while it may be trusted (the filter's rule: a connection
+        confirmed within filter_trust_s). Call with the lock held."""
+        index = self._index
+        if (
+            index is None
+            or self._sock is None
+            or time.monotonic() - self._confirmed_at > self.filter_trust_s
+        ):
+            return None
+        return index
+
+    def _post_served(self, keys: list[str], nbytes: list[int], has_hits: int) -> None:
+        """Tell the broker what the index served (hits, bytes, LRU touches); it sends
+        no reply, so nothing is owed."""
+        try:
+            self._send(self._frame(Served(keys, nbytes, has_hits)))
+        except BrokerUnavailable:
+            pass  # uncounted, like a get whose Release could not be sent
 
     def _close_journal(self) -> None:
         if self._journal is not None:
@@ -785,39 +821,72 @@ class BrokerClient:
         cp = _copy()
         dev = cp.torch.device(device)
         cp.check_device(dev)
-        torch_dtype = cp.torch_dtype
         with self._lock:
             ask, mask = self._ask(keys)
             if not ask:
                 return [None] * len(keys)
-            try:
-                reply: GetReply = self._call(Get(ask))
-            except BrokerUnavailable:
-                return [None] * len(keys)
-            items = reply.items
-            hits: list[Hit] = [h for h in items if h is not None]
-            out: list[torch.Tensor | None] = []
-            try:
-                slab = self._slab_view() if hits else None
-                for item in items:
-                    if item is None:
-                        out.append(None)
-                    else:
-                        assert slab is not None
-                        out.append(
-                            slab.read(item.extents, torch_dtype(item.dtype), item.shape, dev)
-                        )
-            except BrokerUnavailable:
-                return [None] * len(keys)
-            finally:
-                self._release(hits)
+            local = self._get_local(ask, dev)
+            if local is not None:
+                rest = [k for k, t in zip(ask, local, strict=True) if t is None]
+                got = self._get_many_asked(rest, dev) if rest else []
+                it = iter(got)
+                merged = [t if t is not None else next(it) for t in local]
+                return merged if mask is None else _expand(mask, merged, None)
+            out = self._get_many_asked(ask, dev)
             return out if mask is None else _expand(mask, out, None)
+
+    def _get_local(self, keys: list[str], dev: torch.device) -> list[torch.Tensor | None] | None:
+        """The index's copies (None where the broker must be asked), or None when the
+        index served nothing. Posts the Served frame. Call with the lock held."""
+        index = self._usable_index()
+        if index is None:
+            return None
+        try:
+            slab = self._slab_view()
+        except BrokerUnavailable:
+            return None
+        local, retries = index_path.read_known(index, slab, keys, dev, _copy().torch_dtype)
+        self.index_retries += retries
+        served = [k for k, t in zip(keys, local, strict=True) if t is not None]
+        if not served:
+            return None
+        self.index_hits += len(served)
+        self._post_served(served, [t.nbytes for t in local if t is not None], 0)
+        return local
+
+    def _get_many_asked(self, ask: list[str], dev: torch.device) -> list[torch.Tensor | None]:
+        """get_many's round trip for ``ask``. Call with the lock held."""
+        cp = _copy()
+        torch_dtype = cp.torch_dtype
+        try:
+            reply: GetReply = self._call(Get(ask))
+        except BrokerUnavailable:
+            return [None] * len(ask)
+        items = reply.items
+        hits: list[Hit] = [h for h in items if h is not None]
+        out: list[torch.Tensor | None] = []
+        try:
+            slab = self._slab_view() if hits else None
+            for item in items:
+                if item is None:
+                    out.append(None)
+                else:
+                    assert slab is not None
+                    out.append(slab.read(item.extents, torch_dtype(item.dtype), item.shape, dev))
+        except BrokerUnavailable:
+            return [None] * len(ask)
+        finally:
+            self._release(hits)
+        return out
 
     def get_into(self, key: str, out: torch.Tensor) -> bool:
         """Copy the entry into ``out`` (same dtype and shape, contiguous; CPU or CUDA).
 
         The copy-only path: no allocation, so no first-touch page faults on the
         destination. True on a hit; False on a miss or while the broker is away.
+        On False ``out`` is either untouched or zeroed (zeroed when an index copy
+        was discarded and the broker then had no entry): it never holds another
+        entry's bytes.
         """
         cp = _copy()
         if not out.is_cpu:
@@ -828,27 +897,48 @@ class BrokerClient:
             if mask is not None and not mask[0]:
                 self.local_misses += 1
                 return False
-            try:
-                reply: GetReply = self._call(Get(keys))
-            except BrokerUnavailable:
-                return False
-            item = reply.items[0]
-            if item is None:
-                return False
-            try:
-                dtype_name = cp.dtype_name
-                if item.dtype != dtype_name(out.dtype) or item.shape != list(out.shape):
-                    raise ValueError(
-                        f"entry {key!r} is {item.dtype} {item.shape}, the output tensor is "
-                        f"{dtype_name(out.dtype)} {list(out.shape)}; pass a matching tensor "
-                        "or use get()"
-                    )
-                self._slab_view().read_into(item.extents, out)
-            except BrokerUnavailable:
-                return False
-            finally:
-                self._release([item])
-            return True
+            wrote = False
+            index = self._usable_index()
+            if index is not None:
+                try:
+                    slab = self._slab_view()
+                except BrokerUnavailable:
+                    return False
+                found, wrote = index_path.read_known_into(index, slab, key, out, cp.dtype_name)
+                if found is not None:
+                    self.index_hits += 1
+                    self._post_served([key], [found.nbytes], 0)
+                    return True
+                self.index_retries += wrote
+            hit = self._get_into_asked(key, out, cp)
+            if wrote and not hit:
+                out.zero_()  # the discarded copy's bytes must not be shown
+            return hit
+
+    def _get_into_asked(self, key: str, out: torch.Tensor, cp: Any) -> bool:
+        """get_into's round trip. Call with the lock held."""
+        keys = [key]
+        try:
+            reply: GetReply = self._call(Get(keys))
+        except BrokerUnavailable:
+            return False
+        item = reply.items[0]
+        if item is None:
+            return False
+        try:
+            dtype_name = cp.dtype_name
+            if item.dtype != dtype_name(out.dtype) or item.shape != list(out.shape):
+                raise ValueError(
+                    f"entry {key!r} is {item.dtype} {item.shape}, the output tensor is "
+                    f"{dtype_name(out.dtype)} {list(out.shape)}; pass a matching tensor "
+                    "or use get()"
+                )
+            self._slab_view().read_into(item.extents, out)
+        except BrokerUnavailable:
+            return False
+        finally:
+            self._release([item])
+        return True
 
     def put_many(self, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
         """Batched put: entries that fit the arena are copied and their Places posted;
@@ -971,6 +1061,22 @@ class BrokerClient:
             ask, mask = self._ask(keys)
             if not ask:
                 return [False] * len(keys)
+            index = self._usable_index() if lease_ms <= 0 else None  # a lease needs the broker
+            if index is not None:
+                known = index_path.has_known(index, ask)
+                n = known.count(True)
+                if n:
+                    self.index_hits += n
+                    self._post_served([], [], n)
+                    if n < len(ask):
+                        rest = [k for k, kn in zip(ask, known, strict=True) if not kn]
+                        try:
+                            more: HasReply = self._call(Has(rest, lease_ms))
+                        except BrokerUnavailable:
+                            more = HasReply([False] * len(rest))
+                        it = iter(more.hits)
+                        known = [True if kn else next(it) for kn in known]
+                    return known if mask is None else _expand(mask, known, False)
             try:
                 reply: HasReply = self._call(Has(ask, lease_ms))
             except BrokerUnavailable:

@@ -1,0 +1,327 @@
+"""The residency index: where each READY slab entry lies, published for clients.
+
+The broker (the only writer) keeps an open-addressing table in shared memory,
+next to the slab, with one slot per READY entry it could index: the key, its
+extents in the slab, nbytes, dtype and shape. Clients map it read-only and answer
+a ``has()`` hit, or copy a ``get``, without a round trip (connector/residency_read.py).
+
+Only POSITIVES are trusted: a key the index lacks (never indexed, too long, its
+probe window full, a slot being rewritten) is asked of the broker as before, so
+the index can make an answer cheaper, never different.
+
+Layout: a 64-byte header, then ``nslots`` slots of ``SLOT_BYTES`` bytes.
+
+    header: magic 8s | version u32 | log2_slots u32 | flags u32 | slot_bytes u32
+            | seed u64 | slab_size u64 | pad
+    slot:   seq u64 (native) | gen u64 | nbytes u64 | keylen u16 | dtype u8
+            | ndim u8 | nextents u8 | pad 3 | shape 6 x u64 | extents 4 x (u64, u64)
+            | key bytes (KEY_CAP)
+
+A key's home slot is the low bits of its seeded xxh3 digest (shm/filter.key_digest,
+the seed in this header); it lives in one of the ``PROBES`` slots from there.
+
+Seqlock (what makes a positive exact): ``seq`` is odd while the broker rewrites a
+slot and bumps by one before and after every rewrite; ``gen`` is a broker-wide
+count of published entries (never reused). A reader reads ``seq``, then the
+fields (and, for a get, the slab bytes), then ``seq`` again, and trusts what it
+read only if both reads are the same even value. ``seq`` is a native-order 8-byte
+word written and read with one aligned 8-byte access (struct "@Q").
+
+The writer's invariant (broker/store.py keeps it): a slot names a key's blocks
+only while that key's entry is READY with those blocks. ``withdraw`` (seq odd,
+slot cleared, seq even) runs BEFORE the entry's blocks can return to the
+allocator or become writable by anyone (evict, delete, clear), and ``publish``
+only AFTER the bytes are in place (commit, placement). Any later writer of those
+blocks obtained them over the socket after the withdraw (a grant or reservation
+reply), so by x86-TSO (stores seen in order, loads not reordered with loads, and
+causality through the socket) a reader that saw their bytes also sees the bumped
+``seq`` when it re-reads it. Hence an unchanged even ``seq`` means the bytes read
+were the entry's, untorn. Python cannot issue a load fence, so clients use the
+index only on x86-64 (``usable_here``).
+
+Liveness: a broker that stops cleanly clears FLAG_LIVE; a killed one cannot, so
+the client trusts the index only while its connection was confirmed recently, as
+it does the membership filter. A restarted broker publishes a new segment (its
+name carries the epoch) that the client maps from the new handshake.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import struct
+from collections.abc import Collection
+
+import posix_ipc
+
+from ..protocol import DTYPE_ITEMSIZE, Extent
+from .filter import key_digest
+from .segment import Segment, ShmError, check_owner
+
+MAGIC = b"LMECRES1"
+VERSION = 1
+HEADER = struct.Struct("<8sIIIIQQ")
+HEADER_SIZE = 64
+FLAG_LIVE = 1
+_FLAGS_OFFSET = 16
+SLOT_BYTES = 256
+MAX_DIMS = 6
+MAX_EXTENTS = 4
+_FIXED = struct.Struct("<QQHBBB3x6Q8Q")  # gen .. extents; at offset 8 of a slot
+_FIXED_AT = 8
+KEY_AT = _FIXED_AT + _FIXED.size  # 144
+KEY_CAP = SLOT_BYTES - KEY_AT  # 112 bytes of UTF-8
+SEQ = struct.Struct("@Q")  # native: one aligned 8-byte load/store (see the module doc)
+PROBES = 8
+MIN_LOG2_SLOTS = 10
+MAX_LOG2_SLOTS = 18  # 64 MiB at most; more entries than that fall back to the broker
+# dtype codes: positions in the protocol's dtype table (the same release on both
+# sides: the version check refuses another layout); 0 = none.
+DTYPES: tuple[str, ...] = ("",) + tuple(DTYPE_ITEMSIZE)
+DTYPE_CODE = {name: i for i, name in enumerate(DTYPES) if name}
+_MADV_POPULATE_READ = 22
+
+
+def usable_here() -> bool:
+    """The reader's argument needs x86-TSO load ordering (see the module doc)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def slots_for(nblocks: int) -> int:
+    """log2 of the slot count: twice the most entries the slab can hold, a power of two."""
+    want = max(1, nblocks) * 2
+    return min(MAX_LOG2_SLOTS, max(MIN_LOG2_SLOTS, (want - 1).bit_length()))
+
+
+def index_size(log2_slots: int) -> int:
+    return HEADER_SIZE + (SLOT_BYTES << log2_slots)
+
+
+def encode_key(key: str) -> bytes:
+    try:
+        return key.encode()
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogatepass")
+
+
+class ResidencyWriter:
+    """The broker's side. Not thread-safe: the broker's loop is the only writer."""
+
+    def __init__(self, name: str, log2_slots: int, slab_size: int, mode: int = 0o600) -> None:
+        if not MIN_LOG2_SLOTS <= log2_slots <= MAX_LOG2_SLOTS:
+            raise ValueError(f"log2_slots must be in [{MIN_LOG2_SLOTS}, {MAX_LOG2_SLOTS}]")
+        self.name = name
+        self.nslots = 1 << log2_slots
+        self._mask = self.nslots - 1
+        self.size = index_size(log2_slots)
+        # Not prefaulted: pages are charged as slots are first written.
+        self.segment = Segment.create(name, self.size, mode=mode, prefault=False)
+        self.mm = self.segment.mm
+        self.seed = int.from_bytes(os.urandom(8), "little")
+        self.mm[:HEADER_SIZE] = HEADER.pack(
+            MAGIC, VERSION, log2_slots, FLAG_LIVE, SLOT_BYTES, self.seed, slab_size
+        ).ljust(HEADER_SIZE, b"\0")
+        self._slot_of: dict[str, int] = {}  # indexed key -> its slot
+        self._used = bytearray(self.nslots)  # 1 where a slot holds a key
+        self._gen = 0
+        self.unindexed = 0  # entries not indexed (long key, many extents/dims, full window)
+
+    def publish(
+        self, key: str, nbytes: int, dtype: str, shape: list[int], extents: list[Extent]
+    ) -> bool:
+        """Index a key whose entry just became READY (its bytes are in place)."""
+        if key in self._slot_of:
+            self.withdraw(key)  # never two slots for one key
+        kb = encode_key(key)
+        code = DTYPE_CODE.get(dtype, 0)
+        if (
+            len(kb) > KEY_CAP
+            or not kb
+            or not code
+            or len(shape) > MAX_DIMS
+            or len(extents) > MAX_EXTENTS
+        ):
+            self.unindexed += 1
+            return False
+        home = int.from_bytes(key_digest(key, self.seed), "little") & self._mask
+        used = self._used
+        for i in range(PROBES):
+            slot = (home + i) & self._mask
+            if not used[slot]:
+                break
+        else:
+            self.unindexed += 1
+            return False
+        self._gen += 1
+        flat_shape = list(shape) + [0] * (MAX_DIMS - len(shape))
+        flat_ext: list[int] = []
+        for off, n in extents:
+            flat_ext += (off, n)
+        flat_ext += [0] * (2 * MAX_EXTENTS - len(flat_ext))
+        mm = self.mm
+        at = HEADER_SIZE + slot * SLOT_BYTES
+        (seq,) = SEQ.unpack_from(mm, at)
+        SEQ.pack_into(mm, at, seq + 1)  # odd: being rewritten
+        _FIXED.pack_into(
+            mm, at + _FIXED_AT, self._gen, nbytes, len(kb), code, len(shape), len(extents),
+            *flat_shape, *flat_ext,
+        )  # fmt: skip
+        mm[at + KEY_AT : at + KEY_AT + len(kb)] = kb
+        SEQ.pack_into(mm, at, seq + 2)  # even: readable
+        used[slot] = 1
+        self._slot_of[key] = slot
+        return True
+
+    def withdraw(self, key: str) -> None:
+        """Unindex ``key``; call BEFORE its blocks may be freed or written (module doc)."""
+        slot = self._slot_of.pop(key, None)
+        if slot is None:
+            return
+        mm = self.mm
+        at = HEADER_SIZE + slot * SLOT_BYTES
+        (seq,) = SEQ.unpack_from(mm, at)
+        SEQ.pack_into(mm, at, seq + 1)
+        mm[at + _FIXED_AT : at + KEY_AT] = bytes(KEY_AT - _FIXED_AT)  # keylen 0: empty
+        SEQ.pack_into(mm, at, seq + 2)
+        self._used[slot] = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._slot_of)
+
+    def close(self) -> None:
+        """Mark the index dead (readers then ask the broker), unlink and unmap it."""
+        try:
+            struct.pack_into("<I", self.mm, _FLAGS_OFFSET, 0)
+        except (ValueError, OSError):
+            pass
+        self.segment.unlink()
+        self.segment.close()
+
+
+class Found:
+    """One positive read from the index: where the entry lies, and the slot's ``seq``
+    to confirm against after a copy (``ResidencyReader.unchanged``)."""
+
+    __slots__ = ("at", "dtype", "extents", "gen", "nbytes", "seq", "shape")
+
+    def __init__(
+        self, at: int, seq: int, gen: int, nbytes: int, dtype: str, shape: list[int],
+        extents: list[Extent],
+    ) -> None:  # fmt: skip
+        self.at = at
+        self.seq = seq
+        self.gen = gen
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape
+        self.extents = extents
+
+
+class ResidencyReader:
+    """A client's read-only view; never blocks, never talks to the broker."""
+
+    def __init__(
+        self, name: str, size: int, slab_size: int, owners: Collection[int] | None = None
+    ) -> None:
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except (OSError, ValueError, posix_ipc.Error) as exc:
+            raise ShmError(f"cannot open residency index {name}: {exc}") from exc
+        try:
+            if owners is not None:  # another user's index could point anywhere in the slab
+                check_owner(shm.fd, name, owners)
+            if not isinstance(size, int) or size < HEADER_SIZE or shm.size < size:
+                raise ShmError(f"index {name} has {shm.size} bytes, the broker announced {size}")
+            self.mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        try:
+            self.mm.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError, AttributeError):
+            pass
+        magic, version, log2_slots, _flags, slot_bytes, seed, slab = HEADER.unpack_from(self.mm)
+        problem = None
+        if magic != MAGIC:
+            problem = "is not a residency index"
+        elif version != VERSION or slot_bytes != SLOT_BYTES:
+            problem = (
+                f"is version {version}, this client reads version {VERSION}: run the broker "
+                "and its clients from the same lmcache-ec-broker release"
+            )
+        elif not MIN_LOG2_SLOTS <= log2_slots <= MAX_LOG2_SLOTS or index_size(log2_slots) > size:
+            problem = f"announces 2**{log2_slots} slots, more than its {size} bytes hold"
+        elif slab != slab_size:
+            problem = f"describes a {slab}-byte slab, the broker announced {slab_size}"
+        if problem is not None:
+            self.mm.close()
+            raise ShmError(f"residency index {name} {problem}")
+        self.seed = seed
+        self.mask = (1 << log2_slots) - 1
+        self.slab_size = slab_size
+
+    @property
+    def live(self) -> bool:
+        return bool(self.mm[_FLAGS_OFFSET] & FLAG_LIVE)
+
+    def find(self, key: str) -> Found | None:
+        """The entry ``key`` if the index holds it, consistent and inside the slab; None
+        otherwise (ask the broker). A corrupt slot is a None, never an exception."""
+        mm = self.mm
+        if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
+            return None
+        kb = encode_key(key)
+        n = len(kb)
+        if not n or n > KEY_CAP:
+            return None
+        home = int.from_bytes(key_digest(key, self.seed), "little") & self.mask
+        seq_from, fixed_from, mask = SEQ.unpack_from, _FIXED.unpack_from, self.mask
+        for i in range(PROBES):
+            at = HEADER_SIZE + ((home + i) & mask) * SLOT_BYTES
+            (seq,) = seq_from(mm, at)
+            if seq & 1:
+                continue
+            f = fixed_from(mm, at + _FIXED_AT)
+            if f[2] != n or mm[at + KEY_AT : at + KEY_AT + n] != kb:
+                continue
+            if seq_from(mm, at)[0] != seq:
+                return None  # rewritten under us: ask
+            return self._checked(at, seq, f)
+        return None
+
+    def _checked(self, at: int, seq: int, f: tuple[int, ...]) -> Found | None:
+        """Bounds-check every field against the slab and the dtype table."""
+        gen, nbytes, _keylen, code, ndim, next_ = f[:6]
+        if not 0 < code < len(DTYPES) or ndim > MAX_DIMS or not 0 < next_ <= MAX_EXTENTS:
+            return None
+        dtype = DTYPES[code]
+        shape = list(f[6 : 6 + ndim])
+        count = 1
+        for d in shape:
+            count *= d
+        if count * DTYPE_ITEMSIZE[dtype] != nbytes:
+            return None
+        raw = f[6 + MAX_DIMS :]
+        extents: list[Extent] = []
+        total = 0
+        size = self.slab_size
+        for j in range(next_):
+            off, ln = raw[2 * j], raw[2 * j + 1]
+            if ln <= 0 or off + ln > size:
+                return None
+            extents.append((off, ln))
+            total += ln
+        if total != nbytes:
+            return None
+        return Found(at, seq, gen, nbytes, dtype, shape, extents)
+
+    def unchanged(self, found: Found) -> bool:
+        """True if the slot was not rewritten since ``find``: what was copied from its
+        extents in between is the entry's bytes (the module doc's argument)."""
+        return SEQ.unpack_from(self.mm, found.at)[0] == found.seq and bool(
+            self.mm[_FLAGS_OFFSET] & FLAG_LIVE
+        )
+
+    def close(self) -> None:
+        self.mm.close()
