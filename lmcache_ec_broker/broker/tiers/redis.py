@@ -1,15 +1,24 @@
 """The remote tier on Redis / Valkey (standalone or Cluster): the transport.
 
 What is written, in which order, what is known and when the store is left alone
-is the remote policy's (``remote_policy.py``); this module only moves bytes over
-RESP (``resp.py``) and lists keys:
+is the remote policy's (``remote_policy.py``); the transport only moves bytes over
+RESP (``resp.py``) and lists keys. This module wires it and holds the threads' calls
+and the rules a value must meet; the rest is one module each:
+
+- ``redis_link.py``: pooled round trips to the server owning a key; Cluster routing
+  (slot map, ``-MOVED``/``-ASK``); ``stop`` cuts every connection in use.
+- ``redis_loop.py``: the same calls on the broker's event loop.
+- ``redis_keys.py``: listing (``SCAN``) and clearing the namespace.
+- ``redis_announce.py``: announcements of written keys between brokers.
+
+The calls:
 
 - *lookup*: one pipelined round trip per server for a batch of keys
   (``GETRANGE key 0 <max header>`` + ``STRLEN``); a key is a hit only if its header
   parses and matches the value's length (``remote_value.py``).
 - *read_into* (promotion): ``GET`` streamed straight into the reserved slab extents,
   hashed as it lands; served only after checksum (and HMAC) matched.
-- *lookup_on_loop* / *read_on_loop*: the same two calls on the broker's event loop
+- *lookup_on_loop* / *read_on_loop* / *fetch_on_loop*: on the broker's event loop
   (``resp_async.py``) when an idle pooled connection is at hand and the store is not
   behind TLS: a remote hit then waits for the store only, no thread hand-offs. They
   answer None/False when they cannot run there; the runtime then uses the threads.
@@ -32,31 +41,24 @@ that per socket operation and an overall deadline scaled by its size).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ...protocol import Extent
 from .base import EntryMeta, SlabAccess, TierError, TierMiss
 from .connect_error import ConnectTrouble
+from .redis_announce import Announcements
+from .redis_keys import clear, scan
+from .redis_link import UNMAPPED, Link, with_asking
+from .redis_loop import LoopCalls
 from .remote_policy import Limits
 from .remote_stats import REMOTE_COUNTERS
 from .remote_tier import BACKGROUND_NICE, Meter, RemoteTier
-from .remote_transport import (
-    Declined,
-    LookupAnswer,
-    Node,
-    Outcome,
-    StoreDown,
-    WriteItem,
-    owned,
-)
+from .remote_transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
 from .remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
 from .remote_value import (
     FIXED,
@@ -69,7 +71,6 @@ from .remote_value import (
     encode_header,
     fixed_lengths,
     parse_header,
-    stored_key,
 )
 from .resp import (
     MAX_REDIRECTS,
@@ -78,28 +79,69 @@ from .resp import (
     Endpoint,
     Pool,
     ProtocolViolation,
-    Redirect,
     RespError,
     Router,
-    pack,
     pack_set,
-    parse_redirect,
 )
 from .resp_async import LoopConnection
 
 if TYPE_CHECKING:
     from ...config import BrokerConfig
 
-__all__ = ["BACKGROUND_NICE", "RedisTier", "RedisTransport"]
+__all__ = ["BACKGROUND_NICE", "UNMAPPED", "RedisTier", "RedisTransport", "ValueRules"]
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 
-T = TypeVar("T")
 
-_SCAN_COUNT = 1000
-_SUB_POLL_S = 0.5
-_ANNOUNCE_BATCH = 256
-UNMAPPED = "cluster (slot map not loaded)"
+class ValueRules:
+    """What a stored value must be to be served: no larger than an entry may be, a
+    header that parses (signed, where a key is set) and names the key it is read as.
+    The threads and the loop read a value's header through the same checks.
+
+    ``parse_header`` is called here, in this module, on purpose:
+    benchmarks/remote_attribution.py times ``redis.parse_header``."""
+
+    def __init__(self, max_entry_bytes: int, hmac_key: bytes | None) -> None:
+        self.max_entry_bytes = max_entry_bytes
+        self.hmac_key = hmac_key
+
+    def meta(self, key: str, head: object, total: object) -> LookupAnswer:
+        """A lookup's answer from ``GETRANGE key 0 <max header>`` and ``STRLEN key``."""
+        if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
+            return None  # absent (GETRANGE of a missing key is empty)
+        try:
+            h = parse_header(head, key, self.max_entry_bytes, self.hmac_key, total_len=total)
+        except BadValue as exc:
+            return exc
+        return EntryMeta(h.nbytes, h.dtype, h.shape)
+
+    def total(self, key: str, length: int | None) -> int:
+        """A ``GET``'s bulk length, checked before a byte of the value is read."""
+        if length is None:
+            raise TierMiss(key)
+        if length > MAX_HEADER + self.max_entry_bytes:
+            raise BadValue(f"value of {length} bytes exceeds the entry size limit")
+        return length
+
+    def fixed_size(self, total: int) -> int:
+        """How much to read first: the header's fixed part (less of a shorter value)."""
+        return min(FIXED.size, total)
+
+    def head_rest(self, fixed: bytes, total: int) -> int:
+        """How many bytes of the header follow its fixed part ``fixed``."""
+        size, _ = fixed_lengths(fixed)
+        if size > total:
+            raise BadValue("value is truncated inside its header")
+        return size - FIXED.size
+
+    def header(self, key: str, data: bytes, total: int) -> Header:
+        return parse_header(data, key, self.max_entry_bytes, self.hmac_key, total_len=total)
+
+    @staticmethod
+    def unchanged(head: Header, meta: EntryMeta) -> None:
+        """A promotion reads what its lookup saw, or nothing."""
+        if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
+            raise BadValue("value changed since the lookup (other dtype/shape)")
 
 
 class RedisTransport:
@@ -144,11 +186,10 @@ class RedisTransport:
         # not behind TLS (the loop reads plain sockets) nor on a Cluster (redirects)
         self.fetches = not self.target.cluster and tls is None
         self.router = Router(seeds, self.target.cluster, self.pool)
-        self._lock = threading.Lock()
-        self._active: set[Connection] = set()
-        self._stop = threading.Event()
-        self._sub_thread: threading.Thread | None = None
-        self._sub_conn: Connection | None = None
+        self.link = Link(self.pool, self.router, self.prefix, meter, self.trouble)
+        self.rules = ValueRules(max_entry_bytes, self.hmac_key)
+        self.loop = LoopCalls(self.link, self.rules, self.timeout_s)
+        self.announcements = Announcements(self.link, self.params, self.channel)
 
     def describe(self) -> str:
         return (
@@ -169,104 +210,29 @@ class RedisTransport:
         return True
 
     def stop(self) -> None:
-        self._stop.set()
-        with self._lock:
-            conns = [*self._active, *([self._sub_conn] if self._sub_conn else [])]
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(2)
+        self.link.stop()
 
     def close(self) -> None:
-        self._stop.set()
+        self.link.stopped.set()
         self.pool.close()
 
     # ------------------------------------------------------------ routing
 
-    def _rk(self, key: str) -> bytes:
-        return self.prefix + key.encode("utf-8", "surrogatepass")
-
     def node_of(self, key: str) -> Node:
-        return self.router.cached_node(self._rk(key)) or UNMAPPED
+        return self.link.node_of(key)
 
     def nodes(self) -> list[Node]:
         return list(self.router.masters())
 
-    def _node_for(self, rk: bytes) -> Endpoint:
-        try:
-            return self.router.node_for(rk)
-        except (OSError, RespError) as exc:
-            raise StoreDown([UNMAPPED], str(exc)) from None
-
-    def _call(self, ep: Endpoint, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` on a pooled connection to ``ep``. Raises StoreDown for connection
-        trouble, RespError for a server error reply, BadValue/TierMiss from ``fn``."""
-        t0 = time.monotonic()
-        try:
-            conn = self.pool.get(ep)
-        except (OSError, RespError) as exc:
-            self.trouble.failed(exc, ep)
-            raise StoreDown([ep], f"cannot connect to {ep}: {exc}") from None
-        self.trouble.ok()
-        with self._lock:
-            self._active.add(conn)
-        try:
-            result = fn(conn)
-        except (RespError, TierMiss):
-            self.pool.put(conn)
-            raise
-        except (OSError, ProtocolViolation, ValueError) as exc:
-            conn.close()  # possibly mid-value: never reused
-            if isinstance(exc, BadValue):
-                raise
-            raise StoreDown([ep], f"{ep}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            with self._lock:
-                self._active.discard(conn)
-            self.meter.observe(time.monotonic() - t0)
-        self.pool.put(conn)
-        return result
-
-    def _routed(self, key: bytes, fn: Callable[[Connection], T]) -> T:
-        """``_call`` on the node owning ``key``, following Cluster redirects: after
-        ``-MOVED`` on the new owner (slot map updated), after ``-ASK`` once on the
-        migration target with ASKING before each command (slot map unchanged)."""
-        ep = self._node_for(key)
-        asking = False
-        for hop in range(MAX_REDIRECTS + 1):
-            try:
-                return self._call(ep, _with_asking(fn) if asking else fn)
-            except RespError as exc:
-                redirect = parse_redirect(str(exc), ep) if self.target.cluster else None
-                if redirect is None or hop == MAX_REDIRECTS:
-                    raise
-            self._redirected(redirect)
-            ep, asking = redirect.ep, redirect.ask
-        raise AssertionError("unreachable")
-
-    def _note_redirect(self, redirect: Redirect) -> None:
-        kind = "ask" if redirect.ask else "moved"
-        self.meter.count(f"remote_{kind}_redirects")
-        log.debug("remote tier: %s slot %d -> %s", kind.upper(), redirect.slot, redirect.ep)
-
-    def _redirected(self, redirect: Redirect) -> None:
-        """Bookkeeping for one redirect: ``-MOVED`` updates the slot and reloads the map."""
-        self._note_redirect(redirect)
-        if not redirect.ask:
-            self.router.moved(redirect.slot, redirect.ep)
-            with contextlib.suppress(OSError, RespError):
-                self.router.refresh()
-
     # ------------------------------------------------------------ lookups
 
     def lookup(self, keys: list[str]) -> list[LookupAnswer]:
+        link = self.link
         # (node, with ASKING) -> indices of the keys asked there in one pipeline.
         todo: dict[tuple[Endpoint, bool], list[int]] = {}
-        rks = [self._rk(k) for k in keys]
+        rks = [link.rk(k) for k in keys]
         for i, rk in enumerate(rks):
-            todo.setdefault((self._node_for(rk), False), []).append(i)
+            todo.setdefault((link.node_for(rk), False), []).append(i)
         out: list[LookupAnswer] = [None] * len(keys)
         for hop in range(MAX_REDIRECTS + 1):
             again: dict[tuple[Endpoint, bool], list[int]] = {}
@@ -279,21 +245,21 @@ class RedisTransport:
                 def ask(c: Connection, cmds: list[list[Any]] = cmds) -> list[Any]:
                     return c.pipeline(cmds)
 
-                replies = self._call(ep, _with_asking(ask) if asking else ask)
+                replies = link.call(ep, with_asking(ask) if asking else ask)
                 for j, i in enumerate(idx):
                     head, total = replies[2 * j], replies[2 * j + 1]
                     err = head if isinstance(head, RespError) else total
                     if isinstance(err, RespError):
                         # MOVED / ASK: ask again where the server says (a few hops at most);
                         # any other error reply reads as a miss.
-                        redirect = parse_redirect(str(err), ep) if self.target.cluster else None
+                        redirect = link.redirect_of(err, ep)
                         if redirect is not None and hop < MAX_REDIRECTS:
-                            self._note_redirect(redirect)
+                            link.note_redirect(redirect)
                             if not redirect.ask:
                                 self.router.moved(redirect.slot, redirect.ep)
                             again.setdefault((redirect.ep, redirect.ask), []).append(i)
                         continue
-                    out[i] = self._meta(keys[i], head, total)
+                    out[i] = self.rules.meta(keys[i], head, total)
             if not again:
                 break
             if any(not asking for _, asking in again):
@@ -302,40 +268,19 @@ class RedisTransport:
             todo = again
         return out
 
-    def _meta(self, key: str, head: Any, total: Any) -> LookupAnswer:
-        if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
-            return None  # absent (GETRANGE of a missing key is empty)
-        try:
-            h = parse_header(head, key, self.max_entry_bytes, self.hmac_key, total_len=total)
-        except BadValue as exc:
-            return exc
-        return EntryMeta(h.nbytes, h.dtype, h.shape)
-
     # ------------------------------------------------------------ promotion
 
     def read_into(self, key: str, meta: EntryMeta, extents: list[Extent], slab: SlabAccess) -> None:
         deadline = time.monotonic() + self.timeout_s * (1 + meta.nbytes / (64 << 20))
+        rk = self.link.rk(key)
+        rules = self.rules
 
         def get(conn: Connection) -> None:
-            conn.send(["GET", self._rk(key)])
-            total = conn.read_bulk_len()
-            if total is None:
-                raise TierMiss(key)
-            if total > MAX_HEADER + self.max_entry_bytes:
-                raise BadValue(f"value of {total} bytes exceeds the entry size limit")
-            fixed = conn.read_exact(min(FIXED.size, total))
-            size, _ = fixed_lengths(fixed)
-            if size > total:
-                raise BadValue("value is truncated inside its header")
-            head = parse_header(
-                fixed + conn.read_exact(size - FIXED.size),
-                key,
-                self.max_entry_bytes,
-                self.hmac_key,
-                total_len=total,
-            )
-            if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
-                raise BadValue("value changed since the lookup (other dtype/shape)")
+            conn.send(["GET", rk])
+            total = rules.total(key, conn.read_bulk_len())
+            fixed = conn.read_exact(rules.fixed_size(total))
+            head = rules.header(key, fixed + conn.read_exact(rules.head_rest(fixed, total)), total)
+            rules.unchanged(head, meta)
             verifier = Verifier(head)
             with slab.views(extents) as views:
                 for view in views:
@@ -345,150 +290,25 @@ class RedisTransport:
             self.meter.count("remote_bytes_read", total)
 
         try:
-            self._routed(self._rk(key), get)
+            self.link.routed(rk, get)
         except RespError as exc:
             raise StoreDown([self.node_of(key)], str(exc)) from None
 
     # ------------------------------------------------------------ on the event loop
 
-    def _loop_conn(self, rk: bytes) -> LoopConnection | None:
-        if self.params.tls is not None or self._stop.is_set():
-            return None
-        ep = self.router.cached_node(rk)
-        if ep is None:
-            return None
-        lc = LoopConnection.take(self.pool, ep, asyncio.get_running_loop())
-        if lc is not None:
-            with self._lock:
-                self._active.add(lc.conn)  # stop() cuts it too
-        return lc
-
-    def _loop_done(self, lc: LoopConnection, t0: float) -> None:
-        with self._lock:
-            self._active.discard(lc.conn)
-        lc.release()
-        self.meter.observe(time.monotonic() - t0)
-
     async def lookup_on_loop(self, keys: list[str]) -> list[LookupAnswer] | None:
-        """``lookup`` on the event loop: one pipelined round trip when every key lives
-        on one node with an idle connection. None: not here (use ``lookup``)."""
-        rks = [self._rk(k) for k in keys]
-        if len({self.router.cached_node(rk) for rk in rks}) != 1:
-            return None
-        lc = self._loop_conn(rks[0])
-        if lc is None:
-            return None
-        ep = lc.conn.ep
-        pieces: list[bytes | memoryview] = []
-        for rk in rks:
-            pieces += pack(["GETRANGE", rk, 0, MAX_HEADER - 1])
-            pieces += pack(["STRLEN", rk])
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                replies = await lc.pipeline(pieces, 2 * len(keys))
-        except (OSError, TimeoutError, ValueError) as exc:
-            lc.close()
-            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
-        except BaseException:
-            lc.close()
-            raise
-        finally:
-            self._loop_done(lc, t0)
-        out: list[LookupAnswer] = []
-        for j, key in enumerate(keys):
-            head, total = replies[2 * j], replies[2 * j + 1]
-            err = head if isinstance(head, RespError) else total
-            if isinstance(err, RespError):
-                if self.target.cluster and parse_redirect(str(err), ep) is not None:
-                    return None  # a slot moved: the threads follow redirects
-                out.append(None)  # any other error reply reads as a miss (as ``lookup``)
-                continue
-            out.append(self._meta(key, head, total))
-        self.meter.count("remote_loop_lookups")
-        return out
+        """``lookup`` in one round trip on the loop; None: use ``lookup``."""
+        return await self.loop.lookup(keys)
 
     async def read_on_loop(
         self, key: str, meta: EntryMeta, extents: list[Extent], slab: SlabAccess
     ) -> bool:
-        """``read_into`` on the event loop (the same checks, the same bytes); False:
-        not here -- nothing was written -- use ``read_into``."""
-        rk = self._rk(key)
-        lc = self._loop_conn(rk)
-        if lc is None:
-            return False
-        ep = lc.conn.ep
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout_s * (1 + meta.nbytes / (64 << 20))):
-                got = await self._loop_get_head(lc, key)
-                if got is None:
-                    return False  # a slot moved: the threads follow redirects
-                total, head = got
-                if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
-                    raise BadValue("value changed since the lookup (other dtype/shape)")
-                await self._loop_stream(lc, head, extents, slab)
-        except (TierMiss, BadValue, StoreDown):
-            raise  # a BadValue mid-value leaves the stream out of step: release closes it
-        except (OSError, TimeoutError, ValueError) as exc:
-            lc.close()
-            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
-        except BaseException:
-            lc.close()
-            raise
-        finally:
-            self._loop_done(lc, t0)
-        self.meter.count("remote_bytes_read", total)
-        self.meter.count("remote_loop_reads")
-        return True
-
-    async def _loop_stream(
-        self, lc: LoopConnection, head: Header, extents: list[Extent], slab: SlabAccess
-    ) -> None:
-        """The payload after ``head`` streamed into ``extents`` and verified; the
-        connection is back in step only once the whole value and its CRLF are read."""
-        verifier = Verifier(head)
-        with slab.views(extents) as views:
-            await lc.stream_into(views, verifier)
-        await lc.crlf()
-        lc.in_step = True
-        verifier.finish()
-
-    async def _loop_get_head(self, lc: LoopConnection, key: str) -> tuple[int, Header] | None:
-        """Send ``GET`` and read the value's length and header on the loop, checked as a
-        lookup checks them; the payload is left in the stream. None: a Cluster slot
-        moved (the threads follow redirects). Raises TierMiss, BadValue, StoreDown."""
-        ep = lc.conn.ep
-        await lc.send(pack(["GET", self._rk(key)]))
-        try:
-            total = await lc.bulk_len()
-        except RespError as exc:
-            if self.target.cluster and parse_redirect(str(exc), ep) is not None:
-                return None
-            raise StoreDown([ep], str(exc)) from None
-        if total is None:
-            raise TierMiss(key)
-        if total > MAX_HEADER + self.max_entry_bytes:
-            raise BadValue(f"value of {total} bytes exceeds the entry size limit")
-        fixed = await lc.exact(min(FIXED.size, total))
-        size, _ = fixed_lengths(fixed)
-        if size > total:
-            raise BadValue("value is truncated inside its header")
-        head = parse_header(
-            fixed + await lc.exact(size - FIXED.size),
-            key,
-            self.max_entry_bytes,
-            self.hmac_key,
-            total_len=total,
-        )
-        return total, head
+        """``read_into`` on the loop; False (nothing written): use ``read_into``."""
+        return await self.loop.read(key, meta, extents, slab)
 
     def loop_fetch_conn(self, key: str) -> LoopConnection | None:
-        """A connection for ``fetch_on_loop`` (standalone stores: a Cluster redirect
-        would need the threads), or None."""
-        if self.target.cluster:
-            return None
-        return self._loop_conn(self._rk(key))
+        """A connection for ``fetch_on_loop``, or None."""
+        return self.loop.fetch_conn(key)
 
     async def fetch_on_loop(
         self,
@@ -497,44 +317,8 @@ class RedisTransport:
         reserve: Callable[[EntryMeta], list[Extent] | None],
         slab: SlabAccess,
     ) -> EntryMeta:
-        """Lookup and read in one round trip: ``GET``, the header checked as a lookup
-        checks it, then ``reserve(meta)`` (on the loop, no hand-off) and the payload
-        streamed into those extents and verified. Raises TierMiss, BadValue, Declined
-        (``reserve`` took nothing: the connection, mid-value, is closed), StoreDown."""
-        ep = lc.conn.ep
-        t0 = time.monotonic()
-        total = 0
-        try:
-            async with asyncio.timeout(self.timeout_s) as deadline:
-                got = await self._loop_get_head(lc, key)
-                if got is None:  # standalone stores only (loop_fetch_conn): never a redirect
-                    raise StoreDown([ep], f"{ep}: unexpected cluster redirect")
-                total, head = got
-                meta = EntryMeta(head.nbytes, head.dtype, head.shape)
-                extents = reserve(meta)
-                if extents is None:
-                    raise Declined(f"no room for {key[:200]!r}")
-                # never a byte outside what was reserved for exactly this payload
-                if sum(n for _, n in extents) != head.nbytes:
-                    raise ValueError("reserved extents do not match the value's size")
-                deadline.reschedule(
-                    asyncio.get_running_loop().time()
-                    + self.timeout_s * (1 + head.nbytes / (64 << 20))
-                )
-                await self._loop_stream(lc, head, extents, slab)
-        except (TierMiss, BadValue, StoreDown, Declined):
-            raise  # mid-value the stream is out of step: release closes the connection
-        except (OSError, TimeoutError, ValueError) as exc:
-            lc.close()
-            raise StoreDown([ep], f"{ep}: {exc or type(exc).__name__}") from None
-        except BaseException:
-            lc.close()
-            raise
-        finally:
-            self._loop_done(lc, t0)
-        self.meter.count("remote_bytes_read", total)
-        self.meter.count("remote_loop_reads")
-        return meta
+        """Lookup and read of ``key`` in one round trip (``LoopCalls.fetch``)."""
+        return await self.loop.fetch(lc, key, reserve, slab)
 
     # ------------------------------------------------------------ write-behind
 
@@ -552,7 +336,7 @@ class RedisTransport:
         return out
 
     def _write_one(self, item: WriteItem, slab: SlabAccess) -> Outcome:
-        rk = self._rk(item.key)
+        rk = self.link.rk(item.key)
         meta = item.meta
 
         def put(conn: Connection) -> Outcome:
@@ -560,8 +344,8 @@ class RedisTransport:
                 head, total = conn.pipeline([["GETRANGE", rk, 0, MAX_HEADER - 1], ["STRLEN", rk]])
                 for reply in (head, total):
                     if isinstance(reply, RespError):
-                        raise reply  # a redirect: _routed follows it
-                if isinstance(self._meta(item.key, head, total), EntryMeta):
+                        raise reply  # a redirect: routed() follows it
+                if isinstance(self.rules.meta(item.key, head, total), EntryMeta):
                     return Outcome.PRESENT  # a valid value is there; a refused one is replaced
             algo = default_algo(self.hmac_key)
             with slab.views(item.extents) as views:
@@ -582,78 +366,29 @@ class RedisTransport:
             self.meter.count("remote_bytes_written", len(header) + meta.nbytes)
             return Outcome.STORED
 
-        return self._routed(rk, put)
+        return self.link.routed(rk, put)
 
     # ------------------------------------------------------------ delete / clear / list
 
     def delete(self, key: str) -> None:
-        rk = self._rk(key)
+        rk = self.link.rk(key)
         try:
-            self._routed(rk, lambda c: c.command("DEL", rk))
+            self.link.routed(rk, lambda c: c.command("DEL", rk))
         except RespError as exc:
             raise StoreDown([self.node_of(key)], str(exc)) from None
 
     def clear(self) -> int:
         """DEL every value of the namespace whose header names the key it is stored
         under: a nested prefix's values (``a:b:x`` under ``a:``) stay."""
-        names = self._scan(1 << 62)
-        removed = 0
-        for lo in range(0, len(names), 100):
-            chunk = names[lo : lo + 100]
-            for name in chunk:
-                rk = self._rk(name)
-                try:
-                    head = self._routed(
-                        rk, lambda c, rk=rk: c.command("GETRANGE", rk, 0, MAX_HEADER - 1)
-                    )
-                    if not isinstance(head, bytes) or not head:
-                        continue
-                    if not owned(stored_key(head), name):
-                        continue  # another namespace nested inside ours
-                    removed += int(self._routed(rk, lambda c, rk=rk: c.command("DEL", rk)) or 0)
-                except RespError as exc:
-                    raise StoreDown([self.node_of(name)], str(exc)) from None
-        return removed
+        return clear(self.link, self.channel)
 
     def list_keys(self, limit: int) -> list[str]:
-        return self._scan(limit)
-
-    def _scan(self, limit: int) -> list[str]:
-        if self.target.cluster:
-            try:
-                self.router.refresh()
-            except (OSError, RespError) as exc:
-                raise StoreDown([UNMAPPED], str(exc)) from None
-        found: list[str] = []
-        n = len(self.prefix)
-        pattern = _glob_escape(self.prefix) + b"*"
-        for ep in self.router.masters():
-
-            def scan(conn: Connection) -> None:
-                cursor: bytes | int = b"0"
-                while True:
-                    reply = conn.command("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
-                    if not (isinstance(reply, list) and len(reply) == 2):
-                        raise ProtocolViolation("SCAN answered a malformed reply")
-                    cursor, keys = reply
-                    if not isinstance(keys, list) or not isinstance(cursor, bytes):
-                        raise ProtocolViolation("SCAN answered a malformed reply")
-                    for k in keys:
-                        if isinstance(k, bytes) and k != self.channel:
-                            found.append(k[n:].decode("utf-8", "surrogateescape"))
-                    if cursor == b"0" or len(found) >= limit or self._stop.is_set():
-                        return
-
-            try:
-                self._call(ep, scan)
-            except RespError as exc:
-                raise StoreDown([ep], str(exc)) from None
-        return found[:limit]
+        return scan(self.link, self.channel, limit)
 
     def probe(self, node: Node) -> None:
         ep = node if isinstance(node, Endpoint) else self.router.seeds[0]
         try:
-            self._call(ep, lambda c: c.command("PING"))
+            self.link.call(ep, lambda c: c.command("PING"))
         except RespError as exc:
             raise StoreDown([node], str(exc)) from None
 
@@ -665,76 +400,7 @@ class RedisTransport:
         on_resync: Callable[[], None],
         on_health: Callable[[Node, bool], None] | None = None,
     ) -> None:
-        self._sub_thread = threading.Thread(
-            target=self._subscriber,
-            args=(on_keys, on_resync, on_health),
-            name="ec-remote-announce",
-            daemon=True,
-        )
-        # The first key scan runs once the subscription is confirmed: a key written
-        # before it is found by the scan, one written after is announced.
-        self._sub_thread.start()
-
-    def _subscriber(
-        self,
-        on_keys: Callable[[list[str]], None],
-        on_resync: Callable[[], None],
-        on_health: Callable[[Node, bool], None] | None,
-    ) -> None:
-        """Fold keys other brokers announce; reconnect with backoff. Every confirmed
-        (re)subscription asks for a key scan (the announcements before it were missed)."""
-        backoff = 0.2
-        while not self._stop.is_set():
-            ep = (self.router.masters() or self.router.seeds)[0]
-            node = self.node_of("") if not self.target.cluster else ep
-            try:
-                conn = Connection(ep, dataclasses.replace(self.params, timeout_s=_SUB_POLL_S))
-            except (OSError, RespError) as exc:
-                self.trouble.failed(exc, ep)
-                if on_health is not None:
-                    on_health(node, False)  # no traffic needed to notice a store that is down
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            with self._lock:
-                self._sub_conn = conn
-            try:
-                conn.command("SUBSCRIBE", self.channel)
-                if on_health is not None:
-                    on_health(node, True)  # ... nor to notice it is back
-                on_resync()
-                backoff = 0.2
-                batch: list[str] = []
-                while not self._stop.is_set():
-                    try:
-                        msg = conn.read_reply()
-                    except TimeoutError:
-                        if conn._buf or conn.partial:
-                            # a reply cut by the timeout: the stream is out of step
-                            raise ProtocolViolation("half a message, then silence") from None
-                        if batch:
-                            on_keys(batch)
-                            batch = []
-                        continue
-                    if (
-                        isinstance(msg, list)
-                        and len(msg) == 3
-                        and msg[0] == b"message"
-                        and isinstance(msg[2], bytes)
-                        and 0 < len(msg[2]) <= 64 * 1024
-                    ):
-                        batch.append(msg[2].decode("utf-8", "surrogateescape"))
-                        if len(batch) >= _ANNOUNCE_BATCH or not conn._buf:
-                            on_keys(batch)
-                            batch = []
-            except (OSError, RespError, ProtocolViolation):
-                pass
-            finally:
-                conn.close()
-                with self._lock:
-                    self._sub_conn = None
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 10.0)
+        self.announcements.start(on_keys, on_resync, on_health)
 
 
 class RedisTier(RemoteTier):
@@ -754,22 +420,3 @@ class RedisTier(RemoteTier):
             breaker_backoff_s=min(0.5, config.remote_timeout_s),
         )
         super().__init__(transport, limits, meter, transport.describe())
-
-
-def _with_asking(fn: Callable[[Connection], T]) -> Callable[[Connection], T]:
-    """``fn`` with every command it sends preceded by ASKING (following an -ASK)."""
-
-    def run(conn: Connection) -> T:
-        conn.asking = True  # the pool clears it when the connection comes back
-        return fn(conn)
-
-    return run
-
-
-def _glob_escape(b: bytes) -> bytes:
-    out = bytearray()
-    for c in b:
-        if c in b"*?[]\\":
-            out.append(0x5C)
-        out.append(c)
-    return bytes(out)
