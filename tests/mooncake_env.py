@@ -411,6 +411,35 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
                         for v in views:
                             h.update(v)
                     out({"sha256": h.hexdigest(), "extents": len(extents)})
+                elif op == "fetch":  # a get no lookup preceded (RemoteTier.fetch)
+                    reserved: list[list] = []
+
+                    def reserve(
+                        meta: EntryMeta, reserved: list = reserved, cmd: dict = cmd
+                    ) -> list[tuple[int, int]] | None:
+                        reserved.append([meta.nbytes, meta.dtype, list(meta.shape)])
+                        if cmd.get("decline"):
+                            return None
+                        extents = alloc(meta.nbytes, cmd.get("pieces", 3))
+                        with slab.views(extents) as views:
+                            for v in views:
+                                v[:] = b"\xee" * len(v)  # stale bytes a failed read must not hide
+                        reserved[-1].append(extents)
+                        return extents
+
+                    try:
+                        done = await tier.fetch(cmd["key"], reserve)
+                    except (TierMiss, TierCorrupt, TierUnavailable) as exc:
+                        out({"failed": type(exc).__name__, "why": str(exc), "reserved": reserved})
+                        continue
+                    got: dict = {"done": done, "reserved": reserved}
+                    if done:
+                        h = hashlib.sha256()
+                        with slab.views(reserved[-1][3]) as views:
+                            for v in views:
+                                h.update(v)
+                        got["sha256"] = h.hexdigest()
+                    out(got)
                 elif op == "read_cancel":  # cancel a promotion mid-transfer
                     n, dtype, shape = cmd["meta"]
                     meta = EntryMeta(n, dtype, tuple(shape))

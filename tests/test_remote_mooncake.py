@@ -247,6 +247,67 @@ def test_poisoned_values_are_refused_never_served(mc: Env) -> None:
     assert b.call("lookup", keys=list(poison))["metas"] == [None] * len(poison)
 
 
+def _calls(st: dict) -> int:
+    """Store calls the tier timed (one per transfer job: a lookup's header read, a read)."""
+    return st["remote_latency_ms_le_inf"]
+
+
+@needs_mooncake
+def test_a_get_no_lookup_preceded_is_one_transfer_verified_before_any_reserve(mc: Env) -> None:
+    """Issue 18: a get of a key no lookup preceded (``fetch``) moves the whole value in
+    ONE transfer (into a staging buffer) and verifies it there -- header bounds, key,
+    dtype table, exact length, checksum -- before any slab range is reserved: a value
+    that lies (its header about its size, its payload about its checksum, ...) is
+    refused and never costs a reservation. Larger than a stage: header, then the
+    pipelined read into the range. A reserve that declines takes nothing."""
+    a, b = mc.driver(), mc.driver()
+    cases = [("one-mib", "float16", [512, 1024], 1), ("tiny", "uint8", [3], 2)]
+    cases.append(("long-" + "k" * 900, "bfloat16", [33, 7], 3))  # header longer than the probe
+    cases.append(("video", "bfloat16", [3, 1 << 20], 4))  # 6 MiB: larger than a stage
+    for key, dtype, shape, seed in cases:
+        assert a.call("put", key=key, dtype=dtype, shape=shape, seed=seed)["started"]
+    for key, dtype, shape, seed in cases:
+        n = expected_nbytes(dtype, shape)
+        before = b.call("stats")["stats"]
+        got = b.call("fetch", key=key)
+        assert got.get("done") is True, (key, got)
+        assert got["sha256"] == sha(n, seed), key
+        assert [r[:3] for r in got["reserved"]] == [[n, dtype, shape]], key
+        after = b.call("stats")["stats"]
+        staged = after["remote_staged_reads"] - before["remote_staged_reads"]
+        if n < 4 << 20:  # one transfer, timed once; nothing looked up first
+            assert (staged, _calls(after) - _calls(before)) == (1, 1), key
+        else:
+            assert staged == 0, key
+    st = b.call("stats")["stats"]
+    assert st["remote_hits"] == len(cases) and st["remote_refused_values"] == 0
+
+    liar = bytearray(encode_value("liar", "float32", [4, 64], payload(1024, 3)))
+    liar[16:24] = (2048).to_bytes(8, "little")  # payload_len: says 2048, holds 1024
+    flipped = bytearray(encode_value("flip", "float32", [4, 64], payload(1024, 3)))
+    flipped[-5] ^= 0xFF
+    poison = {
+        "liar": bytes(liar),
+        "flip": bytes(flipped),
+        "truncated": encode_value("truncated", "float32", [4, 64], payload(1024, 3))[:-10],
+        "trailing": encode_value("trailing", "float32", [4, 64], payload(1024, 3)) + b"\0" * 8,
+        "moved": encode_value("x", "float32", [4, 64], payload(1024, 3)),
+        "garbage": os.urandom(3000),
+    }
+    for key, data in poison.items():
+        assert a.call("raw_put", key=key, data=base64.b64encode(data).decode())["rc"] == 0
+    for key in poison:
+        got = b.call("fetch", key=key)
+        assert got.get("failed") == "TierCorrupt", (key, got)
+        assert got["reserved"] == [], f"{key}: a slab range was reserved for a bad value"
+    assert b.call("stats")["stats"]["remote_refused_values"] == len(poison)
+    got = b.call("fetch", key="absent")
+    assert (got["failed"], got["reserved"]) == ("TierMiss", []), got
+    # A reserve that declines (no room, or a client writing the key) takes nothing.
+    got = b.call("fetch", key="one-mib", decline=True)
+    assert got == {"done": False, "reserved": [[1 << 20, "float16", [512, 1024]]]}, got
+
+
 @needs_mooncake
 def test_hmac_refuses_unsigned_values(mc: Env) -> None:
     key = "k" * 32
@@ -470,6 +531,40 @@ def test_two_brokers_put_on_a_remote_hit_on_b_every_dtype(two_brokers) -> None:
         # Now local on B: a second get is a slab hit, no new remote read.
         assert _bytes(cb.get("video")) == _bytes(tensors["video"])
         assert cb.stats()["remote_bytes_read"] == sb["remote_bytes_read"]
+
+
+@needs_mooncake
+def test_two_brokers_a_remote_get_is_one_transfer(two_brokers) -> None:
+    """Issue 18: B's get of a key only A stored is one Mooncake transfer (into a staging
+    buffer, verified there, then copied into the range reserved for it) -- not a
+    lookup's header read and then a second transfer of the value. A value whose
+    header lies about its size is refused with nothing left reserved."""
+    from lmcache_ec_broker import BrokerClient
+
+    mc, a, b = two_brokers
+    tensors = {f"hit-{i}": _tensor("bfloat16", [1024, 512], 10 + i) for i in range(3)}  # 1 MiB
+    with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
+        for key, t in tensors.items():
+            assert ca.put(key, t), key
+        until(lambda: all(cb.has(list(tensors))))
+        for key, t in tensors.items():
+            before = cb.stats()
+            got = cb.get(key)
+            after = cb.stats()
+            assert got is not None and _bytes(got) == _bytes(t), key
+            assert after["remote_staged_reads"] - before["remote_staged_reads"] == 1, key
+            assert _calls(after) - _calls(before) == 1, f"{key}: more than one store transfer"
+            assert after["promotions"] - before["promotions"] == 1, key
+        # a header consistent in itself (uint8 [8192]) on an object holding 4 KiB of it
+        liar = encode_value("liar", "uint8", [8192], payload(8192, 5))[:-4096]
+        poisoner = mc.driver()
+        assert poisoner.call("raw_put", key="liar", data=base64.b64encode(liar).decode())["rc"] == 0
+        until(lambda: cb.has(["liar"])[0])  # a lookup reads only the header: a hit
+        assert cb.get("liar") is None
+        st = cb.stats()
+        assert st["remote_refused_values"] == 1
+        assert (st["reserved_entries"], st["reserved_bytes"]) == (0, 0)
+        assert cb.ping()
 
 
 @needs_mooncake

@@ -41,6 +41,9 @@ from .mooncake_io import (
     MASTER,
     NOT_FOUND,
     RPC_FAIL,
+    STAGE_BYTES,
+    STAGES,
+    Fetched,
     MooncakeIO,
     Slots,
 )
@@ -77,6 +80,7 @@ def import_store_class() -> Any:
 class MooncakeTransport:
     write_batch = BATCH_WRITES
     write_workers = 1  # one writer: a batch at a time, as Mooncake likes it
+    fetches = True  # a get no lookup preceded reads the value at once (``fetch_staged``)
 
     def __init__(self, settings: MooncakeSettings, meter: Meter) -> None:
         self.s = settings
@@ -85,6 +89,7 @@ class MooncakeTransport:
         self._store: Any = None
         self._store_cls: Any = None
         self._slots: Slots | None = None
+        self._stages: Slots | None = None
         self._io: MooncakeIO | None = None
         self._slab: SlabAccess | None = None
         self._connected = threading.Event()
@@ -113,7 +118,8 @@ class MooncakeTransport:
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         # a write batch, every lookup thread's chunk (and a clear's), reads one each
         self._slots = Slots(BATCH_WRITES + (LOOKUP_THREADS + 1) * LOOKUP_CHUNK + 64)
-        self._io = MooncakeIO(self.s, self._slots, self.meter)
+        self._stages = Slots(STAGES, STAGE_BYTES)
+        self._io = MooncakeIO(self.s, self._slots, self.meter, self._stages)
 
     def start(self, slab: SlabAccess) -> None:
         self._slab = slab
@@ -148,9 +154,11 @@ class MooncakeTransport:
                 if rc != 0:
                     raise RuntimeError(f"setup returned {rc}")
                 assert self._slab is not None and self._slots is not None
+                assert self._stages is not None
                 for addr, size in (
                     (self._slab.address, self._slab.size),
                     (self._slots.address, self._slots.size),
+                    (self._stages.address, self._stages.size),
                 ):
                     rc = store.register_buffer(addr, size)
                     if rc != 0:
@@ -199,8 +207,9 @@ class MooncakeTransport:
             try:
                 if self._slab is not None:
                     store.unregister_buffer(self._slab.address)
-                if self._slots is not None:
-                    store.unregister_buffer(self._slots.address)
+                for own in (self._slots, self._stages):
+                    if own is not None:
+                        store.unregister_buffer(own.address)
                 store.close()  # unmounts this broker's segment: its objects leave the store
             except Exception as exc:  # noqa: BLE001
                 log.warning("Mooncake client close: %s", exc)
@@ -235,6 +244,28 @@ class MooncakeTransport:
     def read_into(self, key: str, meta: EntryMeta, extents: list[Extent], slab: SlabAccess) -> None:
         store, io = self._client()
         io.read_into(store, key, meta, list(extents), slab)
+
+    # A get no lookup preceded (``RemoteTier.fetch``): take_stage on the loop, then
+    # fetch_staged on a read thread, then unstage on the loop once the range is reserved,
+    # then give_stage -- the stage belongs to that one fetch until then.
+
+    def take_stage(self) -> int | None:
+        """A staging buffer, or None when all are in use (the caller looks up instead)."""
+        if self._stages is None or not self._connected.is_set():
+            return None
+        return self._stages.try_take()
+
+    def give_stage(self, stage: int) -> None:
+        assert self._stages is not None
+        self._stages.give([stage])
+
+    def fetch_staged(self, key: str, stage: int) -> Fetched:
+        store, io = self._client()
+        return io.fetch(store, key, stage, self._slab)
+
+    def unstage(self, stage: int, fetched: Fetched, extents: list[Extent]) -> None:
+        assert self._io is not None and self._slab is not None
+        self._io.unstage(stage, fetched, extents, self._slab)
 
     def write(self, items: Sequence[WriteItem], slab: SlabAccess) -> list[Outcome]:
         store, io = self._client()

@@ -28,6 +28,7 @@ REMOTE_COUNTERS = (
     "remote_lease_conflicts",  # Mooncake: deletes deferred by a reader's lease
     "remote_loop_lookups",  # lookups done on the event loop (no worker thread)
     "remote_loop_reads",  # promotions read on the event loop (no worker thread)
+    "remote_staged_reads",  # Mooncake: gets read in one transfer via a staging buffer
     *LATENCY_KEYS,
     "remote_latency_seconds_sum",
 )

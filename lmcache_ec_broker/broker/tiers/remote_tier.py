@@ -379,25 +379,90 @@ class RemoteTier(LowerTier):
     async def fetch(
         self, key: str, reserve: Callable[[EntryMeta], list[Extent] | None]
     ) -> bool | None:
-        """A get of ``key`` that no lookup preceded: lookup and read in one store round
-        trip where the transport can (on the loop). The value's header says what it is;
-        ``reserve(meta)`` gives the extents to fill, or None to take nothing. True: the
-        extents hold the verified value; False: ``reserve`` declined; None: not done
-        here (no I/O, nothing reserved): look up and read as usual. Raises TierMiss,
-        TierCorrupt or TierUnavailable (then anything reserved must be aborted)."""
+        """A get of ``key`` that no lookup preceded: lookup and read in one store
+        transfer where the transport can -- on the loop (``fetch_on_loop``: Redis), or
+        on one read thread into a staging buffer (``fetch_staged``: Mooncake). The
+        value's header says what it is; ``reserve(meta)`` gives the extents to fill,
+        or None to take nothing. True: the extents hold the verified value; False:
+        ``reserve`` declined; None: not done here (no I/O, nothing reserved): look up
+        and read as usual. Raises TierMiss, TierCorrupt or TierUnavailable (then
+        anything reserved must be aborted)."""
         transport: Any = self.transport
-        if not hasattr(transport, "fetch_on_loop") or self._slab is None:
+        if self._slab is None:
             return None
-        lc = transport.loop_fetch_conn(key)
-        if lc is None:
-            return None
+        if hasattr(transport, "fetch_on_loop"):
+            lc = transport.loop_fetch_conn(key)
+            if lc is None:
+                return None
+            try:
+                job = self.policy.fetch_start(key)
+            except BaseException:
+                lc.release()
+                raise
+            return await self._fetch_ended(
+                job, key, transport.fetch_on_loop(lc, key, reserve, self._slab)
+            )
+        if hasattr(transport, "fetch_staged"):
+            stage = transport.take_stage()
+            if stage is None:
+                return None
+            try:
+                job = self.policy.fetch_start(key)
+            except BaseException:
+                transport.give_stage(stage)
+                raise
+            return await self._fetch_ended(job, key, self._fetch_staged(key, stage, reserve))
+        return None
+
+    async def _fetch_staged(
+        self, key: str, stage: int, reserve: Callable[[EntryMeta], list[Extent] | None]
+    ) -> EntryMeta:
+        """One read-thread job moves the whole value into ``stage`` and verifies it
+        there (header: bounds, key, dtype table, exact length, MAC; payload checksum);
+        only then is the slab range reserved, and the verified bytes copied into it on
+        the loop. A value larger than a stage: its header on the thread, then the
+        range, then the pipelined read into it. ``stage`` is freed here, after every
+        thread that may write into it has returned."""
+        transport: Any = self.transport
+        held: int | None = stage
         try:
-            job = self.policy.fetch_start(key)
-        except BaseException:
-            lc.release()
-            raise
+            fetched = await self._on_read_thread(transport.fetch_staged, key, stage)
+            extents = reserve(fetched.meta)
+            if extents is None:
+                raise Declined(f"no room for {key[:200]!r}")
+            # never a byte outside what was reserved for exactly this payload
+            if sum(n for _, n in extents) != fetched.meta.nbytes:
+                raise ValueError("reserved extents do not match the value's size")
+            if fetched.staged:
+                transport.unstage(stage, fetched, extents)
+            else:
+                transport.give_stage(stage)
+                held = None
+                await self._on_read_thread(
+                    self.transport.read_into, key, fetched.meta, extents, self._slab
+                )
+        finally:
+            if held is not None:
+                transport.give_stage(held)
+        return fetched.meta
+
+    async def _on_read_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a read thread, awaited to its end even if cancelled (what it
+        writes into stays reserved until then)."""
+        assert self._loop is not None
         try:
-            meta = await transport.fetch_on_loop(lc, key, reserve, self._slab)
+            fut = self._loop.run_in_executor(self._pools["read"], fn, *args)
+        except RuntimeError:  # executor shut down
+            raise StoreDown([], "remote tier is shut down") from None
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return await _uncancellable(fut)
+
+    async def _fetch_ended(self, job: Any, key: str, doing: Awaitable[EntryMeta]) -> bool:
+        """Await a fetch started by ``policy.fetch_start``; the policy hears how it ended
+        (promise 9) and the caller sees True, False (declined) or the tier's errors."""
+        try:
+            meta = await doing
         except (StoreDown, Retry, BadValue, TierMiss, Declined) as exc:
             self.policy.fetch_ended(job, exc)
             if isinstance(exc, Declined):
