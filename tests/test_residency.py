@@ -1,0 +1,322 @@
+"""The residency index (shm/residency.py, connector/index_path.py): has() hits and
+gets answered with no round trip, exact under churn, counted and LRU-touched by the
+broker, withdrawn before blocks are reused, and cleaned up like the other segments.
+
+Real brokers through the CLI, real client processes; the index-level corruption
+test scribbles on a real shared-memory index (the broker's writer) in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BrokerProcess, shm_segments, wait_until
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.shm import residency as R
+
+HERE = Path(__file__).resolve().parent
+KIB = 1024
+BS = 64 * KIB
+
+pytestmark = pytest.mark.skipif(not R.usable_here(), reason="the index is read on x86-64 only")
+
+
+class _CountingSocket:
+    """The client's socket, counting sends and waits (a read that follows a send)."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.waits = 0
+        self.sends = 0
+        self._sent = False
+
+    def sendall(self, data) -> None:
+        self.sends += 1
+        self._sent = True
+        self._sock.sendall(data)
+
+    def recv_into(self, *a):
+        self.waits += self._sent
+        self._sent = False
+        return self._sock.recv_into(*a)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def _count(c: BrokerClient) -> _CountingSocket:
+    counting = _CountingSocket(c._sock)
+    c._sock = counting
+    return counting
+
+
+def test_a_has_hit_and_a_get_make_no_round_trip_and_are_counted(broker) -> None:
+    # Fails on the old client: has() and get() each waited one round trip.
+    t = torch.arange(4096, dtype=torch.float32)
+    with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as c:
+        assert w.put("k", t) and w.flush()
+        before = c.stats()
+        c._slab_view()
+        counting = _count(c)
+        assert c.has(["k"]) == [True]
+        got = c.get("k")
+        out = torch.empty_like(t)
+        assert c.get_into("k", out)
+        many = c.get_many(["k", "k"])
+        assert counting.waits == 0, "an index hit waited for the broker"
+        assert counting.sends == 4  # one reply-less Served frame per call, nothing else
+        assert got is not None and torch.equal(got, t) and torch.equal(out, t)
+        assert all(m is not None and torch.equal(m, t) for m in many)
+        assert c.index_hits == 5 and c.index_retries == 0
+        # Another client's has() with a lease still asks (a lease needs the broker).
+        assert c.has(["k"], lease_ms=1000) == [True]
+        assert counting.waits == 1
+        after = c.stats()
+    assert after["has_hits"] - before["has_hits"] == 2  # the index's and the leased one
+    assert after["hits"] - before["hits"] == 4
+    assert after["bytes_loaded"] - before["bytes_loaded"] == 4 * t.nbytes
+    assert after["residency_entries"] == 1
+
+
+def test_an_entry_read_only_through_the_index_survives_eviction(make_broker) -> None:
+    # The broker touches the LRU for every Served key: a hot entry read locally must not
+    # be evicted as if unread. Fails on the old client at the waits assertion.
+    b = make_broker("--shm-size", "4MiB", "--put-arena-size", "0")
+    item = torch.zeros(4 * BS, dtype=torch.uint8)  # 4 blocks: 16 fit in the slab
+    with BrokerClient(b.socket_path) as c:
+        assert c.put("hot", item + 7) and c.flush()
+        c._slab_view()
+        counting = _count(c)
+        for i in range(60):  # ~4x the slab: every cold entry is evicted in turn
+            got = c.get("hot")
+            assert got is not None and int(got[0]) == 7
+            before = counting.waits
+            assert c.put(f"cold-{i}", item + (i % 200))
+            assert counting.waits - before <= 1  # the put's reserve, nothing for the get
+        assert counting.waits <= 60
+        st = c.stats()
+        assert st["evictions"] >= 40
+        assert c.has(["hot"]) == [True]
+        assert c.index_hits >= 60
+
+
+def test_a_slot_rewritten_during_the_copy_falls_back_to_the_pinned_get(broker) -> None:
+    # Fails on the old client (no index_retries; the get waited a round trip anyway).
+    t = torch.arange(8192, dtype=torch.float32)
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
+        assert other.put("k", t) and other.flush()
+        slab = c._slab_view()
+        real_read, real_read_into = slab.read, slab.read_into
+        script: list = []
+
+        def racing_read(*a, **kw):
+            if script:
+                script.pop(0)()  # another process changes the entry under the copy
+            return real_read(*a, **kw)
+
+        def racing_read_into(*a, **kw):
+            if script:
+                script.pop(0)()
+            return real_read_into(*a, **kw)
+
+        slab.read, slab.read_into = racing_read, racing_read_into
+        # Deleted and stored again (maybe in other blocks): the copy is discarded and the
+        # broker's pinned get returns the entry.
+        script.append(lambda: (other.delete("k"), other.put("k", t), other.flush()))
+        counting = _count(c)
+        got = c.get("k")
+        assert got is not None and torch.equal(got, t)
+        assert c.index_retries == 1 and counting.waits == 1
+        # Deleted for good: get_into answers False and leaves no bytes in ``out``.
+        script.append(lambda: other.delete("k"))
+        out = torch.full_like(t, -1.0)
+        assert c.get_into("k", out) is False
+        assert c.index_retries == 2 and not out.any()
+
+
+def test_delete_clear_and_eviction_withdraw_keys_before_their_blocks_are_reused(
+    make_broker,
+) -> None:
+    b = make_broker("--shm-size", "2MiB", "--put-arena-size", "0")
+    with BrokerClient(b.socket_path) as c:
+        def put(key: str, fill: int) -> None:
+            assert c.put(key, torch.full((2 * BS,), fill, dtype=torch.uint8))
+            c.flush()
+
+        put("a", 1)
+        index = c._index
+        assert index is not None and index.find("a") is not None
+        assert c.delete("a")
+        assert index.find("a") is None  # withdrawn before the Delete reply was sent
+        put("b", 2)
+        put("c", 3)
+        c.clear()
+        assert index.find("b") is None and index.find("c") is None
+        # Eviction: 16 two-block entries through a 32-block slab, twice over.
+        for i in range(32):
+            put(f"e{i}", i + 10)
+            for j in range(i + 1):
+                found = index.find(f"e{j}")
+                if found is None:
+                    continue  # evicted (or not indexed): the broker is asked
+                (off, n) = found.extents[0]
+                data = bytes(c._slab_view().u8[off : off + 16].numpy())
+                assert index.unchanged(found)
+                assert data == bytes([j + 10]) * 16, f"e{j} points at another entry's bytes"
+        assert c.stats()["evictions"] > 0
+        assert sum(index.find(f"e{j}") is not None for j in range(32)) < 32
+
+
+CHURN_WRITER = """
+import random, sys, time, torch
+from lmcache_ec_broker import BrokerClient
+BS = 64 * 1024
+def value(i):
+    n = (i % 3 + 1) * BS - 8 * (i % 5)
+    return (torch.arange(n, dtype=torch.int64) * 31 + i * 1000003).to(torch.uint8)
+c = BrokerClient(sys.argv[1])
+rng = random.Random(1)
+end = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < end:
+    i = rng.randrange(64)
+    if rng.random() < 0.2:
+        c.delete(f"k{i}")
+    else:
+        c.put(f"k{i}", value(i))
+    n += 1
+c.close()
+print(n)
+"""
+
+
+def test_index_positives_are_exact_under_churn(make_broker) -> None:
+    # A writer process puts, deletes and (through a 2 MiB slab) evicts the same keys
+    # while this process reads them through the index: every get that returns a tensor
+    # returns exactly the bytes that key was put with -- no torn or foreign read.
+    # Fails on the old client (nothing was read through the index: no index_hits).
+    b = make_broker("--shm-size", "2MiB")
+    exec(textwrap.dedent(CHURN_WRITER).split("c = BrokerClient")[0], ns := {})
+    value = ns["value"]
+    expected = {f"k{i}": value(i) for i in range(64)}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHURN_WRITER), b.socket_path, "6"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE.parent),
+    )  # fmt: skip
+    wrong: list[str] = []
+    reads = 0
+    try:
+        with BrokerClient(b.socket_path) as c:
+            end = time.monotonic() + 6
+            i = 0
+            while time.monotonic() < end:
+                keys = [f"k{(i + j) % 64}" for j in range(4)]
+                i += 3
+                for key, got in zip(keys, c.get_many(keys), strict=True):
+                    if got is not None:
+                        reads += 1
+                        if not torch.equal(got, expected[key]):
+                            wrong.append(key)
+                out = torch.empty_like(expected[keys[0]])
+                if c.get_into(keys[0], out):
+                    reads += 1
+                    if not torch.equal(out, expected[keys[0]]):
+                        wrong.append(keys[0])
+            hits, retries = c.index_hits, c.index_retries
+    finally:
+        wout, werr = writer.communicate(timeout=120)
+    assert writer.returncode == 0, werr
+    assert wrong == [], f"{len(wrong)} of {reads} reads returned other bytes"
+    assert hits > 50, (hits, reads)
+    print(f"churn: {reads} reads, {hits} from the index, {retries} retried, {wout.strip()} writes")
+
+
+def test_the_index_segment_goes_with_the_broker_and_a_restart_is_never_confused(
+    sock_dir,
+) -> None:
+    path = os.path.join(sock_dir, "r.sock")
+    b = BrokerProcess(path, ["--shm-size", "64MiB"]).start()
+    t = torch.arange(1024, dtype=torch.float32)
+    c = BrokerClient(path, filter_trust_s=0.2, max_backoff_s=0.05)
+    try:
+        assert c.put("k", t) and c.flush()
+        old_index = c._hello.residency_name
+        assert old_index.lstrip("/") in shm_segments(path, include_filter=True)
+        assert c.has(["k"]) == [True] and c.index_hits == 1
+        b.kill9()  # no cleanup: the segments stay, the index still says LIVE
+        assert old_index.lstrip("/") in shm_segments(path, include_filter=True)
+        time.sleep(0.3)  # past filter_trust_s: the dead broker's index is not trusted
+        assert c.has(["k"]) == [False]
+        b = BrokerProcess(path, ["--shm-size", "64MiB"]).start()
+        names = shm_segments(path, include_filter=True)
+        assert old_index.lstrip("/") not in names  # removed as stale by the new broker
+        assert len([n for n in names if n.endswith("-r")]) == 1
+        wait_until(lambda: c.ping() or None, "the client reconnected")
+        assert c._hello.residency_name != old_index
+        assert c.has(["k"]) == [False] and c.get("k") is None  # the new broker is empty
+        assert c.put("k", t) and c.flush() and c.has(["k"]) == [True]
+        c.close()
+        assert b.stop() == 0
+        assert shm_segments(path, include_filter=True) == []  # -r removed with the rest
+    finally:
+        c.close()
+        if b.proc is not None and b.proc.poll() is None:
+            b.proc.kill()
+            b.proc.wait(10)
+
+
+def test_a_corrupt_index_is_never_followed_outside_the_slab(tmp_path) -> None:
+    slab = 1 << 20
+    name = f"/ecb-test-{os.getpid()}-r"
+    w = R.ResidencyWriter(name, R.MIN_LOG2_SLOTS, slab)
+    try:
+        assert w.publish("k", 16, "float32", [4], [(4096, 16)])
+        r = R.ResidencyReader(name, w.size, slab)
+        found = r.find("k")
+        assert found is not None and found.extents == [(4096, 16)] and found.shape == [4]
+        at = found.at
+        fixed = R._FIXED.unpack_from(w.mm, at + R._FIXED_AT)
+
+        def scribble(**change: int) -> R.Found | None:
+            f = list(fixed)
+            names = ["gen", "nbytes", "keylen", "dtype", "ndim", "next"]
+            for k, v in change.items():
+                if k in names:
+                    f[names.index(k)] = v
+                else:  # off0 / len0: the first extent
+                    f[6 + R.MAX_DIMS + (0 if k == "off0" else 1)] = v
+            R._FIXED.pack_into(w.mm, at + R._FIXED_AT, *f)
+            try:
+                return r.find("k")
+            finally:
+                R._FIXED.pack_into(w.mm, at + R._FIXED_AT, *fixed)
+
+        assert scribble(off0=slab - 8) is None  # would read past the slab
+        assert scribble(off0=(1 << 64) - 16) is None
+        assert scribble(dtype=250) is None  # no such dtype
+        assert scribble(nbytes=32) is None  # shape says 16 bytes
+        assert scribble(len0=8) is None  # extents do not cover nbytes
+        assert scribble(next=9) is None
+        assert scribble(ndim=7) is None
+        struct.pack_into("@Q", w.mm, at, found.seq + 1)  # being rewritten
+        assert r.find("k") is None
+        struct.pack_into("@Q", w.mm, at, found.seq)
+        assert r.find("k") is not None
+        w.withdraw("k")
+        assert r.find("k") is None and not r.unchanged(found)
+        # Keys longer than a slot holds are not indexed (the broker is asked).
+        assert not w.publish("x" * (R.KEY_CAP + 1), 16, "float32", [4], [(0, 16)])
+        r.close()
+    finally:
+        w.close()
+    with pytest.raises(Exception, match="cannot open residency index"):
+        R.ResidencyReader(name, 4096, slab)
