@@ -244,6 +244,9 @@ class State:
 
         out: dict[str, Any] = {
             "hit x1": latency(c.has, iters, lambda i: hit1, hits),
+            "hit x1 (asked: leased 1 ms)": latency(
+                lambda k: c.has(k, lease_ms=1), iters, lambda i: hit1, hits
+            ),
             "hit x64": latency(c.has, iters, lambda i: hit64, hits),
             "miss x1": latency(c.has, iters, absent(1), misses),
             "miss x64": latency(c.has, iters, absent(64), misses),
@@ -732,6 +735,24 @@ def report(res: dict[str, Any]) -> str:
     )
     out.append(
         "has() across processes (microseconds)\n\n" + table(["call", "p50 us", "p99 us"], rows)
+    )
+    rtt = f["p50"]
+    rows = []
+    for s in res["sizes"]:
+        m, il = res["per_size"][str(s)], res["interleaved"][str(s)]
+        floor = m["memcpy (writer)"] + m["memcpy"] + rtt
+        rows.append([
+            fmt_size(s), f"{floor * 1e6:.1f}",
+            f"{(m['broker put'] + m['broker get_into']) / floor:.2f}x",
+            _spread(res, s, lambda m: (m["broker put"] + m["broker get_into"])
+                    / (m["memcpy (writer)"] + m["memcpy"] + rtt)),
+            f"{(il['put'] + il['get_into']) / (2 * il['memcpy'] + rtt):.2f}x",
+        ])  # fmt: skip
+    out.append(
+        "put+get_into against the floor: 2 memcpys + one raw round trip (p50 above)\n\n"
+        + table(
+            ["size", "floor us", "across processes", "min-max", "back to back"], rows
+        )
     )
     modes = list(res["small"][0])
     rows = [[mode, f"{median(r[mode] for r in res['small']):,.0f}"] for mode in modes]

@@ -102,6 +102,10 @@ _HEADER_FROM = FRAME_HEADER.unpack_from
 # Posted requests whose replies may be left unread; past this a put reads them first
 # (they are usually in already), so the broker's write buffer never backs up.
 _MAX_OWED = 256
+# Index-served items (keys + has() hits) and age after which the Served frame is sent
+# alone rather than ahead of the next request (see BrokerClient._post_served).
+_SERVED_MAX = 64
+_SERVED_AGE_S = 0.005
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -197,6 +201,11 @@ class BrokerClient:
         self._index: ResidencyReader | None = None
         self.index_hits = 0  # has() hits and gets served from the index
         self.index_retries = 0  # index copies discarded (slot rewritten) and asked again
+        # What the index served, not yet told to the broker (_post_served).
+        self._served_keys: list[str] = []
+        self._served_nbytes: list[int] = []
+        self._served_has = 0
+        self._served_at = 0.0  # when the oldest pending item was noted; 0: none
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._outage_logged = False
@@ -407,12 +416,32 @@ class BrokerClient:
         return index
 
     def _post_served(self, keys: list[str], nbytes: list[int], has_hits: int) -> None:
-        """Tell the broker what the index served (hits, bytes, LRU touches); it sends
-        no reply, so nothing is owed."""
-        try:
-            self._send(self._frame(Served(keys, nbytes, has_hits)))
-        except BrokerUnavailable:
-            pass  # uncounted, like a get whose Release could not be sent
+        """Note what the index served (hits, bytes, LRU touches) for the broker. Sent
+        as one reply-less Served frame ahead of this client's next request, or alone
+        once _SERVED_MAX calls' worth or _SERVED_AGE_S of it is pending (a send per
+        call would cost a wake-up of the broker per hit), and by flush() and close()."""
+        if not self._served_at:
+            self._served_at = time.monotonic()
+        self._served_keys += keys
+        self._served_nbytes += nbytes
+        self._served_has += has_hits
+        if (
+            len(self._served_keys) + self._served_has >= _SERVED_MAX
+            or time.monotonic() - self._served_at >= _SERVED_AGE_S
+        ):
+            try:
+                self._send(b"")
+            except BrokerUnavailable:
+                pass  # uncounted, like a get whose Release could not be sent
+
+    def _served_frame(self) -> bytes:
+        """The pending Served frame (b"" if none), taken: the caller sends it first."""
+        if not self._served_at:
+            return b""
+        msg = Served(self._served_keys, self._served_nbytes, self._served_has)
+        self._served_keys, self._served_nbytes, self._served_has = [], [], 0
+        self._served_at = 0.0
+        return self._frame(msg)
 
     def _close_journal(self) -> None:
         if self._journal is not None:
@@ -440,6 +469,8 @@ class BrokerClient:
         self._rpos = self._rend = 0
         self._owed = 0
         self._posted_keys.clear()
+        self._served_keys, self._served_nbytes, self._served_has = [], [], 0
+        self._served_at = 0.0  # the counts die with the connection, like its pins
         self._arena.clear()  # the broker frees the arena with the connection
         self._arena_slot = -1
         self._grant_owed = False
@@ -521,6 +552,8 @@ class BrokerClient:
         sock = self._sock
         if sock is None:
             raise BrokerUnavailable("not connected")
+        if self._served_at:
+            data = self._served_frame() + data  # in order, before this request
         try:
             sock.sendall(data)
         except OSError as exc:
@@ -586,7 +619,7 @@ class BrokerClient:
         decode = self._decoder.decode
         pos = 0
         try:
-            sock.sendall(self._frame(msg))
+            sock.sendall(self._served_frame() + self._frame(msg))
             n = sock.recv_into(buf)
             while n - pos >= 4:
                 (length,) = _HEADER_FROM(buf, pos)
@@ -801,8 +834,15 @@ class BrokerClient:
         """Wait until the broker has handled every request this client posted (the
         commits of its puts, its releases): afterwards every other process sees this
         client's puts. Costs nothing when nothing is owed, else the wait for replies
-        already on their way (no new request). False while the broker is unavailable."""
+        already on their way (no new request); what the residency index served and the
+        broker was not told yet is sent and confirmed with a ping (its frame has no
+        reply). False while the broker is unavailable."""
         with self._lock:
+            if self._served_at and self._sock is not None:
+                try:
+                    self._call(Ping())  # the pending Served frame goes first
+                except BrokerUnavailable:
+                    return False
             if not self._owed:
                 return self._sock is not None
             try:
@@ -1210,8 +1250,8 @@ class BrokerClient:
     def close(self) -> None:
         self._closing.set()
         with self._lock:
-            if self._posted_keys and self._sock is not None:
-                self.flush()  # this client's last puts are in before it says it is done
+            if (self._posted_keys or self._served_at) and self._sock is not None:
+                self.flush()  # this client's last puts (and hits) are in before it goes
             self._drop_socket()
             self._unmap()
             if self._filter is not None:
