@@ -22,7 +22,9 @@ below is a difference of two measured instants, per hit; the table shows medians
 - ``promotion start``: lookup answered until the promotion's read was asked for
   (task start, slab reservation);
 - ``read: to I/O / to loop``: the promotion's read handed to a worker thread (or
-  started on the loop) and its end seen by the promotion;
+  started on the loop) and its end seen by the promotion (less the copy below);
+- ``read: copy into slab``: Mooncake's fetch only -- the value, verified in a
+  staging buffer, copied into the slab range reserved for it (on the loop);
 - ``read: store, first byte``: from the read's start to the value's length line
   from the store (the GET's round trip: for Redis the server's time to first byte);
 - ``read: store, rest``: the rest of the read that is not checksum or header
@@ -78,6 +80,7 @@ PHASES = (
     "read: checksum",
     "read: header",
     "read: to loop",
+    "read: copy into slab",
     "commit",
     "answer",
     "broker -> client",
@@ -185,6 +188,11 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
             timed_async(cls, "fetch_on_loop", "io:read")
         if hasattr(cls, "lookup_on_loop"):
             timed_async(cls, "lookup_on_loop", "io:lookup")
+        # Mooncake's fetch: the whole value into a staging buffer on a read thread,
+        # then (on the loop, once the range is reserved) copied into the slab
+        if hasattr(cls, "fetch_staged"):
+            timed(cls, "fetch_staged", "io:read")
+            timed(cls, "unstage", "unstage")
     timed(remote_value.Verifier, "update", "checksum")
     timed(remote_value.Verifier, "finish", "checksum")
     from lmcache_ec_broker.broker.tiers import mooncake_io
@@ -266,7 +274,8 @@ def phases(ev: list[tuple[str, int, int]], t_send: int, t_woke: int, t_end: int,
         "read: to I/O": us(th0 - rd0),
         "read: checksum": us(total("checksum", th0, th1)),
         "read: header": us(total("header", th0, th1)),
-        "read: to loop": us(rd1 - th1),
+        "read: copy into slab": us(total("unstage", th1, rd1)),
+        "read: to loop": us(rd1 - th1 - total("unstage", th1, rd1)),
         "commit": us(pro1 - rd1),
         "answer": us(get1 - pro1),
         "broker -> client": us(t_woke - get1),
