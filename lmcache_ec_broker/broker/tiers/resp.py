@@ -8,8 +8,9 @@ into the slab) while reading the bulk reply straight into the slab with
 avoids building the value in memory. Reading the length first also lets the tier
 refuse an oversized or malformed value before it allocates or copies anything.
 
-Every length the server sends is bounded before it is used. A connection that saw
-an error in the middle of a reply is closed, never reused (it may be out of step).
+Every length the server sends is bounded before it is used (``resp_wire.py``: the
+grammar this client and the loop's reader share). A connection that saw an error in
+the middle of a reply is closed, never reused (it may be out of step).
 
 Cluster redirects (the Redis Cluster specification): ``-MOVED <slot> <host:port>``
 means the slot lives elsewhere now (the caller updates its slot map and retries
@@ -28,25 +29,53 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MAX_LINE = 64 * 1024
-MAX_SMALL_BULK = 1 << 20  # replies that are not streamed (headers, SCAN pages, INFO)
-MAX_ARRAY = 100_000
-MAX_REPLY = 16 << 20  # bytes of bulk strings in one (non-streamed) reply, arrays included
+# The grammar (packing, bounded parsing) is resp_wire's; its names are importable
+# from here too.
+from .resp_wire import (
+    ASKING,
+    MAX_ARRAY,
+    MAX_LINE,
+    MAX_REPLY,
+    MAX_SMALL_BULK,
+    Arg,
+    ProtocolViolation,
+    Reply,
+    RespError,
+    bulk_length,
+    check_crlf,
+    pack,
+    pack_set,
+    reply_head,
+    take_buffered,
+    take_line,
+)
+
+__all__ = [
+    "CLUSTER_SLOTS",
+    "MAX_ARRAY",
+    "MAX_LINE",
+    "MAX_REDIRECTS",
+    "MAX_REPLY",
+    "MAX_SMALL_BULK",
+    "Arg",
+    "ConnParams",
+    "Connection",
+    "Endpoint",
+    "Pool",
+    "ProtocolViolation",
+    "Redirect",
+    "Reply",
+    "RespError",
+    "Router",
+    "key_slot",
+    "pack",
+    "pack_set",
+    "parse_redirect",
+]
+
 MAX_REDIRECTS = 3  # MOVED/ASK hops followed for one command before giving up
 _RECV_CHUNK = 4 << 20
 CLUSTER_SLOTS = 16384
-
-Arg = bytes | str | int | memoryview
-Reply = bytes | int | str | list["Reply"] | None
-
-
-class RespError(Exception):
-    """The server answered with an error reply (the connection stays usable)."""
-
-
-class ProtocolViolation(ConnectionError):
-    """The server sent something this client refuses; the connection is closed."""
-
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -105,36 +134,6 @@ def parse_redirect(message: str, current: Endpoint | None = None) -> Redirect | 
             return None
         host = current.host
     return Redirect(parts[0] == "ASK", slot, Endpoint(host, port))
-
-
-def _b(arg: Arg) -> bytes | memoryview:
-    if isinstance(arg, bytes | memoryview):
-        return arg
-    if isinstance(arg, int):
-        return str(arg).encode()
-    return arg.encode("utf-8", "surrogatepass")
-
-
-def pack(args: Sequence[Arg]) -> list[bytes | memoryview]:
-    """RESP pieces for one command; large arguments are passed through, not copied."""
-    out: list[bytes | memoryview] = []
-    head = [b"*%d\r\n" % len(args)]
-    for a in args:
-        data = _b(a)
-        n = data.nbytes if isinstance(data, memoryview) else len(data)
-        head.append(b"$%d\r\n" % n)
-        if n > 16 * 1024:
-            out.append(b"".join(head))
-            out.append(data)
-            head = [b"\r\n"]
-        else:
-            head.append(bytes(data))
-            head.append(b"\r\n")
-    out.append(b"".join(head))
-    return out
-
-
-_ASKING = pack(["ASKING"])[0]
 
 
 class Connection:
@@ -199,7 +198,7 @@ class Connection:
         """Send one command given as RESP pieces (``pack``, ``pack_set``)."""
         if self.asking:
             self._asking_replies += 1
-            pieces = [_ASKING, *pieces]
+            pieces = [ASKING, *pieces]
         self._sendall(pieces)
 
     def _sendall(self, pieces: list[bytes | memoryview]) -> None:
@@ -231,15 +230,9 @@ class Connection:
         self._buf += chunk
 
     def _line(self) -> bytes:
-        while True:
-            i = self._buf.find(b"\r\n")
-            if i >= 0:
-                line = bytes(self._buf[:i])
-                del self._buf[: i + 2]
-                return line
-            if len(self._buf) > MAX_LINE:
-                raise ProtocolViolation(f"{self.ep} sent a line longer than {MAX_LINE} bytes")
+        while (line := take_line(self._buf, self.ep)) is None:
             self._fill()
+        return line
 
     def read_exact(self, n: int) -> bytes:
         out = bytearray(n)
@@ -251,15 +244,8 @@ class Connection:
         ``hasher.update`` sees each piece right after it lands. Past ``deadline``
         (time.monotonic, 0 = none) raises TimeoutError: a trickling server cannot hold
         a reader longer than that, even though each recv makes progress."""
-        got = 0
+        got = take_buffered(self._buf, view, hasher)
         n = len(view)
-        if self._buf:
-            take = min(n, len(self._buf))
-            view[:take] = self._buf[:take]
-            del self._buf[:take]
-            if hasher is not None:
-                hasher.update(view[:take])  # type: ignore[attr-defined]
-            got = take
         while got < n:
             if deadline and time.monotonic() > deadline:
                 raise TimeoutError(f"{self.ep} is sending a value too slowly")
@@ -271,8 +257,7 @@ class Connection:
             got += r
 
     def skip_crlf(self) -> None:
-        if self.read_exact(2) != b"\r\n":
-            raise ProtocolViolation(f"{self.ep} sent a bulk string without its CRLF")
+        check_crlf(self.read_exact(2), self.ep)
 
     def _skip_asking(self) -> None:
         """Consume the +OK of the ASKING sent just before the reply about to be read."""
@@ -285,15 +270,7 @@ class Connection:
     def read_bulk_len(self) -> int | None:
         """The length line of a bulk reply (None for nil); an error reply raises RespError."""
         self._skip_asking()
-        line = self._line()
-        if line[:1] == b"-":
-            raise RespError(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise ProtocolViolation(f"{self.ep} answered {line[:40]!r} where a value was expected")
-        n = int(line[1:])
-        if n < -1:
-            raise ProtocolViolation(f"{self.ep} sent a negative length")
-        return None if n == -1 else n
+        return bulk_length(self._line(), self.ep)
 
     def read_reply(self, max_bulk: int = MAX_SMALL_BULK, depth: int = 0) -> Reply:
         if depth == 0:
@@ -313,36 +290,21 @@ class Connection:
         return reply
 
     def _parse(self, line: bytes, max_bulk: int, depth: int) -> Reply:
-        kind, rest = line[:1], line[1:]
-        try:
-            if kind == b"+":
-                return rest.decode(errors="replace")
-            if kind == b"-":
-                raise RespError(rest.decode(errors="replace"))
-            if kind == b":":
-                return int(rest)
-            if kind == b"$":
-                n = int(rest)
-                if n == -1:
-                    return None
-                if not 0 <= n <= max_bulk:
-                    raise ProtocolViolation(f"{self.ep} sent a {n}-byte reply (limit {max_bulk})")
-                self._reply_bytes += n
-                if self._reply_bytes > MAX_REPLY:
-                    raise ProtocolViolation(f"{self.ep} sent a reply over {MAX_REPLY} bytes")
-                data = self.read_exact(n)
-                self.skip_crlf()
-                return data
-            if kind == b"*":
-                n = int(rest)
-                if n == -1:
-                    return None
-                if not 0 <= n <= MAX_ARRAY or depth > 4:
-                    raise ProtocolViolation(f"{self.ep} sent an array of {n} items")
-                return [self.read_reply(max_bulk, depth + 1) for _ in range(n)]
-        except ValueError:
-            raise ProtocolViolation(f"{self.ep} sent a malformed reply {line[:40]!r}") from None
-        raise ProtocolViolation(f"{self.ep} sent an unknown reply type {line[:40]!r}")
+        kind, value = reply_head(line, self.ep, max_bulk)
+        if isinstance(value, RespError):
+            raise value
+        if kind == b"$" and isinstance(value, int):
+            self._reply_bytes += value
+            if self._reply_bytes > MAX_REPLY:
+                raise ProtocolViolation(f"{self.ep} sent a reply over {MAX_REPLY} bytes")
+            data = self.read_exact(value)
+            self.skip_crlf()
+            return data
+        if kind == b"*" and isinstance(value, int):
+            if depth > 4:
+                raise ProtocolViolation(f"{self.ep} sent an array of {value} items")
+            return [self.read_reply(max_bulk, depth + 1) for _ in range(value)]
+        return value
 
     def command(self, *args: Arg, max_bulk: int = MAX_SMALL_BULK) -> Reply:
         self.send(args)
@@ -359,7 +321,7 @@ class Connection:
         pieces: list[bytes | memoryview] = []
         for c in commands:
             if self.asking:
-                pieces.append(_ASKING)
+                pieces.append(ASKING)
             pieces += pack(c)
         if self.asking:
             self._asking_replies += len(commands)
@@ -502,17 +464,3 @@ class Router:
             return list(self.seeds)
         with self._lock:
             return [ep for ep in dict.fromkeys(self._slots) if ep.host or ep.unix_path]
-
-
-def pack_set(
-    key: bytes, value: Sequence[bytes | memoryview], ttl_s: int = 0
-) -> list[bytes | memoryview]:
-    """``SET key <value pieces concatenated> [EX ttl]`` without joining the pieces."""
-    total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in value)
-    nargs = 5 if ttl_s > 0 else 3
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(key), key, total)
-    tail = b"\r\n"
-    if ttl_s > 0:
-        ttl = str(ttl_s).encode()
-        tail += b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-    return [head, *value, tail]

@@ -7,9 +7,9 @@ to a worker thread and back (measured: 100-300 µs each on a loaded host,
 The connection comes from the tier's ``Pool`` only when one is idle there (never a
 blocking connect on the loop), plain TCP or a Unix socket (TLS stays on the
 threads), and goes back only when its stream is in step: any error or cancellation
-in the middle of a reply closes it. The same bounds as ``resp.Connection``: every
-length the server sends is checked before it is used; bytes land only in the views
-the caller gives.
+in the middle of a reply closes it. The same grammar and bounds as
+``resp.Connection`` (``resp_wire.py``, shared): every length the server sends is
+checked before it is used; bytes land only in the views the caller gives.
 """
 
 from __future__ import annotations
@@ -18,7 +18,18 @@ import asyncio
 import socket
 from typing import Any
 
-from .resp import MAX_LINE, MAX_SMALL_BULK, Connection, Pool, ProtocolViolation, Reply, RespError
+from .resp import Connection, Pool
+from .resp_wire import (
+    MAX_SMALL_BULK,
+    ProtocolViolation,
+    Reply,
+    RespError,
+    bulk_length,
+    check_crlf,
+    reply_head,
+    take_buffered,
+    take_line,
+)
 
 _FILL = 16 * 1024  # the header's read: the payload goes straight into the slab
 
@@ -79,15 +90,9 @@ class LoopConnection:
         self.buf += chunk
 
     async def line(self) -> bytes:
-        while True:
-            i = self.buf.find(b"\r\n")
-            if i >= 0:
-                out = bytes(self.buf[:i])
-                del self.buf[: i + 2]
-                return out
-            if len(self.buf) > MAX_LINE:
-                raise ProtocolViolation(f"{self.conn.ep} sent a line longer than {MAX_LINE} bytes")
+        while (line := take_line(self.buf, self.conn.ep)) is None:
             await self._fill()
+        return line
 
     async def exact(self, n: int) -> bytes:
         out = bytearray(n)
@@ -97,15 +102,8 @@ class LoopConnection:
     async def into(self, view: memoryview, hasher: Any = None) -> None:
         """Fill ``view`` (buffered bytes first, then straight from the socket);
         ``hasher.update`` sees each piece as it lands."""
-        got = 0
+        got = take_buffered(self.buf, view, hasher)
         n = len(view)
-        if self.buf:
-            take = min(n, len(self.buf))
-            view[:take] = self.buf[:take]
-            del self.buf[:take]
-            if hasher is not None:
-                hasher.update(view[:take])
-            got = take
         while got < n:
             r = await self.loop.sock_recv_into(self.sock, view[got:])
             if r == 0:
@@ -120,16 +118,10 @@ class LoopConnection:
         to EAGAIN measured slower: a failing syscall per wake-up); ``hasher.update``
         sees every piece as it lands. Cancelled or failed, nothing more lands."""
         todo = [v for v in views if len(v)]
-        if self.buf:
-            while todo and self.buf:
-                view = todo[0]
-                take = min(len(view), len(self.buf))
-                view[:take] = self.buf[:take]
-                del self.buf[:take]
-                hasher.update(view[:take])
-                todo[0] = view[take:]
-                if not len(todo[0]):
-                    todo.pop(0)
+        while todo and self.buf:
+            todo[0] = todo[0][take_buffered(self.buf, todo[0], hasher) :]
+            if not len(todo[0]):
+                todo.pop(0)
         if not todo:
             return
         done: asyncio.Future[None] = self.loop.create_future()
@@ -171,29 +163,19 @@ class LoopConnection:
             self.loop.remove_reader(fd)
 
     async def crlf(self) -> None:
-        if await self.exact(2) != b"\r\n":
-            raise ProtocolViolation(f"{self.conn.ep} sent a bulk string without its CRLF")
+        check_crlf(await self.exact(2), self.conn.ep)
 
     async def bulk_len(self) -> int | None:
         """The length line of a bulk reply (None: nil); an error reply raises RespError
         (the stream stays in step)."""
         line = await self.line()
-        if line[:1] == b"-":
-            self.in_step = True
-            raise RespError(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise ProtocolViolation(
-                f"{self.conn.ep} answered {line[:40]!r} where a value was expected"
-            )
         try:
-            n = int(line[1:])
-        except ValueError:
-            raise ProtocolViolation(f"{self.conn.ep} sent a malformed length") from None
-        if n < -1:
-            raise ProtocolViolation(f"{self.conn.ep} sent a negative length")
-        if n == -1:
+            n = bulk_length(line, self.conn.ep)
+        except RespError:
+            self.in_step = True  # an error reply is the whole reply
+            raise
+        if n is None:
             self.in_step = True
-            return None
         return n
 
     async def small_reply(self) -> Reply | RespError:
@@ -201,28 +183,14 @@ class LoopConnection:
         ``MAX_SMALL_BULK`` bytes (what GETRANGE and STRLEN answer)."""
         self.in_step = False
         line = await self.line()
-        kind, rest = line[:1], line[1:]
-        try:
-            if kind == b"+":
-                return rest.decode(errors="replace")
-            if kind == b"-":
-                return RespError(rest.decode(errors="replace"))
-            if kind == b":":
-                return int(rest)
-            if kind == b"$":
-                n = int(rest)
-                if n == -1:
-                    return None
-                if not 0 <= n <= MAX_SMALL_BULK:
-                    raise ProtocolViolation(
-                        f"{self.conn.ep} sent a {n}-byte reply (limit {MAX_SMALL_BULK})"
-                    )
-                data = await self.exact(n)
-                await self.crlf()
-                return data
-        except ValueError:
-            raise ProtocolViolation(f"{self.conn.ep} sent a malformed reply {line[:40]!r}") from None
-        raise ProtocolViolation(f"{self.conn.ep} sent an unexpected reply {line[:40]!r}")
+        if line[:1] == b"*":  # GETRANGE and STRLEN never answer an array
+            raise ProtocolViolation(f"{self.conn.ep} sent an unexpected reply {line[:40]!r}")
+        kind, value = reply_head(line, self.conn.ep, MAX_SMALL_BULK)
+        if kind == b"$" and isinstance(value, int):
+            data = await self.exact(value)
+            await self.crlf()
+            return data
+        return value
 
     async def pipeline(self, pieces: list[bytes | memoryview], replies: int) -> list[Any]:
         await self.send(pieces)
