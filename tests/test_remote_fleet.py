@@ -10,7 +10,8 @@ delaying proxy (tests/delay_proxy.py) in front of the real server:
 7. rescans are coalesced: resetting the announcement stream again and again does not
    queue one full SCAN per reset.
 
-(6, Mooncake's write-behind byte budget, is in tests/test_remote_mooncake_fleet.py.)
+(6, Mooncake's write-behind byte budget, is in tests/test_remote_mooncake.py:
+test_two_brokers_write_behind_keeps_to_its_byte_budget.)
 """
 
 from __future__ import annotations
