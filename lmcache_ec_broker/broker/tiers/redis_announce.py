@@ -76,7 +76,7 @@ class Announcements:
                     try:
                         msg = conn.read_reply()
                     except TimeoutError:
-                        if conn._buf or conn.partial:
+                        if conn.buffered or conn.partial:
                             # a reply cut by the timeout: the stream is out of step
                             raise ProtocolViolation("half a message, then silence") from None
                         if batch:
@@ -91,7 +91,7 @@ class Announcements:
                         and 0 < len(msg[2]) <= 64 * 1024
                     ):
                         batch.append(msg[2].decode("utf-8", "surrogateescape"))
-                        if len(batch) >= _ANNOUNCE_BATCH or not conn._buf:
+                        if len(batch) >= _ANNOUNCE_BATCH or not conn.buffered:
                             on_keys(batch)
                             batch = []
             except (OSError, RespError, ProtocolViolation):

@@ -187,6 +187,11 @@ class Connection:
     # ------------------------------------------------------------ writing
 
     @property
+    def buffered(self) -> bool:
+        """Bytes past the last reply read are already here (more is coming at once)."""
+        return bool(self._buf)
+
+    @property
     def idle(self) -> bool:
         """Nothing unread: the connection can go back to the pool."""
         return not (self.closed or self._buf or self._asking_replies or self.partial)
