@@ -255,11 +255,12 @@ def _calls(st: dict) -> int:
 @needs_mooncake
 def test_a_get_no_lookup_preceded_is_one_transfer_verified_before_any_reserve(mc: Env) -> None:
     """Issue 18: a get of a key no lookup preceded (``fetch``) moves the whole value in
-    ONE transfer (into a staging buffer) and verifies it there -- header bounds, key,
-    dtype table, exact length, checksum -- before any slab range is reserved: a value
-    that lies (its header about its size, its payload about its checksum, ...) is
-    refused and never costs a reservation. Larger than a stage: header, then the
-    pipelined read into the range. A reserve that declines takes nothing."""
+    ONE transfer (into a staging buffer) and checks its header there -- bounds, key,
+    dtype table, exact length -- before any slab range is reserved: a header that
+    lies (about its size, its key, ...) is refused and never costs a reservation; a
+    payload that fails its checksum (checked while it is copied into the range) is
+    refused too (the caller then aborts the range). Larger than a stage: header,
+    then the pipelined read into the range. A reserve that declines takes nothing."""
     a, b = mc.driver(), mc.driver()
     cases = [("one-mib", "float16", [512, 1024], 1), ("tiny", "uint8", [3], 2)]
     cases.append(("long-" + "k" * 900, "bfloat16", [33, 7], 3))  # header longer than the probe
@@ -299,7 +300,10 @@ def test_a_get_no_lookup_preceded_is_one_transfer_verified_before_any_reserve(mc
     for key in poison:
         got = b.call("fetch", key=key)
         assert got.get("failed") == "TierCorrupt", (key, got)
-        assert got["reserved"] == [], f"{key}: a slab range was reserved for a bad value"
+        if key == "flip":  # a header that tells the truth: reserved, then refused
+            assert [r[:3] for r in got["reserved"]] == [[1024, "float32", [4, 64]]]
+        else:
+            assert got["reserved"] == [], f"{key}: a slab range was reserved for a bad header"
     assert b.call("stats")["stats"]["remote_refused_values"] == len(poison)
     got = b.call("fetch", key="absent")
     assert (got["failed"], got["reserved"]) == ("TierMiss", []), got
@@ -538,7 +542,8 @@ def test_two_brokers_a_remote_get_is_one_transfer(two_brokers) -> None:
     """Issue 18: B's get of a key only A stored is one Mooncake transfer (into a staging
     buffer, verified there, then copied into the range reserved for it) -- not a
     lookup's header read and then a second transfer of the value. A value whose
-    header lies about its size is refused with nothing left reserved."""
+    header lies about its size, or whose payload fails its checksum, is refused with
+    nothing left reserved or visible."""
     from lmcache_ec_broker import BrokerClient
 
     mc, a, b = two_brokers
@@ -559,11 +564,15 @@ def test_two_brokers_a_remote_get_is_one_transfer(two_brokers) -> None:
         liar = encode_value("liar", "uint8", [8192], payload(8192, 5))[:-4096]
         poisoner = mc.driver()
         assert poisoner.call("raw_put", key="liar", data=base64.b64encode(liar).decode())["rc"] == 0
-        until(lambda: cb.has(["liar"])[0])  # a lookup reads only the header: a hit
-        assert cb.get("liar") is None
+        flipped = bytearray(encode_value("flip", "uint8", [8192], payload(8192, 6)))
+        flipped[-100] ^= 1  # a payload byte: its checksum fails while it is copied in
+        for key, data in (("liar", liar), ("flip", bytes(flipped))):
+            assert poisoner.call("raw_put", key=key, data=base64.b64encode(data).decode())["rc"] == 0
+            until(lambda key=key: cb.has([key])[0])  # a lookup reads only the header: a hit
+            assert cb.get(key) is None, key
         st = cb.stats()
-        assert st["remote_refused_values"] == 1
-        assert (st["reserved_entries"], st["reserved_bytes"]) == (0, 0)
+        assert st["remote_refused_values"] == 2
+        assert (st["reserved_entries"], st["reserved_bytes"], st["entries"]) == (0, 0, 3)
         assert cb.ping()
 
 

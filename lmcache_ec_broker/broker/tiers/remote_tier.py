@@ -417,12 +417,13 @@ class RemoteTier(LowerTier):
     async def _fetch_staged(
         self, key: str, stage: int, reserve: Callable[[EntryMeta], list[Extent] | None]
     ) -> EntryMeta:
-        """One read-thread job moves the whole value into ``stage`` and verifies it
-        there (header: bounds, key, dtype table, exact length, MAC; payload checksum);
-        only then is the slab range reserved, and the verified bytes copied into it on
-        the loop. A value larger than a stage: its header on the thread, then the
-        range, then the pipelined read into it. ``stage`` is freed here, after every
-        thread that may write into it has returned."""
+        """One read-thread job moves the whole value into ``stage`` and checks its
+        header there (bounds, key, dtype table, exact length, MAC): a header that lies
+        never costs a reservation. Then, on the loop, the slab range is reserved and
+        the payload copied into it and checksummed (a mismatch raises BadValue: the
+        caller aborts the range, nothing was visible). A value larger than a stage: its
+        header on the thread, then the range, then the pipelined read into it.
+        ``stage`` is freed here, after every thread that may write into it returned."""
         transport: Any = self.transport
         held: int | None = stage
         try:
