@@ -300,11 +300,14 @@ def test_stopped_broker_calls_end_at_the_deadline_and_recover(make_broker) -> No
         os.kill(b.pid, signal.SIGSTOP)  # alive but not answering: only a deadline helps
         try:
             for _ in range(5):
+                # Within filter_trust_s of the last answer a hit may come from the
+                # residency index (the stopped broker's entries cannot change meanwhile).
                 out, dt = _timed(c.has, ["k"])
-                assert out == [False]
+                assert out == [False] or (out == [True] and c.index_hits)
                 assert dt < 0.3 + 0.3 + 0.2, f"has() took {dt:.2f}s with a 0.3 s deadline"
                 out, dt = _timed(c.get, "k")
-                assert out is None and dt < 0.8
+                assert out is None or torch.equal(out, data("k", MiB))
+                assert dt < 0.8
         finally:
             os.kill(b.pid, signal.SIGCONT)
         deadline = time.monotonic() + 5

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import select
 import socket
 import struct
 import threading
@@ -105,6 +106,7 @@ _MAX_OWED = 256
 # Index-served items (keys + has() hits) and age after which the Served frame is sent
 # alone rather than ahead of the next request (see BrokerClient._post_served).
 _SERVED_MAX = 64
+_HUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _SERVED_AGE_S = 0.005
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -206,6 +208,8 @@ class BrokerClient:
         self._served_nbytes: list[int] = []
         self._served_has = 0
         self._served_at = 0.0  # when the oldest pending item was noted; 0: none
+        self._hup_poll: select.poll | None = None  # watches _hup_sock for the peer's end
+        self._hup_sock: object = None
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._outage_logged = False
@@ -407,11 +411,22 @@ class BrokerClient:
         """The residency index while it may be trusted (the filter's rule: a connection
         confirmed within filter_trust_s). Call with the lock held."""
         index = self._index
+        sock = self._sock
         if (
             index is None
-            or self._sock is None
+            or sock is None
             or time.monotonic() - self._confirmed_at > self.filter_trust_s
         ):
+            return None
+        # A killed broker cannot clear its index, and answering from it would also keep
+        # its dead slab mapped: a hang-up on the socket (one poll, ~1 us) is an outage.
+        if self._hup_sock is not sock:
+            self._hup_poll = select.poll()
+            self._hup_poll.register(sock.fileno(), _HUP)
+            self._hup_sock = sock
+        assert self._hup_poll is not None
+        if self._hup_poll.poll(0):
+            self._drop_socket()
             return None
         return index
 
