@@ -8,7 +8,9 @@ Per size (median of --runs), in one process and one run:
   the client's copy stream, synchronize, then post: into the connection's put arena
   (entries under put_arena_bytes, 8 MiB by default: a Place, no wait) or, larger,
   after a reserve (one wait), the commit;
-- ``get_into``: BrokerClient.get_into(key, cuda tensor) -- get, H2D copy, release;
+- ``get_into``: BrokerClient.get_into(key, cuda tensor) -- found in the broker's
+  residency index (no wait), H2D copy from the slab on the copy stream, synchronize,
+  the slot's seqlock word re-read (a changed slot falls back to get, copy, release);
 - ``D2H pinned`` / ``H2D pinned``: the same bytes between the device and an
   ordinary pinned host buffer (cudaMemcpyAsync + synchronize): the PCIe limit;
 - ``D2H pageable``: what an unregistered slab would get.

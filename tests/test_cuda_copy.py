@@ -91,6 +91,34 @@ def test_cpu_written_entry_loads_onto_the_device(broker) -> None:
         assert got is not None and got.device.type == "cuda" and torch.equal(got.cpu(), src)
 
 
+def test_index_copies_onto_the_device_and_a_discarded_one_leaves_nothing(broker) -> None:
+    # The residency index's zero-wait path onto a CUDA tensor: the H2D copy is
+    # synchronised before the slot's seqlock word is re-read; a slot rewritten during
+    # the copy falls back to the pinned get, and a final miss leaves ``out`` zeroed.
+    src = torch.randn(257, 1024).to(torch.bfloat16)
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
+        assert other.put("idx", src) and other.flush()
+        out = torch.empty(src.shape, dtype=src.dtype, device="cuda")
+        assert c.get_into("idx", out) and torch.equal(out.cpu(), src)
+        got = c.get_many(["idx"], device="cuda")[0]
+        assert got is not None and got.is_cuda and torch.equal(got.cpu(), src)
+        assert c.index_hits == 2 and c.index_retries == 0
+        slab = c._slab_view()
+        real = slab.read_into
+        deleted: list[bool] = []
+
+        def racing(*a, **kw):
+            if not deleted:
+                deleted.append(other.delete("idx"))
+            return real(*a, **kw)
+
+        slab.read_into = racing
+        out.fill_(1.0)
+        assert c.get_into("idx", out) is False
+        assert deleted == [True] and c.index_retries == 1
+        assert not out.any().item()
+
+
 # ------------------------------------------------------------ registration
 
 
