@@ -42,7 +42,8 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("memcpy", "get_into", "st-shm", "st-disk-cold", "redis", "ECCPUConnector",
                    "exact save_file/load_file calls",
-                   "hit x1", "miss x1", "put_many+get_many", "new blocks", "reused blocks"):  # fmt: skip
+                   "hit x1", "miss x1", "put_many+get_many", "new blocks", "reused blocks",
+                   "hit x1 (asked: leased 1 ms)", "against the floor"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
     assert out.exists()
     # Nothing left behind: private socket dirs and shm segments are removed.
@@ -123,7 +124,8 @@ def test_attribution_smoke(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("has() hit, 1 key", "put 64 KiB", "put (commit waited) 64 KiB",
                    "put (reserve path) 64 KiB", "get_into 64 KiB",
-                   "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "syscalls+wake-ups"):  # fmt: skip
+                   "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "syscalls+wake-ups",
+                   "has() hit, leased (asked)", "has() with a lease"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
     rows = json.loads(out.read_text())["rows"]
     # The broker's own times were read (an arena put waits for none: its Place is posted).
