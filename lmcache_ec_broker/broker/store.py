@@ -396,6 +396,28 @@ class Store:
         runs = self.allocator.allocate(nblocks)
         assert runs is not None  # _make_room guaranteed the blocks
         token = next(self._ids)
+        # In the filter from the reservation on (a "maybe" is always confirmed here):
+        # a client's commit is posted, so another client must ask the broker, which
+        # then reads the writer's pending commit (server.settle_reservations).
+        entry = self._add_entry(key, nbytes, dtype, shape, runs, State.RESERVED, token, conn)
+        self.reservations[token] = entry
+        self.reserved_blocks += nblocks
+        self.conns[conn].reservations.add(token)
+        return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
+
+    def _add_entry(
+        self,
+        key: str,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        runs: list[Run],
+        state: State,
+        token: int = 0,
+        owner: int = 0,
+    ) -> Entry:
+        """A new entry over ``runs`` in the index, its key added to the membership filter
+        first (before any reply can make it visible: the filter's invariant)."""
         entry = Entry(
             key=key,
             nbytes=nbytes,
@@ -403,20 +425,14 @@ class Store:
             shape=list(shape),
             runs=runs,
             extents=self._extents(runs, nbytes),
-            state=State.RESERVED,
+            state=state,
             token=token,
-            owner=conn,
+            owner=owner,
         )
-        self.entries[key] = entry
-        # In the filter from the reservation on (a "maybe" is always confirmed here):
-        # a client's commit is posted, so another client must ask the broker, which
-        # then reads the writer's pending commit (server.settle_reservations).
         if self.membership is not None:
             self.membership.add(key)
-        self.reservations[token] = entry
-        self.reserved_blocks += nblocks
-        self.conns[conn].reservations.add(token)
-        return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
+        self.entries[key] = entry
+        return entry
 
     def check_entry(self, key: str, nbytes: int, dtype: str, shape: list[int]) -> ErrorReply | None:
         """What reserve and place both require of a new entry's description."""
@@ -532,18 +548,7 @@ class Store:
         self.arena_blocks -= total
         self.used_blocks += total
         runs = [(start, length) for start, length in runs]
-        entry = Entry(
-            key=key,
-            nbytes=nbytes,
-            dtype=dtype,
-            shape=list(shape),
-            runs=runs,
-            extents=self._extents(runs, nbytes),
-            state=State.READY,
-        )
-        if self.membership is not None:
-            self.membership.add(key)  # before the entry is visible (invariant 9)
-        self.entries[key] = entry
+        entry = self._add_entry(key, nbytes, dtype, shape, runs, State.READY)  # invariant 9
         self.lru.insert(key)
         self.counters["puts"] += 1
         self.counters["arena_places"] += 1

@@ -106,6 +106,7 @@ _MAX_OWED = 256
 # Index-served items (keys + has() hits) and age after which the Served frame is sent
 # alone rather than ahead of the next request (see BrokerClient._post_served).
 _SERVED_MAX = 64
+_INDEX_HAS_MAX = 32  # measured (p50, loaded VM): 32 hits 117 us from the index vs 200 asked; 64: 189 vs 167
 _HUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _SERVED_AGE_S = 0.005
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
@@ -1116,7 +1117,9 @@ class BrokerClient:
             ask, mask = self._ask(keys)
             if not ask:
                 return [False] * len(keys)
-            index = self._usable_index() if lease_ms <= 0 else None  # a lease needs the broker
+            # A lease needs the broker; past _INDEX_HAS_MAX keys one round trip costs less
+            # than reading the index key by key (~1-3 us each from Python).
+            index = self._usable_index() if lease_ms <= 0 and len(ask) <= _INDEX_HAS_MAX else None
             if index is not None:
                 known = index_path.has_known(index, ask)
                 n = known.count(True)

@@ -50,8 +50,8 @@ def map_index(hello: HelloReply, owners: Collection[int]) -> ResidencyReader | N
 
 def has_known(index: ResidencyReader, keys: list[str]) -> list[bool]:
     """Per key, True where the index holds it now (a positive is exact)."""
-    find = index.find
-    return [find(k) is not None for k in keys]
+    contains = index.contains
+    return [contains(k) for k in keys]
 
 
 def read_known(

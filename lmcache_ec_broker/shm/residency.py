@@ -17,8 +17,9 @@ Layout: a 64-byte header, then ``nslots`` slots of ``SLOT_BYTES`` bytes.
             | ndim u8 | nextents u8 | pad 3 | shape 6 x u64 | extents 4 x (u64, u64)
             | key bytes (KEY_CAP)
 
-A key's home slot is the low bits of its seeded xxh3 digest (shm/filter.key_digest,
-the seed in this header); it lives in one of the ``PROBES`` slots from there.
+A key's home slot is the low bits of the xxh3-64 of its UTF-8 bytes (surrogatepass)
+seeded with this header's seed (the filter's hash, its own seed); it lives in one
+of the ``PROBES`` slots from there.
 
 Seqlock (what makes a positive exact): ``seq`` is odd while the broker rewrites a
 slot and bumps by one before and after every rewrite; ``gen`` is a broker-wide
@@ -54,9 +55,9 @@ import struct
 from collections.abc import Collection
 
 import posix_ipc
+import xxhash
 
 from ..protocol import DTYPE_ITEMSIZE, Extent
-from .filter import key_digest
 from .segment import Segment, ShmError, check_owner
 
 MAGIC = b"LMECRES1"
@@ -73,6 +74,9 @@ _FIXED_AT = 8
 KEY_AT = _FIXED_AT + _FIXED.size  # 144
 KEY_CAP = SLOT_BYTES - KEY_AT  # 112 bytes of UTF-8
 SEQ = struct.Struct("@Q")  # native: one aligned 8-byte load/store (see the module doc)
+_KEYLEN = struct.Struct("<H")
+_KEYLEN_AT = 24  # the keylen field of _FIXED, from the slot's start
+_xxh3 = xxhash.xxh3_64_intdigest
 PROBES = 8
 MIN_LOG2_SLOTS = 10
 MAX_LOG2_SLOTS = 18  # 64 MiB at most; more entries than that fall back to the broker
@@ -144,7 +148,7 @@ class ResidencyWriter:
         ):
             self.unindexed += 1
             return False
-        home = int.from_bytes(key_digest(key, self.seed), "little") & self._mask
+        home = _xxh3(kb, self.seed) & self._mask
         used = self._used
         for i in range(PROBES):
             slot = (home + i) & self._mask
@@ -275,7 +279,7 @@ class ResidencyReader:
         n = len(kb)
         if not n or n > KEY_CAP:
             return None
-        home = int.from_bytes(key_digest(key, self.seed), "little") & self.mask
+        home = _xxh3(kb, self.seed) & self.mask
         seq_from, fixed_from, mask = SEQ.unpack_from, _FIXED.unpack_from, self.mask
         for i in range(PROBES):
             at = HEADER_SIZE + ((home + i) & mask) * SLOT_BYTES
@@ -289,6 +293,32 @@ class ResidencyReader:
                 return None  # rewritten under us: ask
             return self._checked(at, seq, f)
         return None
+
+    def contains(self, key: str) -> bool:
+        """``find(key) is not None`` without decoding the entry (has() needs no more;
+        a get checks every field it copies by)."""
+        mm = self.mm
+        if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
+            return False
+        try:
+            kb = key.encode()
+        except UnicodeEncodeError:
+            kb = key.encode("utf-8", "surrogatepass")
+        n = len(kb)
+        if not n or n > KEY_CAP:
+            return False
+        home = _xxh3(kb, self.seed)
+        seq_from, len_from, mask = SEQ.unpack_from, _KEYLEN.unpack_from, self.mask
+        for i in range(PROBES):
+            at = HEADER_SIZE + ((home + i) & mask) * SLOT_BYTES
+            (seq,) = seq_from(mm, at)
+            if (
+                not seq & 1
+                and len_from(mm, at + _KEYLEN_AT)[0] == n
+                and mm[at + KEY_AT : at + KEY_AT + n] == kb
+            ):
+                return seq_from(mm, at)[0] == seq
+        return False
 
     def _checked(self, at: int, seq: int, f: tuple[int, ...]) -> Found | None:
         """Bounds-check every field against the slab and the dtype table."""
