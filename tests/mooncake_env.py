@@ -440,6 +440,26 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
                                 h.update(v)
                         got["sha256"] = h.hexdigest()
                     out(got)
+                elif op == "fetch_together":  # several fetches started in one loop turn
+                    counts: list[int] = []
+
+                    def take(meta: EntryMeta, counts: list = counts) -> list[tuple[int, int]]:
+                        counts.append(meta.nbytes)
+                        return alloc(meta.nbytes, 2)
+
+                    done = await asyncio.gather(*(tier.fetch(k, take) for k in cmd["keys"]))
+                    out({"done": list(done), "reserved": counts})
+                elif op == "fetch_cancel":  # cancel a fetch while its transfer runs
+                    task = asyncio.ensure_future(tier.fetch(cmd["key"], lambda m: alloc(m.nbytes, 2)))
+                    await asyncio.sleep(cmd.get("after_s", 0.002))
+                    task.cancel()
+                    try:
+                        await task
+                        outcome = "finished"
+                    except asyncio.CancelledError:
+                        outcome = "cancelled"
+                    running = [f for f in tier._inflight if not f.done()]
+                    out({"outcome": outcome, "transfers_running": len(running)})
                 elif op == "read_cancel":  # cancel a promotion mid-transfer
                     n, dtype, shape = cmd["meta"]
                     meta = EntryMeta(n, dtype, tuple(shape))

@@ -313,6 +313,28 @@ def test_a_get_no_lookup_preceded_is_one_transfer_verified_before_any_reserve(mc
 
 
 @needs_mooncake
+def test_fetches_share_two_staging_buffers_and_a_cancelled_one_returns_its_buffer(
+    mc: Env,
+) -> None:
+    """Two staging buffers: a third fetch started while both are taken answers "not
+    here" (None: the get looks up and promotes instead) without any I/O or
+    reservation. A fetch cancelled mid-transfer returns only after its transfer
+    ended, and its buffer is free again for the next fetches."""
+    a, b = mc.driver(), mc.driver()
+    keys = [f"s{i}" for i in range(3)]
+    for i, key in enumerate(keys):
+        assert a.call("put", key=key, dtype="uint8", shape=[3 << 20], seed=20 + i)["started"]
+    got = b.call("fetch_together", keys=keys)
+    assert got == {"done": [True, True, None], "reserved": [3 << 20, 3 << 20]}, got
+    got = b.call("fetch_cancel", key="s2")
+    assert got["transfers_running"] == 0, got
+    for _ in range(3):  # both buffers are back (a leak would make these None)
+        assert b.call("fetch_together", keys=keys[:2])["done"] == [True, True]
+    got = b.call("fetch", key="s2")
+    assert got.get("sha256") == sha(3 << 20, 22), got
+
+
+@needs_mooncake
 def test_hmac_refuses_unsigned_values(mc: Env) -> None:
     key = "k" * 32
     a, b = mc.driver(), mc.driver(hmac_key=key)
