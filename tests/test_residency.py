@@ -9,6 +9,7 @@ test scribbles on a real shared-memory index (the broker's writer) in-process.
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -85,6 +86,46 @@ def test_a_has_hit_and_a_get_make_no_round_trip_and_are_counted(broker) -> None:
     assert after["hits"] - before["hits"] == 4
     assert after["bytes_loaded"] - before["bytes_loaded"] == 4 * t.nbytes
     assert after["residency_entries"] == 1
+
+
+def test_a_get_of_the_clients_own_unhandled_placement_waits_for_nothing(broker) -> None:
+    # put then get of the same key from one client: the Place is posted, so the broker
+    # may not have indexed it yet; the client copies from its own arena blocks while the
+    # journal shows the Place unhandled. Fails on the previous client (one wait: the
+    # key was asked, the broker settling the placement first).
+    t = torch.arange(16384, dtype=torch.float32)
+    with BrokerClient(broker.socket_path, timeout_s=2, filter_trust_s=30) as c:
+        assert c.put("warm", t) and c.flush()  # the connection now holds an arena
+        c._slab_view()
+        counting = _count(c)
+        for i in range(5):
+            os.kill(broker.pid, signal.SIGSTOP)  # the Place stays unhandled meanwhile
+            try:
+                assert c.put(f"own{i}", t + i)
+                got = c.get(f"own{i}")
+                out = torch.empty_like(t)
+                assert c.get_into(f"own{i}", out)
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            assert got is not None and torch.equal(got, t + i) and torch.equal(out, t + i)
+        assert counting.waits == 0
+        # Handled during the copy (here: the client reads the broker's replies inside
+        # it): the own copy is discarded and the index, or the broker, answers.
+        assert c.put("raced", t - 1)
+        slab = c._slab_view()
+        real = slab.read
+        raced: list[bool] = []
+
+        def racing(*a, **kw):
+            if not raced:
+                raced.append(c.flush())
+            return real(*a, **kw)
+
+        slab.read = racing
+        got = c.get("raced")
+        assert raced == [True] and got is not None and torch.equal(got, t - 1)
+        st = c.stats()
+    assert st["hits"] >= 11 and st["puts"] >= 7
 
 
 def test_index_hits_reach_the_broker_by_flush_and_close(broker) -> None:

@@ -46,6 +46,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -106,7 +107,9 @@ _MAX_OWED = 256
 # Index-served items (keys + has() hits) and age after which the Served frame is sent
 # alone rather than ahead of the next request (see BrokerClient._post_served).
 _SERVED_MAX = 64
-_INDEX_HAS_MAX = 32  # measured (p50, loaded VM): 32 hits 117 us from the index vs 200 asked; 64: 189 vs 167
+_INDEX_HAS_MAX = (
+    32  # measured (p50, loaded VM): 32 hits 117 us from the index vs 200 asked; 64: 189 vs 167
+)
 _HUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 _SERVED_AGE_S = 0.005
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
@@ -190,6 +193,12 @@ class BrokerClient:
         self._arena = ArenaBlocks()
         self._arena_slot = -1  # this connection's journal slot, known from the first grant
         self._arena_seq = 0  # placements made (journal "placed"; wraps at 2**32)
+        # Entries this connection placed whose Place the broker may not have handled
+        # yet: key -> (seq, extents, dtype, shape, nbytes). Until the broker settles
+        # that seq the blocks are still this connection's arena blocks, which nobody
+        # else can write, so a get of such a key may copy from them (index_path.py).
+        self._own: dict[str, tuple[int, list[tuple[int, int]], str, list[int], int]] = {}
+        self._placing: dict[str, tuple[int, list[tuple[int, int]], str, list[int], int]] = {}
         self._grant_owed = False  # an ArenaGrant is posted and its reply not read yet
         self._grant_after = 0.0  # after an empty grant: ask again no sooner than this
         # The broker's membership filter: a local "absent" skips the round trip. It is
@@ -421,15 +430,46 @@ class BrokerClient:
             return None
         # A killed broker cannot clear its index, and answering from it would also keep
         # its dead slab mapped: a hang-up on the socket (one poll, ~1 us) is an outage.
+        if self._peer_gone():
+            self._drop_socket()
+            return None
+        return index
+
+    def _peer_gone(self) -> bool:
+        """True once the broker's end of the connection is closed (one poll(0))."""
+        sock = self._sock
+        if sock is None:
+            return True
         if self._hup_sock is not sock:
             self._hup_poll = select.poll()
             self._hup_poll.register(sock.fileno(), _HUP)
             self._hup_sock = sock
         assert self._hup_poll is not None
-        if self._hup_poll.poll(0):
-            self._drop_socket()
+        return bool(self._hup_poll.poll(0))
+
+    def _own_read(
+        self, key: str, copy: Callable[[list[tuple[int, int]], str, list[int]], Any]
+    ) -> Any:
+        """``copy(extents, dtype, shape)`` from this connection's own blocks if ``key``
+        was placed here and the broker has not handled that Place before or during the
+        copy; None otherwise (the index or the broker is asked). Why it is exact: until
+        the broker settles the seq, the blocks are this connection's arena blocks, freed
+        only when the connection closes -- after its socket is closed, which the poll
+        after the copy sees; and the journal word is re-read after the copy (x86-TSO,
+        as for the index). Call with the lock held, the index usable."""
+        own = self._own.get(key)
+        journal = self._journal
+        if own is None or journal is None or self._arena_slot < 0:
             return None
-        return index
+        seq, extents, dtype, shape, _nbytes = own
+        before = journal.settled(self._arena_slot)
+        if not _pending(seq, before):
+            del self._own[key]  # handled: the index (or the broker) has the last word
+            return None
+        got = copy(extents, dtype, shape)
+        if journal.settled(self._arena_slot) != before or self._peer_gone():
+            return None
+        return got
 
     def _post_served(self, keys: list[str], nbytes: list[int], has_hits: int) -> None:
         """Note what the index served (hits, bytes, LRU touches) for the broker. Sent
@@ -487,6 +527,8 @@ class BrokerClient:
         self._posted_keys.clear()
         self._served_keys, self._served_nbytes, self._served_has = [], [], 0
         self._served_at = 0.0  # the counts die with the connection, like its pins
+        self._own.clear()
+        self._placing.clear()
         self._arena.clear()  # the broker frees the arena with the connection
         self._arena_slot = -1
         self._grant_owed = False
@@ -780,8 +822,9 @@ class BrokerClient:
         except BaseException:
             self._arena.give(runs)
             raise
-        self._arena_seq = (self._arena_seq + 1) & 0xFFFFFFFF
-        return self._frame(Place(key, nbytes, dtype, shape, runs, self._arena_seq)), runs
+        self._arena_seq = seq = (self._arena_seq + 1) & 0xFFFFFFFF
+        self._placing[key] = (seq, extents_of(runs, nbytes, bs), dtype, shape, nbytes)
+        return self._frame(Place(key, nbytes, dtype, shape, runs, seq)), runs
 
     def _send_placed(self, frames: list[bytes], keys: list[str]) -> None:
         """Post the Place frames (and a refill if the arena runs low) in one send. The
@@ -795,6 +838,14 @@ class BrokerClient:
         if grant:
             self._grant_owed = True
         self._posted_keys.update(keys)
+        placing, own = self._placing, self._own
+        for key in keys:
+            own[key] = placing[key]
+        placing.clear()
+        if len(own) > _MAX_OWED:  # drop what the broker has handled (the index has it)
+            settled = self._journal.settled(self._arena_slot)
+            for key in [k for k, v in own.items() if not _pending(v[0], settled)]:
+                del own[key]
 
     def _grant_frame(self) -> bytes:
         """An ArenaGrant frame topping the arena up to the broker's cap, or b"" when it
@@ -901,7 +952,14 @@ class BrokerClient:
             slab = self._slab_view()
         except BrokerUnavailable:
             return None
-        local, retries = index_path.read_known(index, slab, keys, dev, _copy().torch_dtype)
+        torch_dtype = _copy().torch_dtype
+        from_own = None
+        if self._own and any(k in self._own for k in keys):
+
+            def from_own(key: str) -> torch.Tensor | None:
+                return self._own_read(key, lambda e, d, s: slab.read(e, torch_dtype(d), s, dev))
+
+        local, retries = index_path.read_known(index, slab, keys, dev, torch_dtype, from_own)
         self.index_retries += retries
         served = [k for k, t in zip(keys, local, strict=True) if t is not None]
         if not served:
@@ -960,12 +1018,30 @@ class BrokerClient:
                     slab = self._slab_view()
                 except BrokerUnavailable:
                     return False
-                found, wrote = index_path.read_known_into(index, slab, key, out, cp.dtype_name)
+                if key in self._own:
+                    name = cp.dtype_name(out.dtype)
+
+                    def copy_into(e: list[tuple[int, int]], d: str, s: list[int]) -> bool | None:
+                        nonlocal wrote
+                        if d != name or s != list(out.shape):
+                            return None  # a mismatch is reported by the broker's path
+                        wrote = True
+                        slab.read_into(e, out)
+                        return True
+
+                    if self._own_read(key, copy_into):
+                        self.index_hits += 1
+                        self._post_served([key], [out.nbytes], 0)
+                        return True
+                found, wrote_index = index_path.read_known_into(
+                    index, slab, key, out, cp.dtype_name
+                )
                 if found is not None:
                     self.index_hits += 1
                     self._post_served([key], [found.nbytes], 0)
                     return True
-                self.index_retries += wrote
+                self.index_retries += wrote or wrote_index
+                wrote = wrote or wrote_index
             hit = self._get_into_asked(key, out, cp)
             if wrote and not hit:
                 out.zero_()  # the discarded copy's bytes must not be shown
@@ -1356,6 +1432,11 @@ def _copy() -> Any:
 
         _COPY = copy
     return _COPY
+
+
+def _pending(seq: int, settled: int) -> bool:
+    """Whether placement ``seq`` is after the last one the broker settled (u32 wrap)."""
+    return 0 < (seq - settled) & 0xFFFFFFFF < 1 << 31
 
 
 def _expand(mask: list[bool], answers: list[Any], absent: Any) -> list[Any]:

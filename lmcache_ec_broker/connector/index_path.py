@@ -18,7 +18,7 @@ is another segment).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from ..protocol import HelloReply
@@ -60,13 +60,18 @@ def read_known(
     keys: list[str],
     device: torch.device,
     torch_dtype,  # copy.torch_dtype
+    from_own: Callable[[str], torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor | None], int]:
     """Per key, a new tensor copied from the slab if the index held the key and the
     slot was unchanged after the copy, else None (ask the broker); and how many copies
-    were discarded because their slot changed."""
+    were discarded because their slot changed. ``from_own``: first try the client's
+    own not-yet-handled placement of the key (BrokerClient._own_read)."""
     out: list[torch.Tensor | None] = []
     retries = 0
     for key in keys:
+        if from_own is not None and (mine := from_own(key)) is not None:
+            out.append(mine)
+            continue
         found = index.find(key)
         tensor = None
         if found is not None:

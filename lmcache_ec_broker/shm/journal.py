@@ -117,6 +117,10 @@ class Journal:
     def mark_placed(self, slot: int, seq: int) -> None:
         _WORD.pack_into(self._mm, self._check(slot), seq & _MASK)
 
+    def settled(self, slot: int) -> int:
+        """The broker's ``settled`` word of ``slot`` (the last placement it handled)."""
+        return _WORD.unpack_from(self._mm, self._check(slot) + 4)[0]
+
     def any_unsettled(self, own_slot: int = -1) -> bool:
         """True if a slot other than ``own_slot`` has a placement the broker has not
         handled yet (a local filter "absent" is then no proof)."""
