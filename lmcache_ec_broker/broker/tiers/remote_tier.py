@@ -11,7 +11,9 @@ A transport that can do a lookup or a promotion's read on the event loop itself
 (``lookup_on_loop`` / ``read_on_loop``: Redis with an idle connection at hand) is
 asked first: a remote hit then pays no thread hand-offs. It answers "not here"
 (None / False) before any I/O when it cannot, and the threads do it as before; its
-result goes to the policy exactly as a thread's would.
+result goes to the policy exactly as a thread's would. A get that no lookup preceded
+is one ``fetch`` (policy promise 9): on the loop (``fetch_on_loop``) or as one
+read-thread job into a staging buffer of the transport's (``fetch_staged``).
 """
 
 from __future__ import annotations
