@@ -31,8 +31,13 @@ Failure model (what a serving engine can rely on):
   socket; a reserved key is in the membership filter and a placed one is marked
   in the placement journal (so other clients ask), and the broker handles the
   pending frames of a reserving or placing connection before answering for a
-  key it lacks. ``flush()`` waits for the posted replies. ``get`` waits for its Get reply and posts the Release;
-  ``has`` is one short request.
+  key it lacks. ``flush()`` waits for the posted replies. A ``has`` hit and a
+  ``get`` of an entry in the broker's residency index (shm/residency.py) wait for
+  nothing: answered, or copied and confirmed by the slot's seqlock word, locally
+  (connector/index_path.py), and told to the broker in a batched reply-less Served
+  frame; so does a get of this connection's own placement the broker has not
+  handled yet. Otherwise ``get`` waits for its Get reply and posts the Release,
+  and ``has`` is one short request.
 """
 
 from __future__ import annotations
