@@ -934,18 +934,24 @@ class BrokerClient:
         dev = cp.torch.device(device)
         cp.check_device(dev)
         with self._lock:
-            ask, mask = self._ask(keys)
-            if not ask:
-                return [None] * len(keys)
-            local = self._get_local(ask, dev)
-            if local is not None:
-                rest = [k for k, t in zip(ask, local, strict=True) if t is None]
-                got = self._get_many_asked(rest, dev) if rest else []
-                it = iter(got)
-                merged = [t if t is not None else next(it) for t in local]
-                return merged if mask is None else _expand(mask, merged, None)
-            out = self._get_many_asked(ask, dev)
-            return out if mask is None else _expand(mask, out, None)
+            # The index first (a get usually follows a has() hit), then the filter for
+            # what it lacks, then the broker for what the filter cannot rule out.
+            local = self._get_local(_as_list(keys), dev)
+            rest = (
+                keys
+                if local is None
+                else [k for k, t in zip(keys, local, strict=True) if t is None]
+            )
+            if not rest:
+                return [] if local is None else local  # no keys, or every one served here
+            ask, mask = self._ask(rest)
+            got = self._get_many_asked(ask, dev) if ask else []
+            if mask is not None:
+                got = _expand(mask, got, None)
+            if local is None:
+                return got
+            it = iter(got)
+            return [t if t is not None else next(it) for t in local]
 
     def _get_local(self, keys: list[str], dev: torch.device) -> list[torch.Tensor | None] | None:
         """The index's copies (None where the broker must be asked), or None when the
@@ -1012,12 +1018,8 @@ class BrokerClient:
             cp.check_device(out.device)
         with self._lock:
             keys = [key]
-            mask = self._maybe_mask(keys)
-            if mask is not None and not mask[0]:
-                self.local_misses += 1
-                return False
             wrote = False
-            index = self._usable_index()
+            index = self._usable_index()  # first: a get usually follows a has() hit
             if index is not None:
                 try:
                     slab = self._slab_view()
@@ -1047,7 +1049,12 @@ class BrokerClient:
                     return True
                 self.index_retries += wrote or wrote_index
                 wrote = wrote or wrote_index
-            hit = self._get_into_asked(key, out, cp)
+            mask = self._maybe_mask(keys)
+            if mask is not None and not mask[0]:
+                self.local_misses += 1
+                hit = False
+            else:
+                hit = self._get_into_asked(key, out, cp)
             if wrote and not hit:
                 out.zero_()  # the discarded copy's bytes must not be shown
             return hit
