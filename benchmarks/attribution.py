@@ -182,7 +182,7 @@ def measure(
     posted: tuple[str, ...],
 ) -> dict[str, Any]:
     """Run ``call(i)`` iters times; phases as means in microseconds."""
-    for i in range(min(50, iters)):  # warm-up (page faults, caches)
+    for i in range(min(200, iters)):  # warm-up (page faults, caches, the broker idle again)
         call(i)
     before = broker_seconds(port)
     total = send = wait = copy = 0
