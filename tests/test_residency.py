@@ -149,6 +149,26 @@ def test_index_hits_reach_the_broker_by_flush_and_close(broker) -> None:
     assert after["bytes_loaded"] - before["bytes_loaded"] == t.nbytes
 
 
+def test_many_served_keys_are_told_in_frames_the_broker_accepts(make_broker) -> None:
+    # 300 index hits in one get_many against the smallest frame limit: the Served
+    # report is split, never a frame the broker would refuse (seen failing: one
+    # 30 KiB Served frame raised BrokerRefused from get_many).
+    b = make_broker("--shm-size", "64MiB", "--max-frame-size", "4KiB")
+    keys = [f"{i:03d}-" + "k" * 100 for i in range(300)]
+    with BrokerClient(b.socket_path) as w, BrokerClient(b.socket_path) as c:
+        for i in range(0, 300, 20):
+            assert w.put_many([(k, torch.full((64,), j % 251, dtype=torch.uint8))
+                               for j, k in enumerate(keys[i : i + 20], start=i)]) == [True] * 20  # fmt: skip
+        assert w.flush()
+        before = w.stats()
+        got = c.get_many(keys)
+        assert all(g is not None and int(g[0]) == j % 251 for j, g in enumerate(got))
+        assert c.index_hits == 300 and c.flush()
+        after = w.stats()
+    assert after["hits"] - before["hits"] == 300
+    assert after["bytes_loaded"] - before["bytes_loaded"] == 300 * 64
+
+
 def test_an_entry_read_only_through_the_index_survives_eviction(make_broker) -> None:
     # The broker touches the LRU for every Served key: a hot entry read locally must not
     # be evicted as if unread. Fails on the old client at the waits assertion.

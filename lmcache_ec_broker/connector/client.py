@@ -99,7 +99,7 @@ from ..protocol import (
 )
 from ..shm.filter import FilterReader
 from ..shm.journal import Journal
-from ..shm.residency import ResidencyReader
+from ..shm.residency import KEY_CAP, ResidencyReader
 from ..shm.segment import Segment, ShmError
 from . import index_path
 from .arena_blocks import ArenaBlocks, extents_of
@@ -499,10 +499,17 @@ class BrokerClient:
         """The pending Served frame (b"" if none), taken: the caller sends it first."""
         if not self._served_at:
             return b""
-        msg = Served(self._served_keys, self._served_nbytes, self._served_has)
+        keys, nbytes, has_hits = self._served_keys, self._served_nbytes, self._served_has
         self._served_keys, self._served_nbytes, self._served_has = [], [], 0
         self._served_at = 0.0
-        return self._frame(msg)
+        # Indexed keys are <= KEY_CAP bytes: this many always fit the broker's frame limit.
+        hello = self._hello
+        limit = hello.max_frame_bytes if hello is not None and hello.max_frame_bytes else 1 << 20
+        per = max(1, (limit - 64) // (KEY_CAP + 24))
+        return b"".join(
+            self._frame(Served(keys[i : i + per], nbytes[i : i + per], has_hits if not i else 0))
+            for i in range(0, max(len(keys), 1), per)
+        )
 
     def _close_journal(self) -> None:
         if self._journal is not None:
