@@ -2,7 +2,8 @@
 replies late by ``reply_delay_s`` (a slow or distant store), a command (``hold_s``,
 e.g. ``{"SET": 1.5}``: a slow link for large values, or ``{"DEL": 1.0}``) held before
 it reaches the store, or the connection carrying the next ``SET`` cut (a lost
-connection). Order on each connection
+connection), or the pub/sub messages a subscriber receives delivered late
+(``push_delay_s``: a loaded host's subscriber thread). Order on each connection
 is kept: later bytes wait for held ones. Used by the remote-tier tests and by
 ``benchmarks/remote_faults.py``; everything it reaches is the real server behind it.
 """
@@ -16,6 +17,7 @@ import threading
 import time
 
 _SET = b"$3\r\nSET\r\n"
+_MESSAGE = b"$7\r\nmessage\r\n"  # a pub/sub push (RESP2 array or RESP3 push)
 
 
 def _command(name: str) -> bytes:
@@ -31,6 +33,8 @@ class DelayProxy:
         # socket timeout, yet the whole reply takes long (a store that is just slow)
         self.trickle_s = 0.0
         self.hold_s: dict[str, float] = {}  # command -> how long to hold it
+        self.push_delay_s = 0.0  # pub/sub messages to subscribers: delivered this late
+        self.pushes_delivered = 0  # chunks carrying pub/sub messages, delivered
         self.reset_next_set = False
         self.held = 0  # commands held (counter)
         self.sets_cut = 0  # connections cut at a SET
@@ -119,7 +123,7 @@ class DelayProxy:
 
     def _down(self, server: socket.socket, client: socket.socket) -> None:
         """Store -> client, each chunk delivered ``reply_delay_s`` after it arrived."""
-        q: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
+        q: queue.Queue[tuple[float, bytes, bool] | None] = queue.Queue()
 
         def deliver() -> None:
             try:
@@ -127,7 +131,7 @@ class DelayProxy:
                     item = q.get()
                     if item is None:
                         break
-                    due, data = item
+                    due, data, push = item
                     wait = due - time.monotonic()
                     if wait > 0:
                         time.sleep(wait)
@@ -137,6 +141,7 @@ class DelayProxy:
                             client.sendall(data[i : i + 1])
                     else:
                         client.sendall(data)
+                    self.pushes_delivered += push
             except OSError:
                 pass
             self._cut(client, server)
@@ -147,7 +152,9 @@ class DelayProxy:
                 data = server.recv(1 << 20)
                 if not data:
                     break
-                q.put((time.monotonic() + self.reply_delay_s, data))
+                push = _MESSAGE in data
+                late = self.reply_delay_s + (self.push_delay_s if push else 0.0)
+                q.put((time.monotonic() + late, data, push))
         except OSError:
             pass
         q.put(None)

@@ -1,13 +1,28 @@
 """Key discovery for the remote policy (rule 7 of ``remote_policy.py``): listings of
 the store's keys, coalesced (one at a time, one more if asked for meanwhile), and
 announcements, folded into the membership filter in slices of ``fold_slice`` keys
-per loop turn so that a listing of 300k keys never holds the event loop."""
+per loop turn so that a listing of 300k keys never holds the event loop.
+
+Own echoes. A store that announces (Redis pub/sub) delivers a broker's own
+announcements back to it, on the subscriber thread, any time after the write that
+published them ended -- possibly after a delete or clear of the key has ended too.
+Such an echo carries no news: the write already taught the key when it ended STORED
+(rule 2), unless a delete or clear came meanwhile, and then learning it would put a
+deleted key back into the filter -- and the next write-behind of the key would be
+skipped as "already in the store", so the value never reached the fleet again.
+Invariant: every own STORED write expects one echo (``_expect_echo``); the first
+announcement of that key heard afterwards is taken as it and never learned
+(``_own_echo``). Announcements carry only the key, so another broker's announcement
+heard first is taken instead and the echo is learned in its place: the same news,
+one announcement later. An echo never heard (the subscriber reconnected) is
+forgotten after ``ECHO_TTL_S``; until then it swallows one announcement of its key
+-- a key not learned is a miss that costs a recomputation, never a wrong hit."""
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .remote_jobs import ScanJob
@@ -17,6 +32,9 @@ if TYPE_CHECKING:
     from .remote_jobs import Limits, LookupJob, Runner, WriteJob
 
 log = logging.getLogger("lmcache_ec_broker.remote")
+
+ECHO_TTL_S = 30.0  # longer than any subscriber backlog seen; see "Own echoes" above
+ECHO_CAP = 65536
 
 
 class KeyDiscovery:
@@ -30,6 +48,9 @@ class KeyDiscovery:
     refused: collections.OrderedDict[str, float]
     live: set[LookupJob | ScanJob | WriteJob]
     complete: bool
+    clock: Callable[[], float]
+    # key -> (own announcements not heard back yet, until when one is expected)
+    echoes: collections.OrderedDict[str, tuple[int, float]]
     _seq: int
     _scan: ScanJob | None
     _scan_again: bool
@@ -106,12 +127,42 @@ class KeyDiscovery:
             self._scan_again = False
             self.want_scan()
 
+    def _expect_echo(self, key: str) -> None:
+        """An own write of ``key`` ended STORED: the store announced it (its publish
+        went out before the write ended), and this broker will hear it back."""
+        if not self.limits.announces:
+            return
+        n, _ = self.echoes.pop(key, (0, 0.0))
+        self.echoes[key] = (n + 1, self.clock() + ECHO_TTL_S)  # kept in order of expiry
+        while len(self.echoes) > ECHO_CAP:
+            self.echoes.popitem(last=False)
+
+    def _own_echo(self, key: str) -> bool:
+        """Is this announcement of ``key`` one of this broker's own, heard back?"""
+        now = self.clock()
+        while self.echoes:
+            oldest = next(iter(self.echoes))
+            if self.echoes[oldest][1] > now:
+                break
+            del self.echoes[oldest]
+        got = self.echoes.get(key)
+        if got is None:
+            return False
+        n, until = got
+        if n > 1:
+            self.echoes[key] = (n - 1, until)
+        else:
+            del self.echoes[key]
+        return True
+
     def announced(self, keys: Sequence[str]) -> None:
-        """Keys other brokers wrote (from the announcement stream; a bounded batch)."""
+        """Keys brokers wrote (from the announcement stream; a bounded batch)."""
         if self.closing:
             return
         for key in keys[: self.limits.fold_slice]:
             self.counters["remote_announcements"] += 1
+            if self._own_echo(key):
+                continue  # see "Own echoes" in the module docstring
             self.refused.pop(key, None)  # a new value: worth asking for again
             if not self._blocked(key):
                 self._learn(key)

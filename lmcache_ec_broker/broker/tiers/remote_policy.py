@@ -35,7 +35,9 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    again: the store may have restarted empty).
 7. Key discovery. Rescans are coalesced (one at a time; requests meanwhile make one
    more) and their results, like announcements, are folded into the filter in
-   slices of ``fold_slice`` keys per loop turn.
+   slices of ``fold_slice`` keys per loop turn. This broker's own announcements,
+   heard back, are never learned (a delete may have ended before they arrive;
+   ``remote_discovery.py``, "Own echoes").
 8. Own writes (``own``, the residency events): ``own_stored`` once per write that
    ended STORED (this broker wrote the value; never for PRESENT, which another
    broker wrote), ``own_deleted`` when a delete of the key ends (done, or given up:
@@ -147,6 +149,7 @@ class RemotePolicy(KeyDiscovery):
         self.known: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._seq = 0
         self.complete = limits.announces and limits.filter_cap > 0
+        self.echoes: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
         self._scan: ScanJob | None = None
         self._scan_again = False
         self._fold: Iterator[None] | None = None
@@ -271,6 +274,7 @@ class RemotePolicy(KeyDiscovery):
                 self.uncertain.popitem(last=False)
         elif outcome is Outcome.STORED:
             self.uncertain.pop(job.key, None)
+            self._expect_echo(job.key)  # its announcement comes back (remote_discovery.py)
         if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
             if outcome is Outcome.STORED:
                 self.refused.pop(job.key, None)
