@@ -3,16 +3,19 @@
 Order: slab (``store.py``, pure state) -> lower tiers nearest first (local disk,
 then remote). The coordinator alone
 
-- answers lookups across tiers (``lookup``/``has``), starting a promotion at a
-  leased lower-tier hit;
+- answers lookups across tiers (``lookup``/``has``) and gets (``get``), starting
+  a promotion at a leased lower-tier hit or a get's miss (here);
 - promotes upward: reserves slab blocks, lets the source tier fill them off the
-  loop, commits only a verified copy (otherwise aborts);
+  loop, commits only a verified copy, otherwise aborts (``promotion.py``);
 - writes behind downward: every committed client entry, and every promoted one
   to the tiers other than its source, is offered to each lower tier while the
-  coordinator pins it;
+  coordinator pins it (``writebehind.py``);
 - keeps leases across tiers: a leased hit on a lower tier holds that tier's copy
   (``LowerTier.hold``) and the promoted slab entry is leased to every connection
-  that leased the key, until ``unlease``, expiry or the connection closing;
+  that leased the key, until ``unlease``, expiry or the connection closing
+  (``tier_leases.py``);
+- asks the remote tiers, dropping answers a delete or shared clear made stale
+  (``remote_asks.py``);
 - keeps the membership filter: the slab reports its keys through
   ``store.membership``, the lower tiers through ``TierEvents`` (``added``/``removed``).
 
@@ -30,70 +33,32 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..protocol import EntryInfo, ErrorReply, Extent, GetReply, Hit, LookupState, ReserveStatus
+from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState
+from .promotion import TIER_CONN, Promotion, Promotions
+from .remote_asks import RemoteAsks
 from .store import Entry, Membership, Store
+from .tier_leases import TierLeases
 from .tiers import all_empty_stats
-from .tiers.base import (
-    EntryMeta,
-    LowerTier,
-    SlabAccess,
-    TierCorrupt,
-    TierEvents,
-    TierMiss,
-    TierUnavailable,
-)
+from .tiers.base import EntryMeta, LowerTier, SlabAccess, TierEvents
 from .tiers.remote_tier import OwnTierEvents
+from .writebehind import WriteBehind
+
+__all__ = ["COORDINATOR_COUNTERS", "TIER_CONN", "Coordinator", "ResidencyObserver"]
 
 log = logging.getLogger("lmcache_ec_broker")
 
-TIER_CONN = -1  # the store connection promotions reserve and write-behinds pin with
 COORDINATOR_COUNTERS = ("promotions", "promotion_failures", "tier_unavailable")
-
-
-@dataclass(slots=True, eq=False)
-class _Promotion:
-    key: str
-    future: asyncio.Future[bool]
-    pin: int = 0
-    waiters: int = 0
-    cancelled: bool = False  # deleted or cleared meanwhile: do not resurrect it
-    missed: bool = False  # a fetch found no value: a miss, not a failed promotion
-
-
-@dataclass(slots=True, eq=False)
-class _Asking:
-    """A remote lookup in flight: what was deleted or cleared meanwhile."""
-
-    gone: set[str] = field(default_factory=set)
-    cleared: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _TierLease:
-    tier: LowerTier
-    expires_at: float
-    held: bool = True  # tier.hold(key) outstanding
-    failed: bool = False  # the promotion failed: answer MISS until the lease ends
-
-
-@dataclass(slots=True)
-class _Candidates:
-    """Lower tiers holding a key, nearest first."""
-
-    sources: list[tuple[LowerTier, EntryMeta]] = field(default_factory=list)
 
 
 class ResidencyObserver(TierEvents, OwnTierEvents, Protocol):
     """The residency events' tracker, as the coordinator feeds it."""
 
 
-class Coordinator:
+class Coordinator(Promotions):
     def __init__(self, store: Store, tiers: Sequence[LowerTier]) -> None:
         self.store = store
         self.tiers = list(tiers)
@@ -104,13 +69,13 @@ class Coordinator:
         # and what this broker itself wrote to or deleted from a shared tier.
         self.observer: ResidencyObserver | None = None
         self.counters = dict.fromkeys(COORDINATOR_COUNTERS, 0)
-        self._promoting: dict[str, _Promotion] = {}
-        self._leases: dict[int, dict[str, _TierLease]] = {}
-        self._lease_heap: list[tuple[float, int, str]] = []
+        self._promoting: dict[str, Promotion] = {}
+        self.leases = TierLeases()
+        self.asks = RemoteAsks(self.counters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._asking: set[_Asking] = set()  # remote lookups in flight
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # promotions and write-behinds
+        self.writes = WriteBehind(store, self.tiers, TIER_CONN, self._tasks)
 
     # ---------------------------------------------------------------- TierEvents
 
@@ -174,6 +139,7 @@ class Coordinator:
     async def shutdown(self, deadline_s: float) -> None:
         """Finish promotions and flush write-behinds, all within ``deadline_s``."""
         self._closing = True
+        self.writes.closing = True
         loop = asyncio.get_running_loop()
         end = loop.time() + max(deadline_s, 0.0)
         if self._tasks:
@@ -183,8 +149,7 @@ class Coordinator:
                 *(t.shutdown(max(end - loop.time(), 0.0)) for t in self.tiers),
                 return_exceptions=True,
             )
-        for conn in list(self._leases):
-            self._drop_leases(conn)
+        self.leases.drop_all()
         self.store.close_connection(TIER_CONN)
 
     def close(self) -> None:
@@ -201,59 +166,22 @@ class Coordinator:
 
     def close_connection(self, conn: int) -> None:
         self.store.close_connection(conn)
-        self._drop_leases(conn)
+        self.leases.drop(conn)
 
     # ---------------------------------------------------------------- leases
-
-    def _lease_lower(self, conn: int, key: str, tier: LowerTier, expires_at: float) -> None:
-        leases = self._leases.setdefault(conn, {})
-        lease = leases.get(key)
-        if lease is not None:
-            if expires_at > lease.expires_at:
-                lease.expires_at = expires_at
-                heapq.heappush(self._lease_heap, (expires_at, conn, key))
-            return
-        tier.hold(key)
-        leases[key] = _TierLease(tier, expires_at)
-        heapq.heappush(self._lease_heap, (expires_at, conn, key))
-
-    def _end_lease(self, conn: int, key: str) -> None:
-        leases = self._leases.get(conn)
-        if not leases:
-            return
-        lease = leases.pop(key, None)
-        if not leases:
-            del self._leases[conn]
-        if lease is not None and lease.held:
-            lease.held = False
-            lease.tier.unhold(key)
-
-    def _drop_leases(self, conn: int) -> None:
-        for key in list(self._leases.get(conn, ())):
-            self._end_lease(conn, key)
 
     def unlease(self, conn: int, keys: list[str]) -> None:
         """End ``conn``'s leases on ``keys`` on every tier (the load they protected is done)."""
         self.store.unlease(conn, keys)
-        if conn in self._leases:
-            for key in keys:
-                self._end_lease(conn, key)
+        self.leases.end_many(conn, keys)
 
     def expire_leases(self) -> int:
         expired = self.store.expire_leases()
-        now = self.store.now()
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            _, conn, key = heapq.heappop(heap)
-            lease = self._leases.get(conn, {}).get(key)
-            # A lease extended after this heap item was pushed has a later expiry.
-            if lease is not None and lease.expires_at <= now:
-                self._end_lease(conn, key)
-                expired += 1
-        return expired
+        return expired + self.leases.expire(self.store.now())
 
-    def _leases_on(self, key: str) -> list[tuple[int, _TierLease]]:
-        return [(c, ls[key]) for c, ls in self._leases.items() if key in ls]
+    def leases_held(self, conn: int) -> int:
+        """Leases ``conn`` holds on lower-tier copies (the store counts its own)."""
+        return self.leases.held_by(conn)
 
     # ---------------------------------------------------------------- lookups
 
@@ -305,7 +233,7 @@ class Coordinator:
     def _lower_lookup_sync(self, conn: int, key: str, expires_at: float) -> EntryInfo | None:
         """PENDING/MISS info for a key missing from the slab, from in-memory tiers;
         None: no sync tier knows it (ask the remote ones)."""
-        lease = self._leases.get(conn, {}).get(key)
+        lease = self.leases.get(conn, key)
         if lease is not None and lease.failed:
             return _MISS
         for tier in self.sync_tiers:
@@ -319,7 +247,7 @@ class Coordinator:
     ) -> EntryInfo:
         tier.touch(key)
         if expires_at and conn in self.store.conns and not self._closing:
-            self._lease_lower(conn, key, tier, expires_at)
+            self.leases.lease(conn, key, tier, expires_at)
             self._promotion(key, [(tier, meta)])
         return EntryInfo(LookupState.PENDING, meta.dtype, list(meta.shape))
 
@@ -335,7 +263,7 @@ class Coordinator:
         for tier in self.remote_tiers:
             if not idx:
                 break
-            metas = await self._remote_lookup(tier, [keys[i] for i in idx])
+            metas = await self.asks.ask(tier, [keys[i] for i in idx])
             rest: list[int] = []
             for i, meta in zip(idx, metas, strict=True):
                 if meta is None:
@@ -353,28 +281,6 @@ class Coordinator:
         self._count_lookup(found, len(idx))
         return out
 
-    async def _remote_lookup(self, tier: LowerTier, keys: list[str]) -> list[EntryMeta | None]:
-        # Invariant 3 for promotions not started yet: a key deleted (or a clear) while
-        # the tier was being asked is a miss -- its answer predates the delete.
-        asking = _Asking()
-        self._asking.add(asking)
-        try:
-            metas = await tier.lookup(keys)
-        except TierUnavailable:
-            self.counters["tier_unavailable"] += 1
-            return [None] * len(keys)
-        except Exception:
-            log.exception("the %s tier failed a lookup", tier.name)
-            return [None] * len(keys)
-        finally:
-            self._asking.discard(asking)
-        if len(metas) != len(keys):
-            log.error("the %s tier answered %d of %d keys", tier.name, len(metas), len(keys))
-            return [None] * len(keys)
-        if asking.cleared:
-            return [None] * len(keys)
-        return [None if k in asking.gone else m for k, m in zip(keys, metas, strict=True)]
-
     def _touch(self, key: str) -> None:
         for tier in self.tiers:
             tier.touch(key)
@@ -385,7 +291,7 @@ class Coordinator:
         store = self.store
         items = store.get(conn, keys, count_misses=False)
         missing: list[int] = []
-        waits: dict[str, _Promotion] = {}
+        waits: dict[str, Promotion] = {}
         remote: list[int] = []
         for i, key in enumerate(keys):
             if items[i] is not None:
@@ -425,7 +331,7 @@ class Coordinator:
         keys: list[str],
         items: list[Hit | None],
         missing: list[int],
-        waits: dict[str, _Promotion],
+        waits: dict[str, Promotion],
         remote: list[int],
     ) -> GetReply:
         try:
@@ -445,7 +351,7 @@ class Coordinator:
                 for tier in self.remote_tiers:
                     if not want:
                         break
-                    metas = await self._remote_lookup(tier, want)
+                    metas = await self.asks.ask(tier, want)
                     rest = []
                     for key, meta in zip(want, metas, strict=True):
                         if meta is None:
@@ -471,226 +377,27 @@ class Coordinator:
                 self._release_promotion(prom)
         return GetReply(items)
 
-    # ---------------------------------------------------------------- promotion
-
-    def _promotion(
-        self, key: str, sources: list[tuple[LowerTier, EntryMeta | None]]
-    ) -> _Promotion:
-        prom = self._promoting.get(key)
-        if prom is None:
-            assert self._loop is not None, "start() first"
-            prom = _Promotion(key, self._loop.create_future())
-            self._promoting[key] = prom
-            task = self._loop.create_task(self._promote(prom, sources))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return prom
-
-    def _release_promotion(self, prom: _Promotion) -> None:
-        """Drop the promotion's pin once it is done and every waiting get has pinned."""
-        if prom.pin and prom.waiters == 0 and prom.future.done():
-            if TIER_CONN in self.store.conns:
-                self.store.release(TIER_CONN, [prom.pin])
-            prom.pin = 0
-
-    async def _promote(
-        self, prom: _Promotion, sources: list[tuple[LowerTier, EntryMeta | None]]
-    ) -> None:
-        ok: bool | None = False
-        try:
-            for tier, meta in sources:
-                if meta is None:  # a remote get no lookup preceded
-                    ok = await self._fetch_from(prom, tier)
-                else:
-                    ok = await self._promote_from(prom, tier, meta)
-                if ok is not False or prom.cancelled:
-                    break
-        except Exception:
-            log.exception("promoting %r failed", prom.key[:200])
-            ok = False
-        finally:
-            del self._promoting[prom.key]
-            if ok is False and not prom.cancelled and not prom.missed:
-                self.counters["promotion_failures"] += 1
-                for _conn, lease in self._leases_on(prom.key):
-                    lease.failed = True
-                    if lease.held:
-                        lease.held = False
-                        lease.tier.unhold(prom.key)
-            prom.future.set_result(bool(ok))
-            self._release_promotion(prom)
-
-    async def _fetch_from(self, prom: _Promotion, tier: Any) -> bool | None:
-        """``_promote_from`` for a remote get no lookup preceded: the tier's ``fetch``
-        reads the value's header, this reserves the slab range for it (on the loop, in
-        the same store round trip) and the payload lands there. Then as a promotion;
-        without ``fetch`` here (None), a lookup and then ``_promote_from``."""
-        store = self.store
-        key = prom.key
-        took: dict[str, Any] = {}
-
-        def reserve(meta: EntryMeta) -> list[Extent] | None:
-            if prom.cancelled or self._closing or TIER_CONN not in store.conns:
-                return None
-            reply = store.reserve(TIER_CONN, key, meta.nbytes, meta.dtype, list(meta.shape))
-            if isinstance(reply, ErrorReply):
-                log.warning("cannot promote %r from the %s tier: %s", key[:200], tier.name,
-                            reply.message)  # fmt: skip
-                return None
-            took["status"] = reply.status
-            if reply.status != ReserveStatus.RESERVED:
-                return None  # in the slab already, or a client is writing it
-            took["reply"] = reply
-            took["meta"] = meta
-            return list(reply.extents)
-
-        try:
-            done = await tier.fetch(key, reserve)
-        except BaseException as exc:
-            prom.missed = isinstance(exc, TierMiss)
-            if not self._read_failed(exc, took["reply"].token if "reply" in took else None):
-                raise
-            return False
-        if done is None:  # not here: look up, then promote from what the lookup found
-            (meta,) = await self._remote_lookup(tier, [key])
-            if meta is None or prom.cancelled:
-                prom.missed = True
-                return False
-            return await self._promote_from(prom, tier, meta)
-        status = took.get("status")
-        if status == ReserveStatus.IN_PROGRESS:
-            return None
-        if status == ReserveStatus.PRESENT:
-            return self._promoted(prom, tier, fresh=False)
-        if not done:
-            return False
-        reply = took["reply"]
-        if prom.cancelled or self._closing:
-            store.abort(TIER_CONN, reply.token)
-            return False
-        if store.commit(TIER_CONN, reply.token) is not None:
-            return False
-        self.counters["promotions"] += 1
-        return self._promoted(prom, tier, fresh=True)
-
-    def _promoted(self, prom: _Promotion, tier: LowerTier, fresh: bool) -> bool:
-        """The promoted entry is READY: pin it for the waiting gets, lease it to every
-        connection that leased it, and (``fresh``: this promotion wrote it) offer it to
-        the other tiers."""
-        store = self.store
-        entry = store.ready(prom.key)
-        if entry is None:
-            return False
-        prom.pin = store.pin_entry(TIER_CONN, entry)
-        for conn, lease in self._leases_on(prom.key):
-            store.lease_entry(conn, prom.key, lease.expires_at)
-        if fresh:
-            self._write_down(entry, skip=tier)
-        return True
-
-    async def _promote_from(
-        self, prom: _Promotion, tier: LowerTier, meta: EntryMeta
-    ) -> bool | None:
-        """True: the entry is in the slab (pinned by the promotion and leased to every
-        connection that leased it); False: failed; None: a client is writing it now."""
-        store = self.store
-        key = prom.key
-        reply = store.reserve(TIER_CONN, key, meta.nbytes, meta.dtype, list(meta.shape))
-        if isinstance(reply, ErrorReply):
-            log.warning(
-                "cannot promote %r from the %s tier: %s", key[:200], tier.name, reply.message
-            )
-            return False
-        if reply.status == ReserveStatus.IN_PROGRESS:
-            return None
-        if reply.status == ReserveStatus.RESERVED:
-            try:
-                await tier.read_into(key, meta, list(reply.extents))
-            except BaseException as exc:
-                if not self._read_failed(exc, reply.token):
-                    raise
-                return False
-            if prom.cancelled or self._closing:
-                store.abort(TIER_CONN, reply.token)
-                return False
-            if store.commit(TIER_CONN, reply.token) is not None:
-                return False
-            self.counters["promotions"] += 1
-        entry = store.ready(key)
-        if entry is None:
-            return False
-        prom.pin = store.pin_entry(TIER_CONN, entry)
-        for conn, lease in self._leases_on(key):
-            store.lease_entry(conn, key, lease.expires_at)
-        if reply.status == ReserveStatus.RESERVED:
-            self._write_down(entry, skip=tier)
-        return True
-
     # ---------------------------------------------------------------- writes
 
     def commit(self, conn: int, token: int) -> ErrorReply | None:
         entry = self.store.reservations.get(token)
         err = self.store.commit(conn, token)
         if err is None and entry is not None:
-            self._write_down(entry, skip=None)
+            self.writes.offer(entry, skip=None)
         return err
-
-    def _read_failed(self, exc: BaseException, token: int | None) -> bool:
-        """A promotion's read into its reserved range raised: free the reservation (if
-        any). True: an answer the tier may give (not there, corrupt, unavailable), the
-        promotion simply fails; False: anything else, for the caller to re-raise."""
-        if token is not None and TIER_CONN in self.store.conns:
-            self.store.abort(TIER_CONN, token)
-        if isinstance(exc, TierUnavailable):
-            self.counters["tier_unavailable"] += 1
-            return True
-        return isinstance(exc, TierMiss | TierCorrupt)
 
     def placed(self, entry: Entry) -> None:
         """An entry stored from a put arena (Store.place): offered down as a commit's is."""
-        self._write_down(entry, skip=None)
-
-    def _write_down(self, entry: Entry, skip: LowerTier | None) -> None:
-        """Offer a READY slab entry to every lower tier but ``skip`` (its source)."""
-        if not self.tiers or self._closing:
-            return
-        meta = EntryMeta(entry.nbytes, entry.dtype, tuple(entry.shape))
-        for tier in self.tiers:
-            if tier is skip:
-                continue
-            try:
-                pending = tier.write(entry.key, meta, list(entry.extents))
-            except Exception:
-                log.exception("the %s tier failed to queue a write", tier.name)
-                continue
-            if pending is None:
-                continue
-            pin = self.store.pin_entry(TIER_CONN, entry)
-            fut = asyncio.ensure_future(pending)
-            self._tasks.add(fut)
-            fut.add_done_callback(lambda f, pin=pin, tier=tier: self._write_done(f, pin, tier))
-
-    def _write_done(self, fut: asyncio.Future[Any], pin: int, tier: LowerTier) -> None:
-        self._tasks.discard(fut)
-        if TIER_CONN in self.store.conns:
-            self.store.release(TIER_CONN, [pin])
-        if not fut.cancelled() and fut.exception() is not None:
-            log.debug("the %s tier's write failed: %s", tier.name, fut.exception())
+        self.writes.offer(entry, skip=None)
 
     def delete(self, keys: list[str]) -> list[bool]:
         deleted = self.store.delete(keys)
         for tier in self.tiers:
             deleted = [a or b for a, b in zip(deleted, tier.delete(keys), strict=True)]
         gone = set(keys)
-        for asking in self._asking:
-            asking.gone |= gone
-        for key in gone:
-            prom = self._promoting.get(key)
-            if prom is not None:
-                prom.cancelled = True
-        for conn in list(self._leases):  # the store ended its leases on them too
-            for key in gone & self._leases[conn].keys():
-                self._end_lease(conn, key)
+        self.asks.deleted(gone)
+        self._cancel_promotions(gone)
+        self.leases.end_keys(gone)  # the store ended its leases on them too
         return deleted
 
     def clear(self, shared: bool = False) -> None:
@@ -701,23 +408,16 @@ class Coordinator:
             if shared or not tier.remote:
                 tier.clear()
         if shared:  # the store's copies are gone: answers asked for before are stale
-            for asking in self._asking:
-                asking.cleared = True
-        for prom in self._promoting.values():
-            prom.cancelled = True
-        for conn in list(self._leases):
-            self._drop_leases(conn)
-
-    def leases_held(self, conn: int) -> int:
-        """Leases ``conn`` holds on lower-tier copies (the store counts its own)."""
-        return len(self._leases.get(conn, ()))
+            self.asks.cleared()
+        self._cancel_promotions(None)
+        self.leases.drop_all()
 
     # ---------------------------------------------------------------- inspection
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)
         out.update(all_empty_stats())
-        out["tier_leases"] = sum(len(ls) for ls in self._leases.values())
+        out["tier_leases"] = len(self.leases)
         out["promotions_in_flight"] = len(self._promoting)
         for tier in self.tiers:
             out.update(tier.stats())

@@ -1,0 +1,60 @@
+"""Write-behind: offering READY slab entries down to the lower tiers.
+
+Every committed client entry, every placed one, and every promoted one (to the
+tiers other than its source) is offered to each lower tier. A tier that takes it
+reads the entry's extents later, off the loop.
+
+Invariant: the entry is pinned (on ``conn``, the coordinator's own store
+connection) from the offer until that tier's write is done, so its extents are
+not reused under the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .store import Entry, Store
+from .tiers.base import EntryMeta, LowerTier
+
+log = logging.getLogger("lmcache_ec_broker")
+
+
+class WriteBehind:
+    def __init__(
+        self, store: Store, tiers: Sequence[LowerTier], conn: int, tasks: set[asyncio.Future[Any]]
+    ) -> None:
+        self.store = store
+        self.tiers = tiers
+        self.conn = conn
+        self.tasks = tasks  # shared with the coordinator, whose shutdown waits for them
+        self.closing = False  # set by the coordinator's shutdown: offer nothing more
+
+    def offer(self, entry: Entry, skip: LowerTier | None) -> None:
+        """Offer a READY slab entry to every lower tier but ``skip`` (its source)."""
+        if not self.tiers or self.closing:
+            return
+        meta = EntryMeta(entry.nbytes, entry.dtype, tuple(entry.shape))
+        for tier in self.tiers:
+            if tier is skip:
+                continue
+            try:
+                pending = tier.write(entry.key, meta, list(entry.extents))
+            except Exception:
+                log.exception("the %s tier failed to queue a write", tier.name)
+                continue
+            if pending is None:
+                continue
+            pin = self.store.pin_entry(self.conn, entry)
+            fut = asyncio.ensure_future(pending)
+            self.tasks.add(fut)
+            fut.add_done_callback(lambda f, pin=pin, tier=tier: self._done(f, pin, tier))
+
+    def _done(self, fut: asyncio.Future[Any], pin: int, tier: LowerTier) -> None:
+        self.tasks.discard(fut)
+        if self.conn in self.store.conns:
+            self.store.release(self.conn, [pin])
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("the %s tier's write failed: %s", tier.name, fut.exception())
