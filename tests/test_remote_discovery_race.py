@@ -21,6 +21,7 @@ from delay_proxy import DelayProxy
 from redis_servers import REDIS_SERVER, RedisServer
 
 from lmcache_ec_broker.broker.tiers.base import EntryMeta
+from lmcache_ec_broker.broker.tiers.remote_discovery import ECHO_TTL_S
 from lmcache_ec_broker.broker.tiers.remote_jobs import (
     DeleteJob,
     Job,
@@ -30,7 +31,7 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     WriteJob,
 )
 from lmcache_ec_broker.broker.tiers.remote_policy import RemotePolicy
-from lmcache_ec_broker.broker.tiers.remote_transport import Outcome
+from lmcache_ec_broker.broker.tiers.remote_transport import Outcome, StoreDown
 
 META = EntryMeta(64, "uint8", (64,))
 
@@ -62,7 +63,14 @@ class Runner:
         return job
 
 
-def policy(announces: bool = True) -> tuple[RemotePolicy, Runner]:
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(announces: bool = True, clock: Clock | None = None) -> tuple[RemotePolicy, Runner]:
     runner = Runner()
     lim = Limits(
         timeout_s=1.0,
@@ -72,7 +80,7 @@ def policy(announces: bool = True) -> tuple[RemotePolicy, Runner]:
         filter_cap=1024,
         announces=announces,
     )
-    return RemotePolicy(lim, runner, node_of=lambda k: "n0", clock=lambda: 100.0), runner
+    return RemotePolicy(lim, runner, node_of=lambda k: "n0", clock=clock or Clock()), runner
 
 
 def stored(pol: RemotePolicy, runner: Runner) -> None:
@@ -153,6 +161,47 @@ def test_echo_heard_before_the_delete_changes_nothing() -> None:
     assert "k" not in pol.known
     pol.announced(["k"])
     assert "k" in pol.known
+
+
+def test_echo_heard_before_the_write_ended_is_not_expected_again() -> None:
+    """The subscriber thread can hand the echo to the loop before the write's own
+    completion: it is taken as the echo then, and nothing waits for it afterwards."""
+    pol, runner = policy()
+    assert pol.write("k", META, []) is not None
+    pol.announced(["k"])  # published, heard; the write's end not processed yet
+    stored(pol, runner)
+    assert "k" in pol.known
+    pol.delete(["k"])
+    deleted(pol, runner)
+    pol.announced(["k"])  # another broker wrote it after the delete: news
+    assert "k" in pol.known
+
+
+def test_a_write_that_published_nothing_expects_no_echo() -> None:
+    """A write that ended FAILED, REJECTED or PRESENT announced nothing: the next
+    announcement of its key is another broker's, and is learned."""
+    for result in ([Outcome.FAILED], [Outcome.REJECTED], [Outcome.PRESENT], StoreDown([], "x")):
+        pol, runner = policy()
+        assert pol.write("k", META, []) is not None
+        pol.finished(runner.take(WriteBatch), result)
+        assert not pol.echoes, result
+        pol.announced(["k"])
+        assert "k" in pol.known, result
+
+
+def test_an_echo_never_heard_is_forgotten() -> None:
+    """The subscriber reconnected and the echo was lost: after ECHO_TTL_S from the
+    write's end, announcements of the key are learned again."""
+    clock = Clock()
+    pol, runner = policy(clock=clock)
+    assert pol.write("k", META, []) is not None
+    stored(pol, runner)
+    pol.delete(["k"])
+    deleted(pol, runner)
+    clock.now += ECHO_TTL_S + 0.1
+    pol.announced(["k"])
+    assert "k" in pol.known
+    assert not pol.echoes
 
 
 def test_no_echo_is_expected_from_a_store_that_does_not_announce() -> None:

@@ -4,19 +4,21 @@ announcements, folded into the membership filter in slices of ``fold_slice`` key
 per loop turn so that a listing of 300k keys never holds the event loop.
 
 Own echoes. A store that announces (Redis pub/sub) delivers a broker's own
-announcements back to it, on the subscriber thread, any time after the write that
-published them ended -- possibly after a delete or clear of the key has ended too.
-Such an echo carries no news: the write already taught the key when it ended STORED
-(rule 2), unless a delete or clear came meanwhile, and then learning it would put a
-deleted key back into the filter -- and the next write-behind of the key would be
-skipped as "already in the store", so the value never reached the fleet again.
-Invariant: every own STORED write expects one echo (``_expect_echo``); the first
-announcement of that key heard afterwards is taken as it and never learned
-(``_own_echo``). Announcements carry only the key, so another broker's announcement
-heard first is taken instead and the echo is learned in its place: the same news,
-one announcement later. An echo never heard (the subscriber reconnected) is
-forgotten after ``ECHO_TTL_S``; until then it swallows one announcement of its key
--- a key not learned is a miss that costs a recomputation, never a wrong hit."""
+announcements back to it, on the subscriber thread: before the loop hears that the
+write ended, or any time after -- possibly after a delete or clear of the key has
+ended too. Such an echo carries no news: the write teaches the key itself when it
+ends STORED (rule 2), unless a delete or clear came meanwhile, and then learning the
+echo would put a deleted key back into the filter -- and the next write-behind of
+the key would be skipped as "already in the store", so the value never reached the
+fleet again. Invariant: every own write, from when it is sent, expects one echo
+(``_echo_sent``) until it ends other than STORED (``_echo_settled``: nothing was
+published) or the echo is heard; the first announcement of its key heard meanwhile
+is taken as the echo and never learned (``_own_echo``). Announcements carry only
+the key, so another broker's announcement of the same key heard first is taken
+instead and the echo is learned in its place: the same news, one announcement later.
+An echo never heard (the subscriber reconnected) is forgotten ``ECHO_TTL_S`` after
+its write ended; until then it swallows one announcement of its key -- a key not
+learned is a miss that costs a recomputation, never a wrong hit."""
 
 from __future__ import annotations
 
@@ -127,15 +129,31 @@ class KeyDiscovery:
             self._scan_again = False
             self.want_scan()
 
-    def _expect_echo(self, key: str) -> None:
-        """An own write of ``key`` ended STORED: the store announced it (its publish
-        went out before the write ended), and this broker will hear it back."""
+    def _echo_sent(self, keys: Sequence[str]) -> None:
+        """Own writes of ``keys`` are dispatched: each may announce its key."""
         if not self.limits.announces:
             return
-        n, _ = self.echoes.pop(key, (0, 0.0))
-        self.echoes[key] = (n + 1, self.clock() + ECHO_TTL_S)  # kept in order of expiry
+        until = self.clock() + ECHO_TTL_S
+        for key in keys:
+            n, _ = self.echoes.pop(key, (0, 0.0))
+            self.echoes[key] = (n + 1, until)  # kept in order of expiry
         while len(self.echoes) > ECHO_CAP:
             self.echoes.popitem(last=False)
+
+    def _echo_settled(self, key: str, stored: bool) -> None:
+        """A dispatched write of ``key`` ended: STORED, its echo may still come (for
+        ``ECHO_TTL_S`` from now); otherwise it published nothing."""
+        got = self.echoes.get(key)
+        if got is None:  # heard already
+            return
+        n, until = got
+        if stored:
+            del self.echoes[key]
+            self.echoes[key] = (n, self.clock() + ECHO_TTL_S)  # last: the latest expiry
+        elif n > 1:
+            self.echoes[key] = (n - 1, until)
+        else:
+            del self.echoes[key]
 
     def _own_echo(self, key: str) -> bool:
         """Is this announcement of ``key`` one of this broker's own, heard back?"""

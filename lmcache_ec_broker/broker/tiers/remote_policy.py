@@ -274,7 +274,6 @@ class RemotePolicy(KeyDiscovery):
                 self.uncertain.popitem(last=False)
         elif outcome is Outcome.STORED:
             self.uncertain.pop(job.key, None)
-            self._expect_echo(job.key)  # its announcement comes back (remote_discovery.py)
         if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
             if outcome is Outcome.STORED:
                 self.refused.pop(job.key, None)
@@ -424,6 +423,7 @@ class RemotePolicy(KeyDiscovery):
             job.writes = [w for w in job.writes if w not in down]
             if not job.writes:
                 return False
+            self._echo_sent([w.key for w in job.writes])  # remote_discovery.py: own echoes
         self.running.add(job)
         self.runner.dispatch(job)
         return True
@@ -677,6 +677,7 @@ class RemotePolicy(KeyDiscovery):
                 if isinstance(result, StoreDown):
                     self._fail(result.nodes or nodes)
                 for w in job.writes:  # Retry: not attempted (no client yet, busy)
+                    self._echo_settled(w.key, stored=False)
                     self._end_write(w, Outcome.FAILED, sent=isinstance(result, StoreDown))
                 log.debug("remote tier: write-behind failed: %s", result)
             else:
@@ -685,6 +686,7 @@ class RemotePolicy(KeyDiscovery):
                 self._fail(sorted(failed, key=str))
                 self._ok([n for n in nodes if n not in failed])
                 for w, outcome in zip(job.writes, result, strict=True):
+                    self._echo_settled(w.key, stored=outcome is Outcome.STORED)
                     self._end_write(w, outcome)
         elif isinstance(job, DeleteJob):
             again: list[str] = []
