@@ -20,6 +20,7 @@ from conftest import shm_segments
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.protocol import LookupState
+from lmcache_ec_broker.shm.residency import KEY_CAP
 
 MISS, READY = LookupState.MISS, LookupState.READY
 T = torch.arange(1000, dtype=torch.float32)
@@ -179,8 +180,13 @@ def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
     again after SIGCONT; then the same client serves hits again."""
     b = make_broker("--shm-size", "64MiB")
     c = BrokerClient(b.socket_path, timeout_s=0.2, probe_interval_s=0.1)
+    # A key too long for the residency index (KEY_CAP): every call on it needs the
+    # broker, so each one meets the hung broker (an indexed hit would be served from
+    # the slab without waiting, if its commit was handled before the SIGSTOP).
+    hit = "hit-" + "x" * (KEY_CAP + 1)
     try:
-        assert c.put("hit", T)
+        assert c.put(hit, T)
+        assert c.flush()  # the placement handled: not served from the client's own arena
         os.kill(b.pid, signal.SIGSTOP)
         try:
             waits = []
@@ -191,7 +197,7 @@ def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
                     if name == "shutdown":
                         continue
                     t0 = time.perf_counter()
-                    assert calls("hit")[name](c) == OUTAGE[name], name
+                    assert calls(hit)[name](c) == OUTAGE[name], name
                     waits.append(time.perf_counter() - t0)
             assert 0.15 < waits[0] < 1.0, waits[0]  # the one timeout of this outage
             assert max(waits[1:]) < 0.02, f"later calls waited: {max(waits[1:]):.3f} s"
@@ -202,7 +208,7 @@ def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
         while c.tripped:
             assert time.monotonic() < deadline, "the probe did not find the broker again"
             time.sleep(0.02)
-        assert c.has(["hit"]) == [True] and torch.equal(c.get("hit"), T)
+        assert c.has([hit]) == [True] and torch.equal(c.get(hit), T)
         assert c.timeouts == 1
     finally:
         c.close()
