@@ -308,6 +308,19 @@ class MooncakeIO:
 
     # ------------------------------------------------------------ fetch: a get no lookup preceded
 
+    def _object_size(self, store: Any, mkey: str, key: str) -> int:
+        """The stored object's size in bytes (a master RPC, no transfer). Raises
+        StoreDown (master unreachable) or TierMiss (absent, or the call failed)."""
+        size = int(store.get_size(mkey))
+        if size == RPC_FAIL:
+            raise _down(f"Mooncake master {self.s.master} RPC failed")
+        if size == NOT_FOUND:
+            raise TierMiss(key)
+        if size < 0:
+            self.meter.count("remote_read_errors")
+            raise TierMiss(f"{key}: Mooncake get_size failed ({size})")
+        return size
+
     def fetch(self, store: Any, key: str, stage: int, slab: SlabAccess | None) -> Fetched:
         """The value of ``key`` with no lookup before it: its size (a master RPC, no
         transfer), then the whole object in one transfer into staging buffer ``stage``,
@@ -317,14 +330,7 @@ class MooncakeIO:
         assert self.stages is not None
         mkey = self.mkey(key)
         t0 = time.perf_counter()
-        size = int(store.get_size(mkey))
-        if size == RPC_FAIL:
-            raise _down(f"Mooncake master {self.s.master} RPC failed")
-        if size == NOT_FOUND:
-            raise TierMiss(key)
-        if size < 0:
-            self.meter.count("remote_read_errors")
-            raise TierMiss(f"{key}: Mooncake get_size failed ({size})")
+        size = self._object_size(store, mkey, key)
         if size > self.stages.slot_size:
             got = self.read_headers(store, [key])[0]
             if isinstance(got, BadValue):
@@ -436,14 +442,7 @@ class MooncakeIO:
         hsize = self._header_size(key, meta)
         total = hsize + meta.nbytes
         t0 = time.perf_counter()
-        size = int(store.get_size(mkey))
-        if size == RPC_FAIL:
-            raise _down(f"Mooncake master {self.s.master} RPC failed")
-        if size == NOT_FOUND:
-            raise TierMiss(key)
-        if size < 0:
-            self.meter.count("remote_read_errors")
-            raise TierMiss(f"{key}: Mooncake get_size failed ({size})")
+        size = self._object_size(store, mkey, key)
         if size != total:
             raise BadValue(f"object is {size} bytes, its header implies {total}")
         chunks = chunk_extents(extents, max(_PIPELINE_CHUNK, -(-meta.nbytes // _PIPELINE_PARTS)))
