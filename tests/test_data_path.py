@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from counting_socket import CountingSocket
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.client import BrokerRefused
@@ -276,28 +277,6 @@ def test_client_prefault_fallback_only_reads(tmp_path) -> None:
 # ------------------------------------------------------------ waits per call (issue 18)
 
 
-class _CountingSocket:
-    """The client's real socket, counting round trips: reads that follow a send (a
-    reply may arrive in several reads; a posted request is a send with no read)."""
-
-    def __init__(self, sock) -> None:
-        self._sock = sock
-        self.waits = 0
-        self._sent = False
-
-    def sendall(self, data) -> None:
-        self._sent = True
-        self._sock.sendall(data)
-
-    def recv_into(self, *a):
-        self.waits += self._sent
-        self._sent = False
-        return self._sock.recv_into(*a)
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-
 @pytest.mark.parametrize("arena", ["8MiB", "0"])
 def test_put_waits_one_round_trip_and_is_read_by_the_next_request(make_broker, arena) -> None:
     # Fails on the old client: put waited for the Commit's reply too (2 waits); with a
@@ -305,7 +284,7 @@ def test_put_waits_one_round_trip_and_is_read_by_the_next_request(make_broker, a
     broker = make_broker("--shm-size", "64MiB", "--put-arena-size", arena)
     with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
         c._slab_view()  # map the slab first so the put below measures only its waits
-        counting = _CountingSocket(c._sock)
+        counting = CountingSocket(c._sock)
         c._sock = counting
         t = torch.arange(4096, dtype=torch.float32)
         assert c.put("posted", t)

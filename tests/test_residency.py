@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import BrokerProcess, shm_segments, wait_until
+from counting_socket import CountingSocket
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.shm import residency as R
@@ -31,31 +32,8 @@ BS = 64 * KIB
 pytestmark = pytest.mark.skipif(not R.usable_here(), reason="the index is read on x86-64 only")
 
 
-class _CountingSocket:
-    """The client's socket, counting sends and waits (a read that follows a send)."""
-
-    def __init__(self, sock) -> None:
-        self._sock = sock
-        self.waits = 0
-        self.sends = 0
-        self._sent = False
-
-    def sendall(self, data) -> None:
-        self.sends += 1
-        self._sent = True
-        self._sock.sendall(data)
-
-    def recv_into(self, *a):
-        self.waits += self._sent
-        self._sent = False
-        return self._sock.recv_into(*a)
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-
-def _count(c: BrokerClient) -> _CountingSocket:
-    counting = _CountingSocket(c._sock)
+def _count(c: BrokerClient) -> CountingSocket:
+    counting = CountingSocket(c._sock)
     c._sock = counting
     return counting
 
