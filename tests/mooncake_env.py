@@ -339,6 +339,19 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    async def cancel_after(tier: MooncakeTier, task: asyncio.Future, delay_s: float) -> dict:
+        """Cancel ``task`` after ``delay_s``: how it ended and how many of the tier's
+        transfers still run (none may outlive a cancelled read)."""
+        await asyncio.sleep(delay_s)
+        task.cancel()
+        try:
+            await task
+            outcome = "finished"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        running = [f for f in tier._inflight if not f.done()]
+        return {"outcome": outcome, "transfers_running": len(running)}
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         tier = MooncakeTier(settings)
@@ -451,30 +464,14 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
                     out({"done": list(done), "reserved": counts})
                 elif op == "fetch_cancel":  # cancel a fetch while its transfer runs
                     task = asyncio.ensure_future(tier.fetch(cmd["key"], lambda m: alloc(m.nbytes, 2)))
-                    await asyncio.sleep(cmd.get("after_s", 0.002))
-                    task.cancel()
-                    try:
-                        await task
-                        outcome = "finished"
-                    except asyncio.CancelledError:
-                        outcome = "cancelled"
-                    running = [f for f in tier._inflight if not f.done()]
-                    out({"outcome": outcome, "transfers_running": len(running)})
+                    out(await cancel_after(tier, task, cmd.get("after_s", 0.002)))
                 elif op == "read_cancel":  # cancel a promotion mid-transfer
                     n, dtype, shape = cmd["meta"]
                     meta = EntryMeta(n, dtype, tuple(shape))
                     task = asyncio.ensure_future(
                         tier.read_into(cmd["key"], meta, alloc(n, cmd.get("pieces", 3)))
                     )
-                    await asyncio.sleep(0.002)
-                    task.cancel()
-                    try:
-                        await task
-                        outcome = "finished"
-                    except asyncio.CancelledError:
-                        outcome = "cancelled"
-                    running = [f for f in tier._inflight if not f.done()]
-                    out({"outcome": outcome, "transfers_running": len(running)})
+                    out(await cancel_after(tier, task, 0.002))
                 elif op == "delete":
                     out({"held": tier.delete(cmd["keys"])})
                 elif op == "clear":
