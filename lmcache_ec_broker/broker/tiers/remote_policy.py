@@ -49,6 +49,13 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    ``fetch_ended``) obey rules 1-3 and 6 as a lookup followed by a read does: a
    fetch of a key deleted or cleared before it ended is not served, a refused value
    is remembered, a store failure feeds the breaker.
+
+``RemotePolicy`` is one object in parts (mixins over its state, each keeping its
+rules' invariants, listed at its top): ``remote_ordering.py`` the write-behind,
+deletes and clears (rules 1, 2, 4, 8), ``remote_lookups.py`` the lookups, promotion
+reads and fetches (rules 5, 9), ``remote_discovery.py`` the key discovery (rule 7).
+This module holds the state, the breakers (rule 6), the filter and refusals (rule 3),
+the probes, the dispatch of finished jobs (``finished``) and shutdown.
 """
 
 from __future__ import annotations
@@ -59,8 +66,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from ...protocol import Extent
-from .base import EntryMeta, TierMiss, TierUnavailable
+from .base import TierUnavailable
 from .circuit import Breakers, State
 from .remote_discovery import KeyDiscovery
 from .remote_jobs import (
@@ -76,17 +82,18 @@ from .remote_jobs import (
     WriteBatch,
     WriteJob,
 )
-from .remote_transport import Declined, Node, Outcome, Retry, StoreDown
-from .remote_value import BadValue
+from .remote_lookups import Lookups
+from .remote_ordering import (  # the constants re-exported: tests import them from here
+    GONE_CAP,  # noqa: F401
+    LATE_WRITE_TIMEOUTS,  # noqa: F401
+    WriteOrdering,
+)
+from .remote_transport import Node, Outcome, Retry, StoreDown
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 
 MAX_DELETE_TRIES = 6
 REFUSED_CAP = 65536
-GONE_CAP = 65536
-# A write that failed after its bytes may have left (a timeout, a lost connection) can
-# still land that long after (x remote_timeout_s): a delete of its key runs once more then.
-LATE_WRITE_TIMEOUTS = 4.0
 REFUSED_TTL_S = 60.0
 
 
@@ -101,7 +108,7 @@ class OwnWrites(Protocol):
 # ---------------------------------------------------------------- the policy
 
 
-class RemotePolicy(KeyDiscovery):
+class RemotePolicy(WriteOrdering, Lookups, KeyDiscovery):
     """Loop-thread state of one remote tier (see the module docstring)."""
 
     def __init__(
@@ -222,415 +229,6 @@ class RemotePolicy(KeyDiscovery):
         self._forget(key)
         log.debug("remote tier: refusing the value of %r: %s", key[:200], why)
 
-    # ------------------------------------------------------------ write-behind
-
-    def write(
-        self, key: str, meta: EntryMeta, extents: list[Extent], waiter: Any = None
-    ) -> WriteJob | None:
-        """Accept a write-behind (None: skipped or dropped, counted)."""
-        if self.closing or meta.nbytes > self.limits.max_entry_bytes:
-            return None
-        if key in self.pending_writes or (key in self.known and key not in self.refused):
-            self.counters["remote_writes_skipped"] += 1
-            return None
-        full = len(self.pending_writes) >= self.limits.write_queue or (
-            self.pending_writes and self.pending_bytes + meta.nbytes > self.limits.max_pending_bytes
-        )
-        if full or not self.ready() or self.breakers[self.node_of(key)].refusing():
-            self.counters["remote_write_drops"] += 1
-            return None
-        job = WriteJob(
-            self._next_id(), key, meta, list(extents), overwrite=key in self.refused, waiter=waiter
-        )
-        self.gone.pop(key, None)  # written after its delete: servable again once stored
-        self.pending_writes[key] = job
-        self.pending_bytes += meta.nbytes
-        self.live.add(job)
-        self.queue.append(job)
-        self.pump()
-        return job
-
-    def _end_write(self, job: WriteJob, outcome: Outcome, sent: bool = True) -> None:
-        assert job.outcome is None, "a write outcome is recorded exactly once"
-        job.outcome = outcome
-        self.counters[
-            {
-                Outcome.STORED: "remote_writes",
-                Outcome.PRESENT: "remote_writes_skipped",
-                Outcome.FAILED: "remote_write_errors",
-                Outcome.REJECTED: "remote_write_errors",
-                Outcome.CANCELLED: "remote_writes_cancelled",
-                Outcome.ABANDONED: "remote_write_drops",
-            }[outcome]
-        ] += 1
-        if self.pending_writes.get(job.key) is job:
-            del self.pending_writes[job.key]
-        self.pending_bytes -= job.meta.nbytes
-        self.live.discard(job)
-        if outcome is Outcome.FAILED and sent:  # its bytes may still be on the wire
-            self.uncertain[job.key] = self.clock() + LATE_WRITE_TIMEOUTS * self.limits.timeout_s
-            self.uncertain.move_to_end(job.key)
-            while len(self.uncertain) > GONE_CAP:
-                self.uncertain.popitem(last=False)
-        elif outcome is Outcome.STORED:
-            self.uncertain.pop(job.key, None)
-        if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
-            if outcome is Outcome.STORED:
-                self.refused.pop(job.key, None)
-            if job.key not in self.refused and not self._blocked(job.key):
-                self._learn(job.key)
-        if outcome is Outcome.STORED and self.own is not None:
-            self.own.own_stored(job.key, job.meta.nbytes)
-        self.runner.write_ended(job)
-
-    def delete(self, keys: Sequence[str]) -> list[bool]:
-        """Forget ``keys`` now; their deletes run after any earlier write of them."""
-        out = []
-        keys = list(dict.fromkeys(keys))
-        for key in keys:
-            held = self._forget(key)
-            job = self.pending_writes.get(key)
-            if job is not None:
-                held = True
-                job.superseded = True
-                if job in self.queue:
-                    self.queue.remove(job)
-                    self._end_write(job, Outcome.CANCELLED)
-            for live in self.live:
-                if isinstance(live, LookupJob | ScanJob):
-                    live.gone.add(key)
-            self.deleting[key] += 1
-            out.append(held)
-        if keys and not self.closing:
-            self.queue.append(DeleteJob(self._next_id(), keys))
-            self.pump()
-        elif keys:
-            for key in keys:
-                self._delete_ended(key, gave_up=True)
-        return out
-
-    def clear(self) -> int:
-        """Forget every key; remove the namespace from the store after every
-        earlier job (queued writes are cancelled)."""
-        n = len(self.known)
-        for job in [j for j in self.queue if isinstance(j, WriteJob)]:
-            self.queue.remove(job)
-            job.superseded = True
-            self._end_write(job, Outcome.CANCELLED)
-        for live in self.live:
-            if isinstance(live, WriteJob):
-                live.superseded = True
-            else:
-                live.cleared = True
-        for key in list(self.known):
-            self._forget(key)
-        if not self.closing:
-            self.clearing += 1
-            self.queue.append(ClearJob(self._next_id()))
-            self.pump()
-        return n
-
-    def _delete_ended(self, key: str, gave_up: bool) -> None:
-        self.deleting[key] -= 1
-        if self.deleting[key] <= 0:
-            del self.deleting[key]
-        if gave_up and key not in self.pending_writes:
-            # The old value may still be there: never serve it until written again.
-            self.gone[key] = None
-            while len(self.gone) > GONE_CAP:
-                self.gone.popitem(last=False)
-        if self.own is not None:
-            self.own.own_deleted(key)
-
-    def pump(self) -> None:
-        """Start every queue job that may start now (ordering rule 1)."""
-        now = self.clock()
-        busy: set[str] = set()
-        queue_jobs = [j for j in self.running if isinstance(j, WriteBatch | DeleteJob | ClearJob)]
-        slots = self.limits.write_workers - len(queue_jobs)
-        for job in self.running:
-            if isinstance(job, WriteBatch):
-                busy.update(w.key for w in job.writes)
-            elif isinstance(job, DeleteJob):
-                busy.update(job.keys)
-        clear_running = any(isinstance(j, ClearJob) for j in self.running)
-        wake = 0.0
-        ended = False  # a job ended without I/O: the keys it held are free again
-        i = 0
-        while i < len(self.queue) and slots > 0 and not clear_running:
-            job = self.queue[i]
-            if isinstance(job, ClearJob):
-                if i == 0 and not queue_jobs and job.not_before <= now:
-                    self.queue.pop(0)
-                    self._start(job)
-                elif job.not_before > now:
-                    wake = job.not_before
-                break  # nothing passes a clear
-            keys = [job.key] if isinstance(job, WriteJob) else job.keys
-            if isinstance(job, DeleteJob) and job.not_before > now:
-                wake = min(wake or job.not_before, job.not_before)
-                busy.update(keys)
-                i += 1
-                continue
-            if any(k in busy for k in keys):
-                busy.update(keys)
-                i += 1
-                continue
-            self.queue.pop(i)
-            busy.update(keys)
-            if isinstance(job, DeleteJob):
-                self._start(job)
-            else:
-                batch = [job]
-                nbytes = job.meta.nbytes
-                j = i
-                while (
-                    j < len(self.queue)
-                    and len(batch) < self.limits.write_batch
-                    and nbytes < self.limits.write_batch_bytes
-                ):
-                    nxt = self.queue[j]
-                    if not isinstance(nxt, WriteJob):
-                        break
-                    if nxt.key in busy:
-                        break
-                    self.queue.pop(j)
-                    busy.add(nxt.key)
-                    batch.append(nxt)
-                    nbytes += nxt.meta.nbytes
-                if not self._start(WriteBatch(self._next_id(), batch)):
-                    ended = True
-                    continue  # the slot is still free
-            slots -= 1
-        if wake and wake != self._timer_at:
-            self._timer_at = wake
-            self.runner.later(max(wake - now, 0.0) + 0.001, self._woken)
-        if ended:
-            self.pump()
-
-    def _woken(self) -> None:
-        # A loop timer may fire a hair early: forget it, so that pump sets another.
-        self._timer_at = 0.0
-        self.pump()
-
-    def _start(self, job: Job) -> bool:
-        """Dispatch ``job``; False if nothing was left to run."""
-        if isinstance(job, WriteBatch):
-            # a write whose node is known down ends now, without I/O
-            down = [w for w in job.writes if self.breakers[self.node_of(w.key)].refusing()]
-            for w in down:
-                self._end_write(w, Outcome.FAILED, sent=False)
-            job.writes = [w for w in job.writes if w not in down]
-            if not job.writes:
-                return False
-            self._echo_sent([w.key for w in job.writes])  # remote_discovery.py: own echoes
-        self.running.add(job)
-        self.runner.dispatch(job)
-        return True
-
-    # ------------------------------------------------------------ lookups
-
-    def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None] | LookupJob:
-        """Answer now (a list) or admit a lookup job that ``answered`` will end by
-        its deadline. Raises TierUnavailable when shed or every node is down."""
-        if self.closing:
-            raise TierUnavailable("remote tier is shutting down")
-        keys = list(keys)
-        now = self.clock()
-        ask = [
-            k
-            for k in dict.fromkeys(keys)
-            if not self._blocked(k)
-            and (not self.complete or k in self.known)
-            and self.refused.get(k, 0.0) <= now
-        ]
-        if ask:
-            up = [k for k in ask if not self.breakers[self.node_of(k)].refusing()]
-            if not up:
-                raise TierUnavailable("remote store unavailable (circuit open)")
-            ask = up
-        if not ask:
-            self.counters["remote_misses"] += len(keys)
-            return [None] * len(keys)
-        if len(self.lookups_running) >= self.limits.lookup_concurrency and (
-            len(self.lookups_waiting) >= self.limits.lookup_backlog
-        ):
-            self.counters["remote_lookups_shed"] += 1
-            raise TierUnavailable("remote lookups are backed up: answered as a miss")
-        job = LookupJob(self._next_id(), ask, keys, deadline=self.clock() + self.limits.timeout_s)
-        self.live.add(job)
-        self.lookups_waiting.append(job)
-        self.runner.later(self.limits.timeout_s, self.expire_lookups)
-        self._start_lookups()
-        return job
-
-    def _start_lookups(self) -> None:
-        now = self.clock()
-        while self.lookups_waiting and len(self.lookups_running) < self.limits.lookup_concurrency:
-            job = self.lookups_waiting.popleft()
-            if job.deadline <= now:
-                self._answer(job, TierUnavailable("remote lookup could not start in time"))
-                self.counters["remote_lookup_timeouts"] += 1
-                continue
-            nodes = {self.node_of(k) for k in job.keys}
-            refused = {n for n in nodes if not self.breakers[n].allow()}
-            if refused:
-                job.keys = [k for k in job.keys if self.node_of(k) not in refused]
-            if not job.keys:
-                self._answer(job, TierUnavailable("remote store unavailable (circuit open)"))
-                continue
-            job.started = True
-            self.lookups_running.add(job)
-            self.runner.dispatch(job)
-
-    def expire_lookups(self) -> None:
-        """Answer every lookup past its deadline (timer; rule 5)."""
-        # a loop timer may fire a hair before the deadline by this clock: 1 ms of slack
-        now = self.clock() + 0.001
-        for job in [j for j in self.lookups_waiting if j.deadline <= now]:
-            self.lookups_waiting.remove(job)  # never runs
-            self.counters["remote_lookup_timeouts"] += 1
-            self._answer(job, TierUnavailable("remote lookup could not start in time"))
-        for job in [j for j in self.lookups_running if not j.expired and j.deadline <= now]:
-            job.expired = True  # its slot stays taken until its thread returns
-            self.counters["remote_lookup_timeouts"] += 1
-            self._fail(sorted({self.node_of(k) for k in job.keys}, key=str))
-            self._answer(
-                job, TierUnavailable(f"remote lookup took longer than {self.limits.timeout_s}s")
-            )
-        left = [
-            j.deadline
-            for j in (*self.lookups_waiting, *self.lookups_running)
-            if j.answer is None and j.deadline - now < 0.05
-        ]
-        if left:  # a timer that fired early: look again at the deadline
-            self.runner.later(max(min(left) - self.clock(), 0.001), self.expire_lookups)
-
-    def _answer(self, job: LookupJob, answer: list[EntryMeta | None] | Exception) -> None:
-        self.live.discard(job)
-        if isinstance(answer, list):
-            got = dict(zip(job.keys, answer, strict=True))
-            answer = [got.get(k) for k in job.asked]
-            hits = sum(m is not None for m in answer)
-            self.counters["remote_hits"] += hits
-            self.counters["remote_misses"] += len(answer) - hits
-        job.answer = answer
-        self.runner.answered(job)
-
-    def _lookup_finished(self, job: LookupJob, result: Any) -> None:
-        self.lookups_running.discard(job)
-        nodes = sorted({self.node_of(k) for k in job.keys}, key=str)
-        if job.expired:  # answered at its deadline; the late result is not used
-            self._start_lookups()
-            return
-        if isinstance(result, Exception):  # StoreDown, or Retry (busy: not the store's fault)
-            if isinstance(result, StoreDown):
-                self._fail(result.nodes or nodes)
-            self._answer(job, TierUnavailable(str(result)))
-            self._start_lookups()
-            return
-        self._ok(nodes)
-        metas: list[EntryMeta | None] = []
-        for key, res in zip(job.keys, result, strict=True):
-            if isinstance(res, BadValue):
-                self.refuse(key, res)
-                metas.append(None)
-            elif isinstance(res, EntryMeta) and not (
-                job.cleared or key in job.gone or self._blocked(key)
-            ):
-                self.refused.pop(key, None)
-                self._learn(key)  # before the coordinator can answer a hit for it
-                metas.append(res)
-            else:
-                if res is None:
-                    self._forget(key)
-                metas.append(None)
-        self._answer(job, metas)
-        self._start_lookups()
-
-    # ------------------------------------------------------------ promotion
-
-    def read_start(self, key: str) -> None:
-        """May a promotion read ``key`` now? Raises TierMiss / TierUnavailable."""
-        if self.closing:
-            raise TierUnavailable("remote tier is shutting down")
-        if self._blocked(key):
-            raise TierMiss(key)
-        if not self.breakers[self.node_of(key)].allow():
-            raise TierUnavailable("remote store unavailable (circuit open)")
-
-    def read_ended(self, key: str, exc: BaseException | None) -> None:
-        node = self.node_of(key)
-        if isinstance(exc, StoreDown):
-            self.counters["remote_read_errors"] += 1
-            self._fail(exc.nodes or [node])
-            return
-        self._ok([node])
-        if isinstance(exc, BadValue):
-            self.refuse(key, exc)
-        elif isinstance(exc, TierMiss):
-            self._forget(key)
-
-    # ------------------------------------------------------------ fetch: lookup + read
-
-    def fetch_start(self, key: str) -> LookupJob:
-        """May a get read ``key`` straight away, its lookup and read one store round trip
-        (the value's header says what it is)? The admission of a one-key lookup and of a
-        read: raises TierMiss (a delete or clear is pending, the key is refused, or a
-        complete filter lacks it) or TierUnavailable (circuit open, shutting down).
-        ``fetch_ended`` must follow, whatever happens."""
-        if self.closing:
-            raise TierUnavailable("remote tier is shutting down")
-        now = self.clock()
-        if (
-            self._blocked(key)
-            or (self.complete and key not in self.known)
-            or self.refused.get(key, 0.0) > now
-        ):
-            self.counters["remote_misses"] += 1
-            raise TierMiss(key)
-        if not self.breakers[self.node_of(key)].allow():
-            raise TierUnavailable("remote store unavailable (circuit open)")
-        job = LookupJob(self._next_id(), [key], [key], deadline=now + self.limits.timeout_s)
-        job.started = True
-        self.live.add(job)  # a delete or clear meanwhile marks it (rule 1)
-        return job
-
-    def fetch_ended(self, job: LookupJob, result: EntryMeta | BaseException | None) -> bool:
-        """How a fetch ended: the meta of the valid value now in the caller's reserved
-        range, or why not (StoreDown, BadValue, TierMiss/None: absent, Declined: the
-        caller took nothing after the header, anything else: no verdict). True: it may
-        be served -- never a value whose key was deleted or cleared meanwhile."""
-        self.live.discard(job)
-        key = job.keys[0]
-        node = self.node_of(key)
-        if isinstance(result, StoreDown):
-            self.counters["remote_read_errors"] += 1
-            self._fail(result.nodes or [node])
-            return False
-        if isinstance(result, Declined):
-            self._ok([node])  # the store answered; the caller had no room for it
-            return False
-        if isinstance(result, BaseException) and not isinstance(result, BadValue | TierMiss):
-            self.breakers[node].release()  # no verdict (cancelled, Retry)
-            return False
-        self._ok([node])
-        if isinstance(result, BadValue):
-            self.refuse(key, result)
-            self.counters["remote_misses"] += 1
-            return False
-        if not isinstance(result, EntryMeta):  # absent
-            self._forget(key)
-            self.counters["remote_misses"] += 1
-            return False
-        if job.cleared or key in job.gone or self._blocked(key):
-            self.counters["remote_misses"] += 1
-            return False
-        self.refused.pop(key, None)
-        self._learn(key)
-        self.counters["remote_hits"] += 1
-        return True
-
     # ------------------------------------------------------------ probes
 
     def maintain(self) -> None:
@@ -737,15 +335,6 @@ class RemotePolicy(KeyDiscovery):
                 self.deleting[key] += 1
             self._follow_up(late)
         self.pump()
-
-    def _follow_up(self, keys: list[str]) -> None:
-        """Delete ``keys`` once more when their failed writes can no longer land
-        (their ``deleting`` count stays up until then: lookups keep missing)."""
-        if not keys:
-            return
-        until = max(self.uncertain.pop(k) for k in keys)
-        job = DeleteJob(self._next_id(), keys, 0, until, follow_up=True)
-        self.queue.insert(0, job)  # before any later job of these keys
 
     # ------------------------------------------------------------ shutdown
 
