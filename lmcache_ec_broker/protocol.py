@@ -16,7 +16,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Has/Lookup carry wait_ms
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
@@ -93,6 +93,10 @@ class Has(msgspec.Struct, tag="has", tag_field="op", forbid_unknown_fields=True)
     # >0: every hit is protected from eviction for this long (or until the
     # connection closes), so a worker can still load what the scheduler saw.
     lease_ms: int = 0
+    # >0: answer within about this long; keys the remote store has not answered by
+    # then are a MISS (the store's answer then leases and promotes nothing). 0: wait
+    # for the store (at most the broker's remote_timeout_s).
+    wait_ms: int = 0
 
 
 class Reserve(msgspec.Struct, tag="reserve", tag_field="op", forbid_unknown_fields=True):
@@ -178,6 +182,7 @@ class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields
 
     keys: list[str]
     lease_ms: int = 0
+    wait_ms: int = 0  # as Has.wait_ms
 
 
 class Unlease(msgspec.Struct, tag="unlease", tag_field="op", forbid_unknown_fields=True):

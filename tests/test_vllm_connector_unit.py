@@ -40,6 +40,10 @@ from lmcache_ec_broker.connector.vllm import (  # noqa: E402
 from lmcache_ec_broker.protocol import LookupState  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from delay_proxy import DelayProxy  # noqa: E402
+from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
+
 NUM_EMBEDS = 16
 HIDDEN = 128  # TinyQwen2VLSpec().hidden_size
 
@@ -1099,6 +1103,65 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
         assert time.monotonic() < deadline, "the scheduler never used the broker again"
         p.sched.build_connector_meta(SchedulerOutput.make_empty())
         time.sleep(0.05)
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_a_slow_remote_store_costs_the_scheduler_misses_not_its_circuit(
+    pairs, make_broker, tmp_path
+):
+    """Every reply of the shared store to this node's broker 1 s late (on the wire): the
+    scheduler's lookup of an item only the store holds is answered within its budget
+    -- a miss, encoded -- and the circuit stays closed, so the next request's local hit
+    is still a hit. (Before: the lookup waited for the store, the budget opened the
+    circuit as for a hung broker, and local hits too became encodes until a probe.)"""
+    srv = RedisServer()
+    try:
+        with DelayProxy(srv.port) as proxy:
+
+            def node(name: str, url: str):
+                cfg = tmp_path / f"{name}.yaml"
+                cfg.write_text(
+                    f"remote_url: '{url}'\nremote_timeout_s: 3.0\n"
+                )
+                return make_broker("--shm-size", "64MiB", "--config", str(cfg))
+
+            other, here = node("other", srv.url("unix")), node("here", proxy.url(srv.password))
+            p = pairs(
+                socket_path=here.socket_path, scheduler_budget_ms=200, probe_interval_ms=10_000
+            )
+            near, far = "a1" * 32, "b2" * 32
+            with BrokerClient(other.socket_path) as c:  # another node encoded "far"
+                assert c.put(p.sched.key(far), embedding(71))
+                deadline = time.monotonic() + 10
+                while c.stats()["remote_writes"] < 1:
+                    assert time.monotonic() < deadline, "the other node's write-behind"
+                    time.sleep(0.02)
+            p.worker.save_caches({near: embedding(72)}, near)  # in this node's slab
+            with BrokerClient(here.socket_path) as c:
+                assert c.has([p.sched.key(near)]) == [True]
+                deadline = time.monotonic() + 10
+                # this node heard of "far" (an announcement): its filter lets it be asked
+                while c.stats()["remote_known_keys"] < 2:
+                    assert time.monotonic() < deadline, "this node never learned of far"
+                    time.sleep(0.02)
+            proxy.reply_delay_s = 1.0
+            waits = []
+            for i, h in enumerate((far, near, far)):
+                r = make_request(f"r{i}", h)
+                t0 = time.perf_counter()
+                assert p.sched.ensure_cache_available(r, 0)
+                hit = p.sched.has_cache_item(h)
+                waits.append(time.perf_counter() - t0)
+                assert hit == (h == near), (i, h, hit)
+                p.sched.update_state_after_alloc(r, 0)
+                p.sched.build_connector_meta(SchedulerOutput.make_empty())
+            assert p.sched.broker_timeouts == 0
+            assert max(waits) < 0.2, waits
+            with BrokerClient(here.socket_path) as c:
+                st = c.stats()
+                assert st["remote_lookups_cut_short"] == 2, str({k: v for k, v in st.items() if v})
+    finally:
+        srv.stop()
 
 
 def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState
@@ -51,7 +52,12 @@ __all__ = ["COORDINATOR_COUNTERS", "TIER_CONN", "Coordinator", "ResidencyObserve
 
 log = logging.getLogger("lmcache_ec_broker")
 
-COORDINATOR_COUNTERS = ("promotions", "promotion_failures", "tier_unavailable")
+COORDINATOR_COUNTERS = (
+    "promotions",
+    "promotion_failures",
+    "tier_unavailable",
+    "remote_lookups_cut_short",
+)
 
 
 class ResidencyObserver(TierEvents, OwnTierEvents, Protocol):
@@ -185,20 +191,23 @@ class Coordinator(Promotions):
 
     # ---------------------------------------------------------------- lookups
 
-    def has(self, conn: int, keys: list[str], lease_ms: int) -> list[bool] | Awaitable[list[bool]]:
+    def has(
+        self, conn: int, keys: list[str], lease_ms: int, wait_ms: int = 0
+    ) -> list[bool] | Awaitable[list[bool]]:
         if not self.tiers:  # the hot path of a slab-only broker: no per-key objects
             return self.store.has(conn, keys, lease_ms)
-        got = self.lookup(conn, keys, lease_ms)
+        got = self.lookup(conn, keys, lease_ms, wait_ms)
         if isinstance(got, list):
             return [i.state != LookupState.MISS for i in got]
         return _as_bools(got)
 
     def lookup(
-        self, conn: int, keys: list[str], lease_ms: int
+        self, conn: int, keys: list[str], lease_ms: int, wait_ms: int = 0
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
         """Per key: READY (in the slab; leased if ``lease_ms``), PENDING (on a lower
         tier; with a lease its promotion has started and the promoted entry will be
-        leased to ``conn``) or MISS. Awaitable only when a remote tier must be asked."""
+        leased to ``conn``) or MISS. Awaitable only when a remote tier must be asked;
+        ``wait_ms > 0`` bounds that wait (``_cut_short``)."""
         store = self.store
         hits = store.has(conn, keys, lease_ms, count_misses=False)
         out: list[EntryInfo] = [_MISS] * len(keys)
@@ -222,7 +231,11 @@ class Coordinator(Promotions):
                 out[i] = info
         if still and self.remote_tiers and not self._closing:
             sync_hits = len(missing) - len(still)
-            return self._lookup_remote(conn, keys, still, out, expires_at, sync_hits)
+            late = _Late()
+            asking = self._lookup_remote(conn, keys, still, out, expires_at, sync_hits, late)
+            if wait_ms <= 0:
+                return asking
+            return self._cut_short(asking, out, wait_ms / 1000.0, late, sync_hits, len(still))
         self._count_lookup(len(missing) - len(still), len(still))
         return out
 
@@ -251,6 +264,34 @@ class Coordinator(Promotions):
             self._promotion(key, [(tier, meta)])
         return EntryInfo(LookupState.PENDING, meta.dtype, list(meta.shape))
 
+    async def _cut_short(
+        self,
+        asking: Coroutine[Any, Any, list[EntryInfo]],
+        out: list[EntryInfo],
+        wait_s: float,
+        late: _Late,
+        sync_hits: int,
+        asked: int,
+    ) -> list[EntryInfo]:
+        """The lookup's answer by ``wait_s``: a caller with a budget (the vLLM scheduler,
+        50 ms) must not be held by a slow remote store, or its circuit opens and its
+        local hits turn into encodes too. Keys the store has not answered by then are
+        answered MISS; their lookup ends in the background, leasing and promoting
+        nothing (``late``), so the caller holds nothing it was not told of."""
+        assert self._loop is not None
+        task = self._loop.create_task(asking)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        if done:
+            return task.result()
+        late.late = True
+        self.counters["remote_lookups_cut_short"] += 1
+        self._count_lookup(sync_hits, asked)
+        # entries still MISS in ``out`` were not answered; those a remote tier answered
+        # already were leased (and their promotion started) before the cut
+        return list(out)
+
     async def _lookup_remote(
         self,
         conn: int,
@@ -259,11 +300,14 @@ class Coordinator(Promotions):
         out: list[EntryInfo],
         expires_at: float,
         found: int,
+        late: _Late,
     ) -> list[EntryInfo]:
         for tier in self.remote_tiers:
             if not idx:
                 break
             metas = await self.asks.ask(tier, [keys[i] for i in idx])
+            if late.late:  # the caller was answered without these keys: no lease, no promotion
+                return out
             rest: list[int] = []
             for i, meta in zip(idx, metas, strict=True):
                 if meta is None:
@@ -425,6 +469,13 @@ class Coordinator(Promotions):
 
 
 _MISS = EntryInfo(LookupState.MISS)
+
+
+@dataclass(slots=True)
+class _Late:
+    """Set when a lookup was answered before its remote tier did (``_cut_short``)."""
+
+    late: bool = False
 
 
 async def _as_bools(pending: Awaitable[list[EntryInfo]]) -> list[bool]:

@@ -454,10 +454,10 @@ class BrokerServer:
         tiers = self.tiers
         store = self.store
         match msg:
-            case Lookup(keys=keys, lease_ms=lease_ms):
+            case Lookup(keys=keys, lease_ms=lease_ms, wait_ms=wait_ms):
                 if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
                     return refusal
-                got = tiers.lookup(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS))
+                got = tiers.lookup(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS), _wait(wait_ms))
                 return LookupReply(got) if isinstance(got, list) else _wrap(got, LookupReply)
             case Unlease(keys=keys):
                 tiers.unlease(conn, keys)
@@ -470,10 +470,10 @@ class BrokerServer:
                 if self.loop is not None:
                     self.loop.call_soon(self.request_stop)
                 return OkReply()
-            case Has(keys=keys, lease_ms=lease_ms):
+            case Has(keys=keys, lease_ms=lease_ms, wait_ms=wait_ms):
                 if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
                     return refusal
-                hits = tiers.has(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS))
+                hits = tiers.has(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS), _wait(wait_ms))
                 return HasReply(hits) if isinstance(hits, list) else _wrap(hits, HasReply)
             case Reserve(key=key, nbytes=nbytes, dtype=dtype, shape=shape):
                 return store.reserve(conn, key, nbytes, dtype, shape)
@@ -758,6 +758,12 @@ class BrokerServer:
         if self._lock is not None:
             self._lock.release()  # last: until here no other start may touch the path
             self._lock = None
+
+
+def _wait(wait_ms: int) -> int:
+    """A client's ``wait_ms``, untrusted: <= 0 is no bound of its own; longer than a
+    lease can be is no tighter a bound than the broker's own (remote_timeout_s)."""
+    return min(wait_ms, MAX_LEASE_MS) if wait_ms > 0 else 0
 
 
 async def _wrap(pending: Awaitable, reply: type[msgspec.Struct]) -> msgspec.Struct:

@@ -372,10 +372,11 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
 
     # ------------------------------------------------------------ lookups and the rest
 
-    def has(self, keys: list[str], lease_ms: int = 0) -> list[bool]:
+    def has(self, keys: list[str], lease_ms: int = 0, wait_ms: int = 0) -> list[bool]:
         """One bool per key. ``lease_ms > 0`` protects each hit from eviction for that long
         (or until this client disconnects). Keys the broker's membership filter rules
-        out are answered here, without a round trip."""
+        out are answered here, without a round trip. ``wait_ms > 0``: the broker answers
+        within about that long, a key its remote store has not answered by then False."""
         with self._lock:
             ask, mask = self._ask(keys)
             if not ask:
@@ -392,22 +393,22 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
                     if n < len(ask):
                         rest = [k for k, kn in zip(ask, known, strict=True) if not kn]
                         try:
-                            more: HasReply = self._call(Has(rest, lease_ms))
+                            more: HasReply = self._call(Has(rest, lease_ms, wait_ms))
                         except BrokerUnavailable:
                             more = HasReply([False] * len(rest))
                         it = iter(more.hits)
                         known = [True if kn else next(it) for kn in known]
                     return known if mask is None else _expand(mask, known, False)
             try:
-                reply: HasReply = self._call(Has(ask, lease_ms))
+                reply: HasReply = self._call(Has(ask, lease_ms, wait_ms))
             except BrokerUnavailable:
                 return [False] * len(keys)
             return reply.hits if mask is None else _expand(mask, reply.hits, False)
 
-    def lookup(self, keys: list[str], lease_ms: int = 0) -> list[EntryInfo]:
+    def lookup(self, keys: list[str], lease_ms: int = 0, wait_ms: int = 0) -> list[EntryInfo]:
         """Per key: MISS, READY (in the slab) or PENDING (being promoted from a lower
-        tier: ask again shortly), with dtype and shape for the last two. Leases as
-        ``has`` does. An outage answers all MISS."""
+        tier: ask again shortly), with dtype and shape for the last two. Leases and
+        bounds the wait (``wait_ms``) as ``has`` does. An outage answers all MISS."""
         miss = EntryInfo(LookupState.MISS)
         with self._lock:
             mask = self._maybe_mask(keys)
@@ -416,7 +417,7 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
             if not ask:
                 return [miss] * len(keys)
             try:
-                reply: LookupReply = self._call(Lookup(ask, lease_ms))
+                reply: LookupReply = self._call(Lookup(ask, lease_ms, wait_ms))
             except BrokerUnavailable:
                 return [miss] * len(keys)
             if mask is None or len(ask) == len(keys):

@@ -11,7 +11,9 @@ is needed where vLLM plugins are disabled through ``VLLM_PLUGINS``.)
 
 Extra config keys: ``socket_path`` (default: $LMCACHE_EC_BROKER_SOCKET, then the
 broker's default), ``scheduler_budget_ms`` (50: the longest the scheduler's hooks
-wait for the broker, once per outage), ``worker_budget_ms`` (200: the same for a
+wait for the broker, once per outage; the broker answers a lookup within half of
+it even when its remote store is slower, a key the store has not answered being a
+miss), ``worker_budget_ms`` (200: the same for a
 worker's loads and puts), ``probe_interval_ms`` (500: how often a broker that
 timed out is probed in the background), ``lease_ms`` (30000: how long a hit the
 scheduler saw is protected from eviction if nothing releases it earlier),
@@ -146,6 +148,10 @@ class ECBrokerConnector(ECConnectorBase):
                 f"probe_interval_ms must be > 0 (got {budget_ms} and {probe_ms})"
             )
         self._timeout_s = budget_ms / 1000
+        # The broker answers a lookup within half the budget even when its remote
+        # store is slow (keys the store has not answered are a miss: an encode), so a
+        # slow store never opens this circuit and turns local hits into encodes too.
+        self._lookup_wait_ms = max(1, int(budget_ms / 2))
         self._probe_interval_s = probe_ms / 1000
         self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
         self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
@@ -413,7 +419,9 @@ class ECBrokerConnector(ECConnectorBase):
         """One batched lookup with a lease; memoises a state per hash for the step."""
         keys = [self.key(h) for h in hashes]
         try:
-            infos = self._on_live_connection(lambda c: c.lookup(keys, lease_ms=self._lease_ms))
+            infos = self._on_live_connection(
+                lambda c: c.lookup(keys, lease_ms=self._lease_ms, wait_ms=self._lookup_wait_ms)
+            )
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
