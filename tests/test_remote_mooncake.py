@@ -560,6 +560,33 @@ def test_two_brokers_put_on_a_remote_hit_on_b_every_dtype(two_brokers) -> None:
 
 
 @needs_mooncake
+def test_with_key_listing_off_a_filtering_client_still_finds_a_remote_hit(mc: Env) -> None:
+    """mooncake_key_poll_s 0: nothing lists the store's keys, so this node's filter
+    cannot prove a key absent (shm/filter.py, "Partial"): a client that trusts the
+    filter asks the broker, which asks the store (before: a local miss, never asked)."""
+    from conftest import shm_segments
+
+    from lmcache_ec_broker import BrokerClient
+
+    a = NetnsBroker(mc, "a", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0.2")
+    b = NetnsBroker(mc, "b", LMCACHE_EC_MOONCAKE_KEY_POLL_S="0")
+    try:
+        t = _tensor("bfloat16", [64, 128], 7)
+        with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
+            assert ca.put("unlisted", t)
+            until(lambda: ca.stats()["remote_writes"] == 1)
+            misses0 = cb.local_misses
+            assert cb.has(["unlisted", "nowhere"]) == [True, False]
+            assert cb.local_misses == misses0
+            got = cb.get("unlisted")
+            assert got is not None and _bytes(got) == _bytes(t)
+    finally:
+        for br in (a, b):
+            br.stop()
+            assert shm_segments(br.socket_path, include_filter=True) == []
+
+
+@needs_mooncake
 def test_two_brokers_a_remote_get_is_one_transfer(two_brokers) -> None:
     """Issue 18: B's get of a key only A stored is one Mooncake transfer (into a staging
     buffer, verified there, then copied into the range reserved for it) -- not a

@@ -88,11 +88,14 @@ class Coordinator(Promotions):
     def added(self, tier: LowerTier, key: str) -> None:
         if self.membership is not None:
             self.membership.add(key)
+            self._sync_partial()
         if self.observer is not None:
             self.observer.added(tier, key)
 
     def removed(self, tier: LowerTier, key: str) -> None:
         if self.membership is not None:
+            # first: a tier forgetting a key it may still hold has just turned partial
+            self._sync_partial()
             self.membership.remove(key)
         if self.observer is not None:
             self.observer.removed(tier, key)
@@ -117,6 +120,16 @@ class Coordinator(Promotions):
         """Publish (or, with None, stop publishing) every tier's keys in ``membership``."""
         self.membership = membership
         self.store.membership = membership
+        if membership is not None:
+            self._sync_partial()
+
+    def _sync_partial(self) -> None:
+        """Invariant (shm/filter.py, "Partial"): while any tier may hold keys it has not
+        reported, the filter says so, so that clients ask instead of trusting an
+        absence. Kept by checking before every removal (a tier turns partial just
+        before it forgets a key it may still hold) and after additions."""
+        assert self.membership is not None
+        self.membership.set_partial(any(t.filter_partial for t in self.tiers))
 
     def expected_keys(self) -> int:
         """Keys the membership filter must have room for (slab blocks + lower tiers)."""

@@ -37,6 +37,14 @@ of a slot shared with other keys still sees >= 1 while this key is present. A
 read racing an add can see 0 -- that key was not yet present when the read
 started, so the cost is a missed hit, never a wrong answer.
 
+Partial: the invariant needs every key a tier could answer True for folded in.
+A remote tier that cannot fold all of them (``remote_filter_keys: 0``, no key
+listing, or more keys than it may fold: the oldest were forgotten) would make an
+"absent" wrong -- a hit the broker would find in the store, never asked for. While
+that is so, the broker sets FLAG_PARTIAL *before* it removes such a key, and
+readers say "maybe" for everything: every miss reaches the broker, which asks the
+store.
+
 Liveness: a broker that stops cleanly clears FLAG_LIVE, after which readers say
 "maybe" for everything (and so reach the broker and notice the restart). A
 killed broker cannot; the client therefore trusts its filter only while its
@@ -60,6 +68,7 @@ VERSION = 2  # 2: xxh3-64 with a u64 seed (1: blake2b keyed with a 16-byte salt)
 HEADER = struct.Struct("<8sIIIIQ")
 HEADER_SIZE = 64
 FLAG_LIVE = 1
+FLAG_PARTIAL = 2  # absences prove nothing (see "Partial")
 SATURATED = 255
 NHASHES = 2  # the two 32-bit halves of one 64-bit hash: the layout has no room for more
 MIN_LOG2_SLOTS = 16
@@ -127,6 +136,13 @@ class FilterWriter:
             MAGIC, VERSION, log2_slots, NHASHES, FLAG_LIVE, seed
         ).ljust(HEADER_SIZE, b"\0")
         self.saturated = 0
+        self.partial = False
+
+    def set_partial(self, partial: bool) -> None:
+        """Set (True: readers say "maybe" for every key) or clear FLAG_PARTIAL."""
+        if partial != self.partial:
+            self.partial = partial
+            self.mm[_FLAGS_OFFSET] = FLAG_LIVE | (FLAG_PARTIAL if partial else 0)
 
     def add(self, key: str) -> None:
         mm = self.mm
@@ -216,7 +232,7 @@ class FilterReader:
     def maybe(self, key: str) -> bool:
         """False only if the key was not present when the read started (see the invariant)."""
         mm = self.mm
-        if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
+        if mm[_FLAGS_OFFSET] != FLAG_LIVE:  # dead, partial (or a flag unknown here)
             return True
         for s in self._hasher.slots(key):
             if not mm[s]:
@@ -227,7 +243,7 @@ class FilterReader:
         """``maybe`` for a batch, same answers: one xxh3 call per key, then (for larger
         batches) the slot reads done for the whole batch at once with numpy."""
         mm = self.mm
-        if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
+        if mm[_FLAGS_OFFSET] != FLAG_LIVE:  # dead, partial (or a flag unknown here)
             return [True] * len(keys)
         seed, mask = self._hasher.seed, self._hasher.mask
         counters = self._counters

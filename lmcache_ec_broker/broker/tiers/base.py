@@ -128,6 +128,9 @@ class LowerTier(ABC):
     counter_names: tuple[str, ...] = ()
     #: True when ``peek`` cannot answer and ``lookup`` needs a round trip
     remote: bool = False
+    #: True while the tier may hold keys it has not reported through ``added``
+    #: (the membership filter's absences then prove nothing: shm/filter.py, "Partial")
+    filter_partial: bool = False
 
     # ---------------------------------------------------------------- lifecycle
 

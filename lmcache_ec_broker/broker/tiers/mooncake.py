@@ -15,7 +15,7 @@ the delete is tried again after the lease (``Retry``); the objects live in the
 segments the clients (brokers) contribute, so a broker that stops takes its
 objects with it, and a master restart loses every object -- both cost only hits.
 Mooncake has no announcements: the master's key list is polled every
-``mooncake_key_poll_s`` and every lookup asks the store.
+``mooncake_key_poll_s`` (0: never; the filter is then partial) and every lookup asks the store.
 """
 
 from __future__ import annotations
@@ -359,6 +359,7 @@ class MooncakeTier(RemoteTier):
             max_entry_bytes=settings.max_entry_size or (1 << 62),
             filter_cap=settings.max_reported_keys,
             announces=False,
+            discovers=settings.key_poll_s > 0,
             lookup_concurrency=LOOKUP_THREADS,
             write_workers=MooncakeTransport.write_workers,
             write_batch=MooncakeTransport.write_batch,

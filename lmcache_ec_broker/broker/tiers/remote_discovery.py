@@ -50,6 +50,7 @@ class KeyDiscovery:
     refused: collections.OrderedDict[str, float]
     live: set[LookupJob | ScanJob | WriteJob]
     complete: bool
+    partial: bool
     clock: Callable[[], float]
     # key -> (own announcements not heard back yet, until when one is expected)
     echoes: collections.OrderedDict[str, tuple[int, float]]
@@ -120,6 +121,9 @@ class KeyDiscovery:
             self.counters["remote_announcements"] += learned
             if self.limits.announces:
                 self.complete = 0 <= len(found) < self.limits.filter_cap
+            cap = self.limits.filter_cap
+            if self.limits.discovers and len(found) < cap and len(self.known) < cap:
+                self.partial = False  # every listed key is folded in (or refused/gone)
 
     def _scan_done(self) -> None:
         if self._scan is not None:

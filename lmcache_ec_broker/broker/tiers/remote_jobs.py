@@ -25,6 +25,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     filter_cap: int
     #: False: the store does not announce writes (Mooncake): every lookup asks it
     announces: bool = True
+    #: False: nothing lists the store's keys (Mooncake, mooncake_key_poll_s 0)
+    discovers: bool = True
     lookup_concurrency: int = 4
     lookup_backlog: int = 8
     write_workers: int = 2

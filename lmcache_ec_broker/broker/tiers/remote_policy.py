@@ -156,6 +156,10 @@ class RemotePolicy(WriteOrdering, Lookups, KeyDiscovery):
         self.known: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._seq = 0
         self.complete = limits.announces and limits.filter_cap > 0
+        # The filter lacks keys the store may hold (none folded, no listing, or the
+        # oldest forgotten past filter_cap): its absences must not be trusted.
+        # Set before such a key leaves the filter; cleared by a whole listing that fit.
+        self.partial = limits.filter_cap <= 0 or not limits.discovers
         self.echoes: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
         self._scan: ScanJob | None = None
         self._scan_again = False
@@ -202,6 +206,7 @@ class RemotePolicy(WriteOrdering, Lookups, KeyDiscovery):
             return False
         if len(self.known) >= self.limits.filter_cap:
             old, _ = self.known.popitem(last=False)
+            self.partial = True  # before it leaves the filter: it may still be stored
             self.runner.removed(old)
             self.complete = False  # forgotten keys may still be in the store: ask for all
         self.runner.added(key)

@@ -280,6 +280,10 @@ class RemoteTier(LowerTier):
         if job.waiter is not None and not job.waiter.done():
             job.waiter.set_result(None)
 
+    @property
+    def filter_partial(self) -> bool:  # type: ignore[override]
+        return self.policy.partial
+
     def added(self, key: str) -> None:
         if self._events is not None:
             self._events.added(self, key)
