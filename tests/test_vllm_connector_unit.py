@@ -1105,6 +1105,30 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
         time.sleep(0.05)
 
 
+def test_a_broker_of_another_protocol_version_costs_misses_never_the_engine(
+    pairs, broker, monkeypatch
+):
+    """Installed a new release, restarted vLLM but not the broker: the handshake is
+    refused with the fix named, and every hook answers a miss or skips -- none raises."""
+    from lmcache_ec_broker.connector import broker_link
+    from lmcache_ec_broker.connector.errors import BrokerRefused
+    from lmcache_ec_broker.protocol import PROTOCOL_VERSION
+
+    monkeypatch.setattr(broker_link, "PROTOCOL_VERSION", PROTOCOL_VERSION - 1)
+    with pytest.raises(BrokerRefused, match="same lmcache-ec-broker version"):
+        BrokerClient(broker.socket_path)
+    p = pairs()
+    x = "c3" * 32
+    r = make_request("r", x)
+    assert p.sched.ensure_cache_available(r, 0)
+    assert not p.sched.has_cache_item(x)
+    p.sched.update_state_after_alloc(r, 0)
+    so = SchedulerOutput.make_empty()
+    so.scheduled_encoder_inputs = {"r": [0]}
+    shipped = run_worker_step(p.sched, p.worker, so, {}, [(r, 0)], encode={x: embedding(9)})
+    assert shipped.scheduled_encoder_inputs == {"r": [0]}  # encoded, as without a broker
+
+
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 def test_a_slow_remote_store_costs_the_scheduler_misses_not_its_circuit(
     pairs, make_broker, tmp_path
