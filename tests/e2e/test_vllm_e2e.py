@@ -297,24 +297,31 @@ def test_bystander_decoding_with_the_item_completes(servers, workdir):
     long_cold = plain.chat_token_ids(image, max_tokens=400)
     cold = plain.chat_token_ids(image)
     faulty.chat_token_ids(image, max_tokens=1)  # X is in the broker now
-    result: dict[str, object] = {}
+    # A's 400 tokens (the model's length allows little more) must outlast B's request;
+    # on a loaded host B can be slower, so up to three tries (B stores X again each time).
+    for _ in range(3):
+        result: dict[str, object] = {}
 
-    def run_a() -> None:
-        try:
-            result["a"] = faulty.chat_token_ids(image, max_tokens=400)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            result["a"] = exc
+        def run_a(result: dict[str, object] = result) -> None:
+            try:
+                result["a"] = faulty.chat_token_ids(image, max_tokens=400)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                result["a"] = exc
 
-    a = threading.Thread(target=run_a)
-    a.start()
-    time.sleep(1.0)  # A's prefill is done; it decodes
-    faulty.reset_encoder_cache()
-    fault = arm(workdir, "faulty", "drop")
-    assert faulty.chat_token_ids(image) == cold
-    assert not fault.exists(), "B did not load X"
-    assert a.is_alive(), "A finished before B's load failed: the test proved nothing"
-    a.join(300)
-    assert result["a"] == long_cold
+        a = threading.Thread(target=run_a)
+        a.start()
+        time.sleep(1.0)  # A's prefill is done; it decodes
+        faulty.reset_encoder_cache()
+        fault = arm(workdir, "faulty", "drop")
+        assert faulty.chat_token_ids(image) == cold
+        assert not fault.exists(), "B did not load X"
+        overlapped = a.is_alive()
+        a.join(300)
+        assert result["a"] == long_cold
+        if overlapped:
+            break
+    else:
+        pytest.fail("A finished before B's load failed, three times: the test proved nothing")
 
 
 def test_broker_killed_between_hit_and_load(servers, faulty_broker, workdir):
