@@ -15,6 +15,10 @@ The invariants are the policy's promises (its module docstring):
 - no lookup is left unanswered past its deadline, and one that could not start in
   time never runs;
 - the filter events are balanced (added/removed mirror the known set);
+- a key leaves the filter with ``partial`` set unless the policy saw it gone (a
+  miss, a refused value, a listing without it, its own delete or clear): clients
+  then ask the broker instead of answering a local miss; ``partial`` is cleared
+  only by a listing that fit under the filter's cap;
 - a breaker with ``threshold`` failures in a row is not closed; a successful probe
   closes it.
 """
@@ -127,6 +131,8 @@ class Runner:
         self.answered_jobs: list[LookupJob] = []
         self.store: MemoryTransport | None = None
         self.snapshots: dict[int, dict[str, Value]] = {}  # the store as a job found it
+        self.policy: RemotePolicy | None = None
+        self.forgetting = False  # inside the policy's _forget: it saw the key gone
         self._n = 0
 
     def dispatch(self, job: Job) -> None:
@@ -153,6 +159,10 @@ class Runner:
 
     def removed(self, key: str) -> None:
         assert key in self.filter, f"{key} removed but never added"
+        assert self.policy is not None
+        assert self.forgetting or self.policy.partial, (
+            f"{key} left the filter for room without marking it partial"
+        )
         self.filter.discard(key)
 
     def later(self, delay_s: float, fn) -> None:
@@ -188,7 +198,7 @@ class PolicyMachine(RuleBasedStateMachine):
             write_queue=4,
             max_pending_bytes=BUDGET,
             max_entry_bytes=4 * BUDGET,
-            filter_cap=4,
+            filter_cap=2,  # below len(KEYS): learning a key may forget another
             announces=False,  # every lookup asks the store (the interleavings that matter)
             lookup_concurrency=2,
             lookup_backlog=2,
@@ -200,6 +210,19 @@ class PolicyMachine(RuleBasedStateMachine):
             breaker_max_backoff_s=4.0,
         )
         self.policy = RemotePolicy(self.limits, self.runner, node_of, self.clock)
+        self.runner.policy = self.policy
+        forget = self.policy._forget
+
+        def forgetting(key: str) -> bool:  # every removal the policy makes on evidence
+            self.runner.forgetting = True
+            try:
+                return forget(key)
+            finally:
+                self.runner.forgetting = False
+
+        self.policy._forget = forgetting  # type: ignore[method-assign]
+        self.was_partial = self.policy.partial
+        self.listing: set[str] | None = None  # the last listing the store answered
         self.accepted: dict[int, WriteJob] = {}
         # keys deleted/cleared by this broker and not written by anyone since
         self.deleted_since: set[str] = set()
@@ -361,6 +384,8 @@ class PolicyMachine(RuleBasedStateMachine):
             for w in job.writes:
                 if w.outcome is Outcome.FAILED and w.key not in known_before:
                     assert w.key not in self.policy.known, "a failed write made its key known"
+        if isinstance(job, ScanJob) and isinstance(result, set):
+            self.listing = result
         if isinstance(job, ProbeJob) and mode in ("ok", "early"):
             assert self.policy.breakers[job.node].state is State.CLOSED
         if isinstance(result, StoreDown):
@@ -476,6 +501,15 @@ class PolicyMachine(RuleBasedStateMachine):
     def filter_mirrors_known(self) -> None:
         assert self.runner.filter == set(self.policy.known)
         assert len(self.policy.known) <= self.limits.filter_cap
+
+    @invariant()
+    def partial_cleared_only_by_a_listing_that_fit(self) -> None:
+        pol = self.policy
+        if self.was_partial and not pol.partial:
+            assert self.listing is not None, "partial cleared without a listing"
+            assert len(self.listing) < self.limits.filter_cap, "cleared by a listing past the cap"
+            assert len(pol.known) < self.limits.filter_cap
+        self.was_partial = pol.partial
 
     @invariant()
     def deleted_keys_stay_away(self) -> None:

@@ -37,7 +37,11 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    more) and their results, like announcements, are folded into the filter in
    slices of ``fold_slice`` keys per loop turn. This broker's own announcements,
    heard back, are never learned (a delete may have ended before they arrive;
-   ``remote_discovery.py``, "Own echoes").
+   ``remote_discovery.py``, "Own echoes"). A key leaves the filter without
+   ``partial`` set only when the policy saw it gone (a miss, a refused value, a
+   listing without it, its own delete or clear); one forgotten for room sets
+   ``partial`` first, and only a listing that fit under ``filter_cap`` clears it:
+   while it is set, clients ask the broker rather than trust a filter miss.
 8. Own writes (``own``, the residency events): ``own_stored`` once per write that
    ended STORED (this broker wrote the value; never for PRESENT, which another
    broker wrote), ``own_deleted`` when a delete of the key ends (done, or given up:
