@@ -54,6 +54,10 @@ tensor parallelism the ranks first agree (a max all-reduce over the TP group's C
 group) so that every rank runs the encoder on the same items. Nothing is ever
 inserted that the model did not compute; no request is failed; see
 docs/design.md, "A load that fails".
+
+The worker's hooks (loads, puts, the re-encode of a failed load) are in
+``vllm_worker.py``; the messages between the two sides and the key format in
+``vllm_meta.py``.
 """
 
 from __future__ import annotations
@@ -65,7 +69,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -73,9 +76,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
-from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
+from lmcache_ec_broker.connector.client import BrokerClient
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
-from lmcache_ec_broker.connector.tp_agree import union_over_tp
 from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
     ECBrokerConnectorMetadata,
@@ -83,7 +85,10 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     ECBrokerWorkerMetadata,
     ECConnectorStats,
     LoadSpec,
+    dtype_short_name,
+    make_key,
 )
+from lmcache_ec_broker.connector.vllm_worker import WorkerSide
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -99,20 +104,8 @@ DEFAULT_MAX_DEFER_S = 10.0
 DEFAULT_SCHEDULER_BUDGET_MS = 50.0
 DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
-MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
-
-
-def dtype_short_name(dtype: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through the same way."""
-    return str(dtype).removeprefix("torch.")
-
-
-def make_key(model: str, mm_hash: str, dtype: Any) -> str:
-    # world_size=1, worker_id=0: one entry shared by all TP ranks.
-    return f"{model}@1@0@{mm_hash}@{dtype_short_name(dtype)}"
-
 
 
 @dataclass
@@ -123,7 +116,7 @@ class _Waiting:
     hashes: set[str]
 
 
-class ECBrokerConnector(ECConnectorBase):
+class ECBrokerConnector(WorkerSide, ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
@@ -542,154 +535,6 @@ class ECBrokerConnector(ECConnectorBase):
             self._unlease(waiting.hashes)
         return False, None
 
-    # ------------------------------------------------------------------- worker
-
-    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, ECBrokerConnectorMetadata)
-        if not metadata.loads:
-            return
-        todo: dict[str, list[LoadSpec]] = {}
-        for spec in metadata.loads:
-            self._done_this_step.add(spec.mm_hash)
-            todo.setdefault(spec.mm_hash, []).append(spec)
-        missing = [h for h in todo if h not in encoder_cache]
-        here: set[str] = set()
-        if missing:
-            here = self._load(encoder_cache, {h: todo[h][0] for h in missing})
-        # Every rank, even one with nothing to load: the metadata, hence the call, is
-        # the same on all ranks of the TP group.
-        failed = union_over_tp(list(todo), here)
-        if failed:
-            specs = {h: todo[h][0] for h in failed}
-            self._encode_instead(encoder_cache, metadata, specs, failed - here)
-
-    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
-        """The entries under ``keys`` on ``device``; None where one cannot be had."""
-        try:
-            return self._on_live_connection(lambda c: c.get_many(keys, device=device))
-        except Exception as exc:  # never take the worker down: the items are encoded
-            logger.warning("EC broker get failed: %s", exc)
-            return [None] * len(keys)
-
-    def _load(self, encoder_cache: dict[str, torch.Tensor], specs: dict[str, LoadSpec]) -> set[str]:
-        """Load ``specs`` into ``encoder_cache``; the hashes that could not be loaded."""
-        hashes = list(specs)
-        tensors = self._fetch([self.key(h) for h in hashes], _runner_device())
-        failed: set[str] = set()
-        invalid: list[tuple[str, str]] = []
-        for mm_hash, tensor in zip(hashes, tensors, strict=True):
-            spec = specs[mm_hash]
-            why = "entry gone or broker unavailable"
-            if tensor is not None:
-                why = self._mismatch(
-                    dtype_short_name(tensor.dtype), list(tensor.shape), spec.num_embeds, spec.width
-                )
-                if not why:
-                    encoder_cache[mm_hash] = tensor
-                    self.loads += 1
-                    nbytes = tensor.numel() * tensor.element_size()
-                    logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
-                    continue
-                invalid.append((mm_hash, why))
-            self.load_failures += 1
-            logger.warning("EC load failed for mm_hash=%s (%s)", mm_hash, why)
-            failed.add(mm_hash)
-        if invalid:
-            self._delete_invalid(invalid)
-        return failed
-
-    def _encode_instead(
-        self,
-        encoder_cache: dict[str, torch.Tensor],
-        metadata: ECBrokerConnectorMetadata,
-        specs: dict[str, LoadSpec],
-        elsewhere: set[str],
-    ) -> None:
-        """Have the runner encode ``specs`` in this step: it encodes the step's
-        ``scheduled_encoder_inputs`` right after this hook returns, from the request's
-        own multimodal inputs, then puts the outputs (save_caches) as for any miss."""
-        inputs = metadata.encoder_inputs
-        if inputs is None:  # never with vLLM; a caller that built the metadata by hand
-            raise RuntimeError(
-                "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
-                "vLLM's SchedulerOutput to build_connector_meta"
-            )
-        for mm_hash, spec in specs.items():
-            # A rank that did load it drops its copy: all ranks must encode the same items
-            # (and vLLM's v2 runner skips items already in its cache).
-            encoder_cache.pop(mm_hash, None)
-            # A new list: in-process executors share the scheduler's own lists.
-            inputs[spec.req_id] = sorted({*inputs.get(spec.req_id, ()), spec.index})
-            self.reencoded += 1
-            logger.warning(
-                "EC load of mm_hash=%s failed%s; request %s encodes it in this step",
-                mm_hash,
-                " on another TP rank" if mm_hash in elsewhere else "",
-                spec.req_id,
-            )
-
-    def save_caches(
-        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
-    ) -> None:
-        if not self.is_producer:
-            return
-        if self._put(encoder_cache, mm_hash) is None:
-            # Broker away: publish it from start_save_caches once it is back,
-            # as long as vLLM still holds the output.
-            if len(self._unsaved) < MAX_UNSAVED:
-                self._unsaved.add(mm_hash)
-
-    def start_save_caches(self, **kwargs: Any) -> None:
-        """vLLM >= 0.31, every step on producers: retry outputs encoded while the
-        broker was away (a no-op in microseconds while it still is)."""
-        encoder_cache = kwargs.get("encoder_cache")
-        if not self._unsaved or not self.is_producer or encoder_cache is None:
-            return
-        for mm_hash in list(self._unsaved):
-            if mm_hash not in encoder_cache or self._put(encoder_cache, mm_hash) is not None:
-                self._unsaved.discard(mm_hash)
-            elif not self.client.connected:
-                break
-
-    def _put(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> bool | None:
-        """True: stored; False: not stored for good (present, being stored, refused);
-        None: broker unavailable, worth retrying."""
-        tensor = encoder_cache.get(mm_hash)
-        if tensor is None:
-            return False
-        try:
-            client = self.client
-            stored = client.put(self.key(mm_hash), tensor.detach())
-            self._note_health(client)
-        except BrokerRefused as exc:
-            self.put_errors += 1
-            logger.warning("EC put refused for mm_hash=%s: %s", mm_hash, exc)
-            return False
-        except Exception as exc:
-            self.put_errors += 1
-            logger.warning("EC put failed for mm_hash=%s: %s", mm_hash, exc)
-            return False
-        if stored:
-            self.puts_stored += 1
-            nbytes = tensor.numel() * tensor.element_size()
-            logger.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
-            return True
-        if client.connected:
-            return False
-        self.puts_skipped += 1
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
-
-    def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
-        if not self._done_this_step:
-            return None
-        meta = ECBrokerWorkerMetadata(done=self._done_this_step)
-        self._done_this_step = set()
-        return meta
-
 
 def _num_embeds(request: Request, index: int) -> int:
     for name in ("get_num_encoder_embeds", "get_num_encoder_tokens"):
@@ -697,12 +542,3 @@ def _num_embeds(request: Request, index: int) -> int:
         if method is not None:
             return int(method(index))
     return int(request.mm_features[index].mm_position.length)
-
-
-def _runner_device() -> str:
-    from vllm.platforms import current_platform
-
-    device = current_platform.device_type
-    if current_platform.is_cuda_alike():
-        device = f"{device}:{torch.cuda.current_device()}"
-    return device

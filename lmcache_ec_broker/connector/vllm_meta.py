@@ -2,7 +2,8 @@
 
 ``ECBrokerConnectorMetadata`` goes from the scheduler to every worker each step (pickled
 by vLLM together with the SchedulerOutput); ``ECBrokerWorkerMetadata`` comes back from
-each worker and is aggregated over TP ranks; ``ECBrokerStats`` carries counter deltas.
+each worker and is aggregated over TP ranks; ``ECBrokerStats`` carries counter deltas;
+``make_key`` is the broker key both sides use for an item.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ try:  # vLLM >= 0.31: stats reported here are logged as "EC Transfer metrics: ..
     from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 except ImportError:  # pragma: no cover - older vLLM
     ECConnectorStats = None  # type: ignore[assignment,misc]
+
+
+def dtype_short_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through the same way."""
+    return str(dtype).removeprefix("torch.")
+
+
+def make_key(model: str, mm_hash: str, dtype: Any) -> str:
+    # world_size=1, worker_id=0: one entry shared by all TP ranks.
+    return f"{model}@1@0@{mm_hash}@{dtype_short_name(dtype)}"
 
 
 @dataclass(frozen=True)

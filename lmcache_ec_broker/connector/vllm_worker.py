@@ -1,0 +1,215 @@
+"""The worker side of the vLLM connector (``vllm.py``): loads and puts.
+
+``WorkerSide`` is a mixin of ``ECBrokerConnector``; it uses the connector's client,
+keys and counters, declared below. Its promises:
+
+- a load never takes the worker down and never inserts what the model did not
+  compute: an entry gone, of the wrong dtype/shape, or a broker away makes the
+  runner encode the item in the same step (``_encode_instead``), on every TP rank
+  alike (``union_over_tp``);
+- a put never fails the step: refused or failed puts are counted and logged; one
+  the broker was away for is retried from ``start_save_caches`` once it is back,
+  while vLLM still holds the output (at most ``MAX_UNSAVED`` hashes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.logger import init_logger
+
+from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
+from lmcache_ec_broker.connector.tp_agree import union_over_tp
+from lmcache_ec_broker.connector.vllm_meta import (
+    ECBrokerConnectorMetadata,
+    ECBrokerWorkerMetadata,
+    LoadSpec,
+    dtype_short_name,
+)
+
+logger = init_logger("vllm.lmcache_ec_broker.connector")  # the connector's logger
+
+MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
+_T = TypeVar("_T")
+
+
+class WorkerSide:
+    # The connector's state and helpers this side uses (vllm.py).
+    is_producer: bool
+    client: BrokerClient
+    _unsaved: set[str]
+    _done_this_step: set[str]
+    loads: int
+    load_failures: int
+    reencoded: int
+    puts_stored: int
+    put_errors: int
+    puts_skipped: int
+
+    if TYPE_CHECKING:  # the connector's and its base class's (not defined here: see the MRO)
+
+        def _get_connector_metadata(self) -> Any: ...
+        def key(self, mm_hash: str) -> str: ...
+        def _note_health(self, client: BrokerClient) -> None: ...
+        def _on_live_connection(self, call: Callable[[BrokerClient], _T]) -> _T: ...
+        def _mismatch(
+            self, dtype: str, shape: list[int], num_embeds: int | None, width: int | None
+        ) -> str: ...
+        def _delete_invalid(self, bad: list[tuple[str, str]]) -> None: ...
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, ECBrokerConnectorMetadata)
+        if not metadata.loads:
+            return
+        todo: dict[str, list[LoadSpec]] = {}
+        for spec in metadata.loads:
+            self._done_this_step.add(spec.mm_hash)
+            todo.setdefault(spec.mm_hash, []).append(spec)
+        missing = [h for h in todo if h not in encoder_cache]
+        here: set[str] = set()
+        if missing:
+            here = self._load(encoder_cache, {h: todo[h][0] for h in missing})
+        # Every rank, even one with nothing to load: the metadata, hence the call, is
+        # the same on all ranks of the TP group.
+        failed = union_over_tp(list(todo), here)
+        if failed:
+            specs = {h: todo[h][0] for h in failed}
+            self._encode_instead(encoder_cache, metadata, specs, failed - here)
+
+    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
+        """The entries under ``keys`` on ``device``; None where one cannot be had."""
+        try:
+            return self._on_live_connection(lambda c: c.get_many(keys, device=device))
+        except Exception as exc:  # never take the worker down: the items are encoded
+            logger.warning("EC broker get failed: %s", exc)
+            return [None] * len(keys)
+
+    def _load(self, encoder_cache: dict[str, torch.Tensor], specs: dict[str, LoadSpec]) -> set[str]:
+        """Load ``specs`` into ``encoder_cache``; the hashes that could not be loaded."""
+        hashes = list(specs)
+        tensors = self._fetch([self.key(h) for h in hashes], _runner_device())
+        failed: set[str] = set()
+        invalid: list[tuple[str, str]] = []
+        for mm_hash, tensor in zip(hashes, tensors, strict=True):
+            spec = specs[mm_hash]
+            why = "entry gone or broker unavailable"
+            if tensor is not None:
+                why = self._mismatch(
+                    dtype_short_name(tensor.dtype), list(tensor.shape), spec.num_embeds, spec.width
+                )
+                if not why:
+                    encoder_cache[mm_hash] = tensor
+                    self.loads += 1
+                    nbytes = tensor.numel() * tensor.element_size()
+                    logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
+                    continue
+                invalid.append((mm_hash, why))
+            self.load_failures += 1
+            logger.warning("EC load failed for mm_hash=%s (%s)", mm_hash, why)
+            failed.add(mm_hash)
+        if invalid:
+            self._delete_invalid(invalid)
+        return failed
+
+    def _encode_instead(
+        self,
+        encoder_cache: dict[str, torch.Tensor],
+        metadata: ECBrokerConnectorMetadata,
+        specs: dict[str, LoadSpec],
+        elsewhere: set[str],
+    ) -> None:
+        """Have the runner encode ``specs`` in this step: it encodes the step's
+        ``scheduled_encoder_inputs`` right after this hook returns, from the request's
+        own multimodal inputs, then puts the outputs (save_caches) as for any miss."""
+        inputs = metadata.encoder_inputs
+        if inputs is None:  # never with vLLM; a caller that built the metadata by hand
+            raise RuntimeError(
+                "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
+                "vLLM's SchedulerOutput to build_connector_meta"
+            )
+        for mm_hash, spec in specs.items():
+            # A rank that did load it drops its copy: all ranks must encode the same items
+            # (and vLLM's v2 runner skips items already in its cache).
+            encoder_cache.pop(mm_hash, None)
+            # A new list: in-process executors share the scheduler's own lists.
+            inputs[spec.req_id] = sorted({*inputs.get(spec.req_id, ()), spec.index})
+            self.reencoded += 1
+            logger.warning(
+                "EC load of mm_hash=%s failed%s; request %s encodes it in this step",
+                mm_hash,
+                " on another TP rank" if mm_hash in elsewhere else "",
+                spec.req_id,
+            )
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        if not self.is_producer:
+            return
+        if self._put(encoder_cache, mm_hash) is None:
+            # Broker away: publish it from start_save_caches once it is back,
+            # as long as vLLM still holds the output.
+            if len(self._unsaved) < MAX_UNSAVED:
+                self._unsaved.add(mm_hash)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        """vLLM >= 0.31, every step on producers: retry outputs encoded while the
+        broker was away (a no-op in microseconds while it still is)."""
+        encoder_cache = kwargs.get("encoder_cache")
+        if not self._unsaved or not self.is_producer or encoder_cache is None:
+            return
+        for mm_hash in list(self._unsaved):
+            if mm_hash not in encoder_cache or self._put(encoder_cache, mm_hash) is not None:
+                self._unsaved.discard(mm_hash)
+            elif not self.client.connected:
+                break
+
+    def _put(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> bool | None:
+        """True: stored; False: not stored for good (present, being stored, refused);
+        None: broker unavailable, worth retrying."""
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return False
+        try:
+            client = self.client
+            stored = client.put(self.key(mm_hash), tensor.detach())
+            self._note_health(client)
+        except BrokerRefused as exc:
+            self.put_errors += 1
+            logger.warning("EC put refused for mm_hash=%s: %s", mm_hash, exc)
+            return False
+        except Exception as exc:
+            self.put_errors += 1
+            logger.warning("EC put failed for mm_hash=%s: %s", mm_hash, exc)
+            return False
+        if stored:
+            self.puts_stored += 1
+            nbytes = tensor.numel() * tensor.element_size()
+            logger.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
+            return True
+        if client.connected:
+            return False
+        self.puts_skipped += 1
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
+        if not self._done_this_step:
+            return None
+        meta = ECBrokerWorkerMetadata(done=self._done_this_step)
+        self._done_this_step = set()
+        return meta
+
+
+def _runner_device() -> str:
+    from vllm.platforms import current_platform
+
+    device = current_platform.device_type
+    if current_platform.is_cuda_alike():
+        device = f"{device}:{torch.cuda.current_device()}"
+    return device
