@@ -400,6 +400,25 @@ def test_sigterm_during_startup_leaves_no_segment(sock_dir) -> None:
     assert not os.path.exists(path)
 
 
+def test_sigterm_inside_the_loops_start_up_exits_0_and_cleans_up(sock_dir) -> None:
+    # After prepare() the socket accepts connections (readiness probes pass) but the
+    # loop has not installed its signal handlers yet. A SIGTERM landing inside the
+    # loop's start-up once made the broker exit 1 with a traceback (a CI failure of
+    # test_sigterm_with_a_stalled_client_still_exits); the helper lands it there
+    # every time.
+    path = os.path.join(sock_dir, "window.sock")
+    helper = Path(__file__).parent / "signal_in_loop_start.py"
+    p = subprocess.run(
+        [sys.executable, str(helper), path], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.count("received SIGTERM, shutting down") == 1, p.stderr
+    assert "stopped; socket and shared-memory segment removed" in p.stderr
+    assert shm_segments(path, include_filter=True) == []
+    assert not os.path.exists(path)
+
+
 def _cli_start(path: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", path, *args],

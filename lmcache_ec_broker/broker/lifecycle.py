@@ -166,16 +166,24 @@ def run_broker(config: BrokerConfig) -> int:
     """Start, serve until SIGTERM/SIGINT or a Shutdown request, clean up; the exit code."""
     from .server import BrokerServer
 
+    server = BrokerServer(config)
+    prepared = False
+
     def stop_during_startup(signum: int, frame: object) -> None:
-        raise SystemExit(0)  # prepare() and Segment.create unlink what they made
+        if not prepared:
+            raise SystemExit(0)  # prepare() and Segment.create unlink what they made
+        # Between prepare() and the loop's own handlers: raising here would land inside
+        # the event loop's start-up and break it (exit 1, a traceback); serve() stops
+        # as soon as its handlers are in.
+        server.stop_signal = signum
 
     # Until the loop installs its own handlers: the default SIGTERM action would
     # leave a half-made (and pre-faulting) segment in /dev/shm.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
-    server = BrokerServer(config)
-    server.prepare()
-    try:
+    try:  # a stop right after prepare() returns still cleans up (cleanup is idempotent)
+        server.prepare()
+        prepared = True
         try:
             import uvloop
 

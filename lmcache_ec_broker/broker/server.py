@@ -130,6 +130,9 @@ class BrokerServer:
         self._lock: SocketLock | None = None
         self._tiers_open = False
         self._stopping: asyncio.Event | None = None
+        # A SIGTERM/SIGINT that came after prepare() and before serve() installed the
+        # loop's handlers (run_broker notes it; raising there would break the loop's start).
+        self.stop_signal: int | None = None
         # Called with (op name, seconds) after every request; metrics plug in here.
         self.observers: list[Callable[[str, float], None]] = []
         # Run after the tiers are flushed, before the segment goes (the metrics endpoint).
@@ -442,6 +445,8 @@ class BrokerServer:
             else "no disk tier: entries live in memory only and a restart starts empty",
         )
         sweeper = asyncio.ensure_future(self._sweep_leases())
+        if self.stop_signal is not None:  # asked before the loop's handlers were in
+            self.request_stop(self.stop_signal)
         try:
             await self._stopping.wait()
         finally:
@@ -449,10 +454,12 @@ class BrokerServer:
             await self._shutdown()
 
     def request_stop(self, sig: int | None = None) -> None:
+        stopping = self._stopping
+        if stopping is None or stopping.is_set():
+            return  # e.g. the loop also hands on a signal run_broker already noted
         if sig is not None:
             log.info("received %s, shutting down", signal.Signals(sig).name)
-        if self._stopping is not None:
-            self._stopping.set()
+        stopping.set()
 
     async def _sweep_leases(self) -> None:
         while True:
