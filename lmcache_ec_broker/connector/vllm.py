@@ -74,7 +74,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorMetadata,
     ECConnectorRole,
 )
-from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.client import BrokerClient
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
@@ -88,7 +87,7 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     dtype_short_name,
     make_key,
 )
-from lmcache_ec_broker.connector.vllm_worker import WorkerSide
+from lmcache_ec_broker.connector.vllm_worker import WorkerSide, logger
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -96,7 +95,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = init_logger("vllm.lmcache_ec_broker.connector")  # vLLM's handler and format
 
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_MAX_DEFER_S = 10.0

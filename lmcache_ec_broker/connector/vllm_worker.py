@@ -29,7 +29,8 @@ from lmcache_ec_broker.connector.vllm_meta import (
     dtype_short_name,
 )
 
-logger = init_logger("vllm.lmcache_ec_broker.connector")  # the connector's logger
+# The connector's one logger (vllm.py uses it too): vLLM's handler and format.
+logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
 _T = TypeVar("_T")
