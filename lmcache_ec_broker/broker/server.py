@@ -140,7 +140,9 @@ class BrokerServer:
         # Each adds keys to stats() (metrics latency summaries).
         self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
-        self._settling = False  # settle_reservations is running (never nested)
+        # The connections whose request settle_reservations is settling (a stack: a
+        # request read while settling for another is settled in turn).
+        self._settling: set[int] = set()
 
     # ---------------------------------------------------------------- wiring
 
@@ -153,12 +155,22 @@ class BrokerServer:
         that returned is seen by every request made after it (read-after-put across
         processes). A key the index lacks may have been placed from another client's
         put arena: the connections whose journal slot shows a placement not handled
-        yet are read first (bounded: only those, one read_pending each). One level
-        deep: frames handled here do not settle in turn."""
-        if self._settling:
-            return
+        yet are read first (bounded: only those, one read_pending each).
+
+        Nested: a request handled while settling for another connection (read from a
+        writer's socket by read_pending) is settled in turn, before it is answered --
+        its own writers' frames may be pending too. Invariant: a connection is never
+        read while it is on this stack (``_settling``: the connections whose request
+        is being settled), so frames are handled in order, replies leave in order, and
+        the depth is at most the number of connections. Skipping one on the stack
+        loses nothing: its request being handled is one its client waits for, so it
+        sent nothing after it (an honest client's posted Commit/Place precede its next
+        request in its socket; the model in tests/test_settle_machine.py checks this)."""
+        settling = self._settling
+        if conn in settling:
+            return  # cannot happen (a connection on the stack is not read); be safe
         entries = self.store.entries
-        self._settling = True
+        settling.add(conn)
         try:
             missing = False
             for key in keys:
@@ -168,19 +180,21 @@ class BrokerServer:
                     continue
                 if entry.state is not State.RESERVED or entry.owner == conn:
                     continue
-                owner = self.connections.get(entry.owner)
-                if owner is not None:
-                    owner.read_pending()
+                if entry.owner not in settling:
+                    owner = self.connections.get(entry.owner)
+                    if owner is not None:
+                        owner.read_pending()
             if missing and self.store.arena_conns and self.journal is not None:
                 self._settle_arenas(conn)
         finally:
-            self._settling = False
+            settling.discard(conn)
 
     def _settle_arenas(self, conn: int) -> None:
         journal = self.journal
         assert journal is not None
+        settling = self._settling
         for holder, slot in list(self.store.arena_conns.items()):
-            if holder != conn and journal.unsettled(slot):
+            if holder != conn and holder not in settling and journal.unsettled(slot):
                 owner = self.connections.get(holder)
                 if owner is not None:
                     owner.read_pending()
