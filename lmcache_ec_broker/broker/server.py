@@ -201,16 +201,21 @@ class BrokerServer:
 
     def _place(self, conn: int, msg: Place) -> msgspec.Struct:
         """Store an entry the client wrote into its arena; the journal slot is settled
-        afterwards whatever the outcome (shm/journal.py: after the filter add)."""
+        afterwards whatever the outcome, an exception included (shm/journal.py: after
+        the filter add). Invariant: a Place handled is a Place settled -- an unsettled
+        slot makes every other client ask the broker for each miss, and lets the
+        placing client keep serving the key from blocks the broker may have reused."""
         store = self.store
-        got = store.place(conn, msg.key, msg.nbytes, msg.dtype, msg.shape, msg.runs)
-        if isinstance(got, Entry):
-            self.tiers.placed(got)
-            got = PlaceReply(True)
-        slot = store.arena_slot(conn)
-        if slot >= 0 and self.journal is not None:
-            self.journal.settle(slot, msg.seq)
-        return got
+        try:
+            got = store.place(conn, msg.key, msg.nbytes, msg.dtype, msg.shape, msg.runs)
+            if isinstance(got, Entry):
+                self.tiers.placed(got)
+                got = PlaceReply(True)
+            return got
+        finally:
+            slot = store.arena_slot(conn)
+            if slot >= 0 and self.journal is not None:
+                self.journal.settle(slot, msg.seq)
 
     def _grant(self, conn: int, nbytes: int) -> msgspec.Struct:
         had = self.store.arena_slot(conn)
