@@ -11,7 +11,9 @@ stops reading its replies or pipelines requests behind a slow one is held back o
 disconnected (``connection.py``); a client that never releases what it gets or
 leases: past ``max_pins_per_connection`` pins or ``max_leases_per_connection``
 leases its gets and leasing lookups are refused (``too_many_pins``/
-``too_many_leases``, counted) until it releases some.
+``too_many_leases``, counted) until it releases some; a client that holds
+reservations: past ``max_reserved_bytes_per_connection`` its reserves are refused
+(``too_many_reservations``, counted), so it cannot evict the whole slab.
 
 How the tiers combine is the coordinator's business (``coordinator.py``), who
 may connect is ``access.py``'s, starting and stopping the process is
@@ -109,6 +111,7 @@ class BrokerServer:
             max_leases_per_conn=config.max_leases_per_connection,
             arena_bytes=config.put_arena_bytes,
             arena_slots=config.max_connections,
+            max_reserved_bytes_per_conn=config.max_reserved_bytes_per_connection,
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
@@ -330,6 +333,8 @@ class BrokerServer:
         out.update(
             max_pins_per_connection=self.store.max_pins_per_conn,
             max_leases_per_connection=self.store.max_leases_per_conn,
+            max_reserved_bytes_per_connection=self.store.max_reserved_blocks_per_conn
+            * self.store.block_size,
         )
         out.update(self.counters)
         out.update(self.tiers.stats())
