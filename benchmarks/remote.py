@@ -94,7 +94,7 @@ def bench_clients(srv: RedisServer, sizes: list[int], runs: int) -> list[dict[st
     import redis
     from redis.connection import _HiredisParser, _RESP2Parser
 
-    from lmcache_ec_broker.broker.tiers.resp import Connection, ConnParams, Endpoint, pack_set
+    from lmcache_ec_broker.broker.tiers.redis.resp import Connection, ConnParams, Endpoint, pack_set
 
     rows: list[dict[str, Any]] = []
     for transport in ("unix", "tcp"):

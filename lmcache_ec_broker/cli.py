@@ -203,7 +203,7 @@ def _shown(name: str, value: object) -> str:
         exact = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
         return shown if float(number) * exact == value else f"{shown} ({value} bytes)"
     if name in ("remote_url", "mooncake_metadata_server") and isinstance(value, str):
-        from .broker.tiers.remote_url import mask_url
+        from .remote_url import mask_url
 
         return mask_url(value)
     return str(value)

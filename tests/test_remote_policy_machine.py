@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_ec_broker.broker.tiers.base import EntryMeta, TierMiss, TierUnavailable
-from lmcache_ec_broker.broker.tiers.circuit import State
-from lmcache_ec_broker.broker.tiers.remote_jobs import (
+from lmcache_ec_broker.broker.tiers.remote.circuit import State
+from lmcache_ec_broker.broker.tiers.remote.jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -46,9 +46,9 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     WriteJob,
     execute,
 )
-from lmcache_ec_broker.broker.tiers.remote_policy import LATE_WRITE_TIMEOUTS, RemotePolicy
-from lmcache_ec_broker.broker.tiers.remote_transport import Declined, Outcome, StoreDown
-from lmcache_ec_broker.broker.tiers.remote_value import BadValue
+from lmcache_ec_broker.broker.tiers.remote.policy import LATE_WRITE_TIMEOUTS, RemotePolicy
+from lmcache_ec_broker.broker.tiers.remote.transport import Declined, Outcome, StoreDown
+from lmcache_ec_broker.broker.tiers.remote.value import BadValue
 
 KEYS = [f"k{i}" for i in range(3)]
 NODES = ("n0", "n1")  # two store nodes (a Cluster's masters): one breaker each
@@ -540,7 +540,7 @@ test_remote_policy = PolicyMachine.TestCase
 def test_machine_finds_a_write_that_overtakes_its_delete() -> None:
     """The machine can fail: a policy that runs a delete without waiting for the write
     of its key (the old Redis tier's bug) is caught by ``deleted_keys_stay_away``."""
-    from lmcache_ec_broker.broker.tiers import remote_policy
+    from lmcache_ec_broker.broker.tiers.remote import policy as remote_policy
 
     m = PolicyMachine()
     m.put("k0", 10)  # dispatched at once

@@ -11,7 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmcache_ec_broker.broker.tiers.resp import Connection, ConnParams, Endpoint, ProtocolViolation
+from lmcache_ec_broker.broker.tiers.redis.resp import (
+    Connection,
+    ConnParams,
+    Endpoint,
+    ProtocolViolation,
+)
 
 MAX_REPLY = 16 << 20  # resp.MAX_REPLY: the documented bound
 

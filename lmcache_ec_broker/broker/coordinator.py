@@ -45,7 +45,7 @@ from .store import Entry, Membership, Store
 from .tier_leases import TierLeases
 from .tiers import all_empty_stats
 from .tiers.base import EntryMeta, LowerTier, SlabAccess, TierEvents
-from .tiers.remote_tier import OwnTierEvents
+from .tiers.remote.tier import OwnTierEvents
 from .writebehind import WriteBehind
 
 __all__ = ["COORDINATOR_COUNTERS", "TIER_CONN", "Coordinator", "ResidencyObserver"]

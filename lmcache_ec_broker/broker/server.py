@@ -294,7 +294,7 @@ class BrokerServer:
         return f"{local} (the remote store is kept: {where})"
 
     def _remote_shown(self) -> str:
-        from .tiers.remote_url import mask_url
+        from ..remote_url import mask_url
 
         return mask_url(self.config.remote_url or "")
 

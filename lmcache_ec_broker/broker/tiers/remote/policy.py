@@ -70,10 +70,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .base import TierUnavailable
+from ..base import TierUnavailable
 from .circuit import Breakers, State
-from .remote_discovery import KeyDiscovery
-from .remote_jobs import (
+from .discovery import KeyDiscovery
+from .jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -86,13 +86,13 @@ from .remote_jobs import (
     WriteBatch,
     WriteJob,
 )
-from .remote_lookups import Lookups
-from .remote_ordering import (  # the constants re-exported: tests import them from here
+from .lookups import Lookups
+from .ordering import (  # the constants re-exported: tests import them from here
     GONE_CAP,  # noqa: F401
     LATE_WRITE_TIMEOUTS,  # noqa: F401
     WriteOrdering,
 )
-from .remote_transport import Node, Outcome, Retry, StoreDown
+from .transport import Node, Outcome, Retry, StoreDown
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 

@@ -48,19 +48,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierError, TierMiss
-from .connect_error import ConnectTrouble
-from .redis_announce import Announcements
-from .redis_keys import clear, scan
-from .redis_link import UNMAPPED, Link, with_asking
-from .redis_loop import LoopCalls
-from .remote_policy import Limits
-from .remote_stats import REMOTE_COUNTERS
-from .remote_tier import BACKGROUND_NICE, Meter, RemoteTier
-from .remote_transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
-from .remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
-from .remote_value import (
+from ....protocol import Extent
+from ....remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
+from ..base import EntryMeta, SlabAccess, TierError, TierMiss
+from ..remote.connect_error import ConnectTrouble
+from ..remote.policy import Limits
+from ..remote.stats import REMOTE_COUNTERS
+from ..remote.tier import BACKGROUND_NICE, Meter, RemoteTier
+from ..remote.transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
+from ..remote.value import (
     FIXED,
     MAX_HEADER,
     BadValue,
@@ -72,6 +68,10 @@ from .remote_value import (
     fixed_lengths,
     parse_header,
 )
+from .announce import Announcements
+from .keys import clear, scan
+from .link import UNMAPPED, Link, with_asking
+from .loop import LoopCalls
 from .resp import (
     MAX_REDIRECTS,
     Connection,
@@ -86,7 +86,7 @@ from .resp import (
 from .resp_async import LoopConnection
 
 if TYPE_CHECKING:
-    from ...config import BrokerConfig
+    from ....config import BrokerConfig
 
 __all__ = ["BACKGROUND_NICE", "UNMAPPED", "RedisTier", "RedisTransport", "ValueRules"]
 

@@ -21,9 +21,9 @@ import enum
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess
-from .remote_value import BadValue
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess
+from .value import BadValue
 
 Node = Hashable
 

@@ -4,9 +4,9 @@ nested prefix's values (``a:b:x`` under ``a:``) stay."""
 
 from __future__ import annotations
 
-from .redis_link import UNMAPPED, Link
-from .remote_transport import StoreDown, owned
-from .remote_value import MAX_HEADER, stored_key
+from ..remote.transport import StoreDown, owned
+from ..remote.value import MAX_HEADER, stored_key
+from .link import UNMAPPED, Link
 from .resp import Connection, ProtocolViolation, RespError
 
 _SCAN_COUNT = 1000

@@ -23,15 +23,15 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .base import EntryMeta, TierMiss, TierUnavailable
-from .remote_jobs import LookupJob, ScanJob, WriteJob
-from .remote_transport import Declined, StoreDown
-from .remote_value import BadValue
+from ..base import EntryMeta, TierMiss, TierUnavailable
+from .jobs import LookupJob, ScanJob, WriteJob
+from .transport import Declined, StoreDown
+from .value import BadValue
 
 if TYPE_CHECKING:
     from .circuit import Breakers
-    from .remote_jobs import Limits, Runner
-    from .remote_transport import Node
+    from .jobs import Limits, Runner
+    from .transport import Node
 
 
 class Lookups:

@@ -29,11 +29,15 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierError
-from .connect_error import ConnectTrouble
-from .mooncake_config import EXTRA_HINT, SCHEME, MooncakeSettings
-from .mooncake_io import (
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess, TierError
+from ..remote.connect_error import ConnectTrouble
+from ..remote.policy import Limits
+from ..remote.stats import REMOTE_COUNTERS
+from ..remote.tier import Meter, RemoteTier
+from ..remote.transport import LookupAnswer, Node, Outcome, Retry, StoreDown, WriteItem, owned
+from ..remote.value import stored_key
+from .data_path import (
     BATCH_WRITE_BYTES,
     BATCH_WRITES,
     HAS_LEASE,
@@ -47,11 +51,7 @@ from .mooncake_io import (
     MooncakeIO,
     Slots,
 )
-from .remote_policy import Limits
-from .remote_stats import REMOTE_COUNTERS
-from .remote_tier import Meter, RemoteTier
-from .remote_transport import LookupAnswer, Node, Outcome, Retry, StoreDown, WriteItem, owned
-from .remote_value import stored_key
+from .settings import EXTRA_HINT, SCHEME, MooncakeSettings
 
 __all__ = ["MooncakeSettings", "MooncakeTier", "MooncakeTransport"]
 

@@ -25,16 +25,16 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...protocol import Extent
-from .base import EntryMeta
-from .remote_jobs import ClearJob, DeleteJob, Job, LookupJob, ScanJob, WriteBatch, WriteJob
-from .remote_transport import Outcome
+from ....protocol import Extent
+from ..base import EntryMeta
+from .jobs import ClearJob, DeleteJob, Job, LookupJob, ScanJob, WriteBatch, WriteJob
+from .transport import Outcome
 
 if TYPE_CHECKING:
     from .circuit import Breakers
-    from .remote_jobs import Limits, QueueJob, Runner
-    from .remote_policy import OwnWrites
-    from .remote_transport import Node
+    from .jobs import Limits, QueueJob, Runner
+    from .policy import OwnWrites
+    from .transport import Node
 
 GONE_CAP = 65536
 # A write that failed after its bytes may have left (a timeout, a lost connection) can

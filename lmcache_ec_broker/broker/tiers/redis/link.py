@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .base import TierMiss
-from .connect_error import ConnectTrouble
-from .remote_tier import Meter
-from .remote_transport import Node, StoreDown
-from .remote_value import BadValue
+from ..base import TierMiss
+from ..remote.connect_error import ConnectTrouble
+from ..remote.tier import Meter
+from ..remote.transport import Node, StoreDown
+from ..remote.value import BadValue
 from .resp import (
     MAX_REDIRECTS,
     Connection,

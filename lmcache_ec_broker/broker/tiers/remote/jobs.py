@@ -10,9 +10,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from ...protocol import Extent
-from .base import EntryMeta
-from .remote_transport import Node, Outcome, Retry, StoreDown, Transport
+from ....protocol import Extent
+from ..base import EntryMeta
+from .transport import Node, Outcome, Retry, StoreDown, Transport
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
-from ...protocol import Extent
-from .base import (
+from ....protocol import Extent
+from ..base import (
     EntryMeta,
     LowerTier,
     SlabAccess,
@@ -38,7 +38,7 @@ from .base import (
     TierMiss,
     TierUnavailable,
 )
-from .remote_jobs import (
+from .jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -49,10 +49,10 @@ from .remote_jobs import (
     WriteJob,
     execute,
 )
-from .remote_policy import Limits, RemotePolicy
-from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
-from .remote_transport import Declined, Retry, StoreDown, Transport
-from .remote_value import BadValue
+from .policy import Limits, RemotePolicy
+from .stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
+from .transport import Declined, Retry, StoreDown, Transport
+from .value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 

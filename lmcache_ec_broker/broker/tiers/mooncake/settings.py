@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from ...config import BrokerConfig
+    from ....config import BrokerConfig
 
 SCHEME = "mooncakestore"
 EXTRA_HINT = "pip install 'lmcache-ec-broker[mooncake]'"
@@ -100,7 +100,7 @@ def validate_mooncake(cfg: BrokerConfig) -> None:
             f"remote_key_prefix must be 1-256 characters without spaces, got {cfg.remote_key_prefix!r}"
         )
     if cfg.remote_hmac_key_file:
-        from .remote_url import read_hmac_key
+        from ....remote_url import read_hmac_key
 
         read_hmac_key(cfg.remote_hmac_key_file)
 
@@ -109,7 +109,7 @@ def settings_from_config(cfg: BrokerConfig) -> MooncakeSettings:
     assert cfg.remote_url is not None
     hmac_key = None
     if cfg.remote_hmac_key_file:
-        from .remote_url import read_hmac_key
+        from ....remote_url import read_hmac_key
 
         hmac_key = read_hmac_key(cfg.remote_hmac_key_file)
     return MooncakeSettings(

@@ -27,11 +27,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .remote_jobs import ScanJob
-from .remote_transport import StoreDown
+from .jobs import ScanJob
+from .transport import StoreDown
 
 if TYPE_CHECKING:
-    from .remote_jobs import Limits, LookupJob, Runner, WriteJob
+    from .jobs import Limits, LookupJob, Runner, WriteJob
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 

@@ -8,8 +8,8 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from .redis_link import Link
-from .remote_transport import Node
+from ..remote.transport import Node
+from .link import Link
 from .resp import Connection, ConnParams, ProtocolViolation, RespError
 
 _SUB_POLL_S = 0.5

@@ -1,0 +1,1 @@
+"""The remote tier's transport on Mooncake Store: ``transport.py`` (client lifecycle, key listing, deletes; ``MooncakeTier``), ``data_path.py`` (entries between the slab and the pool) and ``settings.py`` (the settings resolved for the tier)."""
