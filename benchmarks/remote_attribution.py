@@ -199,8 +199,9 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
     timed(remote_value.Verifier, "update", "checksum")
     timed(remote_value.Verifier, "finish", "checksum")
     from lmcache_ec_broker.broker.tiers.mooncake import data_path as mooncake_io
+    from lmcache_ec_broker.broker.tiers.redis import value_rules
 
-    for mod in (redis, mooncake_io):
+    for mod in (value_rules, mooncake_io):
         timed(mod, "parse_header", "header")
     timed(resp.Connection, "read_bulk_len", "first byte")
     if hasattr(resp_async, "LoopConnection"):

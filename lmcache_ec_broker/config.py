@@ -265,7 +265,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         self._validate_access()
         self._validate_remote()
-        from .events.settings import validate_events
+        from .config_events import validate_events
 
         validate_events(self)
         self._refuse_ignored_settings()
@@ -319,7 +319,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.remote_url:
             return
         if self.remote_url.strip().lower().startswith("mooncakestore://"):
-            from .broker.tiers.mooncake.settings import validate_mooncake
+            from .config_mooncake import validate_mooncake
 
             validate_mooncake(self)  # the Mooncake backend checks its own settings
             return

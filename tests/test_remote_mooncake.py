@@ -25,8 +25,8 @@ from mooncake_env import (
     unavailable_reason,
 )
 
-from lmcache_ec_broker.broker.tiers.mooncake.settings import parse_mooncake_url
 from lmcache_ec_broker.broker.tiers.remote.value import encode_value
+from lmcache_ec_broker.config_mooncake import parse_mooncake_url
 from lmcache_ec_broker.protocol import DTYPE_ITEMSIZE, QUANTIZED_DTYPES, expected_nbytes
 
 REASON = unavailable_reason()

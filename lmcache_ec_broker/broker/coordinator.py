@@ -44,8 +44,7 @@ from .remote_asks import RemoteAsks
 from .store import Entry, Membership, Store
 from .tier_leases import TierLeases
 from .tiers import all_empty_stats
-from .tiers.base import EntryMeta, LowerTier, SlabAccess, TierEvents
-from .tiers.remote.tier import OwnTierEvents
+from .tiers.base import EntryMeta, LowerTier, OwnTierEvents, SlabAccess, TierEvents
 from .writebehind import WriteBehind
 
 __all__ = ["COORDINATOR_COUNTERS", "TIER_CONN", "Coordinator", "ResidencyObserver"]

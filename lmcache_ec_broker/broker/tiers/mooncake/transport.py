@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ....config_mooncake import SCHEME
 from ....protocol import Extent
 from ..base import EntryMeta, SlabAccess, TierError
 from ..remote.connect_error import ConnectTrouble
@@ -51,7 +52,7 @@ from .data_path import (
     MooncakeIO,
     Slots,
 )
-from .settings import EXTRA_HINT, SCHEME, MooncakeSettings
+from .settings import EXTRA_HINT, MooncakeSettings
 
 __all__ = ["MooncakeSettings", "MooncakeTier", "MooncakeTransport"]
 

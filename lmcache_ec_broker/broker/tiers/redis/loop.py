@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 from ....protocol import Extent
 from ..base import EntryMeta, SlabAccess, TierMiss
@@ -23,9 +22,7 @@ from ..remote.value import MAX_HEADER, BadValue, Header, Verifier
 from .link import Link
 from .resp import RespError, pack
 from .resp_async import LoopConnection
-
-if TYPE_CHECKING:
-    from .transport import ValueRules
+from .value_rules import ValueRules
 
 
 class LoopCalls:

@@ -50,23 +50,19 @@ from typing import TYPE_CHECKING, Any
 
 from ....protocol import Extent
 from ....remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
-from ..base import EntryMeta, SlabAccess, TierError, TierMiss
+from ..base import EntryMeta, SlabAccess, TierError
 from ..remote.connect_error import ConnectTrouble
 from ..remote.policy import Limits
 from ..remote.stats import REMOTE_COUNTERS
 from ..remote.tier import BACKGROUND_NICE, Meter, RemoteTier
 from ..remote.transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
 from ..remote.value import (
-    FIXED,
     MAX_HEADER,
     BadValue,
-    Header,
     Verifier,
     checksum,
     default_algo,
     encode_header,
-    fixed_lengths,
-    parse_header,
 )
 from .announce import Announcements
 from .keys import clear, scan
@@ -84,6 +80,7 @@ from .resp import (
     pack_set,
 )
 from .resp_async import LoopConnection
+from .value_rules import ValueRules
 
 if TYPE_CHECKING:
     from ....config import BrokerConfig
@@ -91,57 +88,6 @@ if TYPE_CHECKING:
 __all__ = ["BACKGROUND_NICE", "UNMAPPED", "RedisTier", "RedisTransport", "ValueRules"]
 
 log = logging.getLogger("lmcache_ec_broker.remote")
-
-
-class ValueRules:
-    """What a stored value must be to be served: no larger than an entry may be, a
-    header that parses (signed, where a key is set) and names the key it is read as.
-    The threads and the loop read a value's header through the same checks.
-
-    ``parse_header`` is called here, in this module, on purpose:
-    benchmarks/remote_attribution.py times ``redis.parse_header``."""
-
-    def __init__(self, max_entry_bytes: int, hmac_key: bytes | None) -> None:
-        self.max_entry_bytes = max_entry_bytes
-        self.hmac_key = hmac_key
-
-    def meta(self, key: str, head: object, total: object) -> LookupAnswer:
-        """A lookup's answer from ``GETRANGE key 0 <max header>`` and ``STRLEN key``."""
-        if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
-            return None  # absent (GETRANGE of a missing key is empty)
-        try:
-            h = parse_header(head, key, self.max_entry_bytes, self.hmac_key, total_len=total)
-        except BadValue as exc:
-            return exc
-        return EntryMeta(h.nbytes, h.dtype, h.shape)
-
-    def total(self, key: str, length: int | None) -> int:
-        """A ``GET``'s bulk length, checked before a byte of the value is read."""
-        if length is None:
-            raise TierMiss(key)
-        if length > MAX_HEADER + self.max_entry_bytes:
-            raise BadValue(f"value of {length} bytes exceeds the entry size limit")
-        return length
-
-    def fixed_size(self, total: int) -> int:
-        """How much to read first: the header's fixed part (less of a shorter value)."""
-        return min(FIXED.size, total)
-
-    def head_rest(self, fixed: bytes, total: int) -> int:
-        """How many bytes of the header follow its fixed part ``fixed``."""
-        size, _ = fixed_lengths(fixed)
-        if size > total:
-            raise BadValue("value is truncated inside its header")
-        return size - FIXED.size
-
-    def header(self, key: str, data: bytes, total: int) -> Header:
-        return parse_header(data, key, self.max_entry_bytes, self.hmac_key, total_len=total)
-
-    @staticmethod
-    def unchanged(head: Header, meta: EntryMeta) -> None:
-        """A promotion reads what its lookup saw, or nothing."""
-        if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
-            raise BadValue("value changed since the lookup (other dtype/shape)")
 
 
 class RedisTransport:

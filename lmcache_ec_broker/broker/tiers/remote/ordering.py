@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ....protocol import Extent
 from ..base import EntryMeta
@@ -33,13 +33,20 @@ from .transport import Outcome
 if TYPE_CHECKING:
     from .circuit import Breakers
     from .jobs import Limits, QueueJob, Runner
-    from .policy import OwnWrites
     from .transport import Node
 
 GONE_CAP = 65536
 # A write that failed after its bytes may have left (a timeout, a lost connection) can
 # still land that long after (x remote_timeout_s): a delete of its key runs once more then.
 LATE_WRITE_TIMEOUTS = 4.0
+
+
+class OwnWrites(Protocol):
+    """Hears what this broker itself did to the shared store (promise 8)."""
+
+    def own_stored(self, key: str, nbytes: int) -> None: ...
+    def own_deleted(self, key: str) -> None: ...
+    def own_cleared(self) -> None: ...
 
 
 class WriteOrdering:

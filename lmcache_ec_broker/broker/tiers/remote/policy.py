@@ -68,7 +68,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ..base import TierUnavailable
 from .circuit import Breakers, State
@@ -90,6 +90,7 @@ from .lookups import Lookups
 from .ordering import (  # the constants re-exported: tests import them from here
     GONE_CAP,  # noqa: F401
     LATE_WRITE_TIMEOUTS,  # noqa: F401
+    OwnWrites,
     WriteOrdering,
 )
 from .transport import Node, Outcome, Retry, StoreDown
@@ -99,14 +100,6 @@ log = logging.getLogger("lmcache_ec_broker.remote")
 MAX_DELETE_TRIES = 6
 REFUSED_CAP = 65536
 REFUSED_TTL_S = 60.0
-
-
-class OwnWrites(Protocol):
-    """Hears what this broker itself did to the shared store (promise 8)."""
-
-    def own_stored(self, key: str, nbytes: int) -> None: ...
-    def own_deleted(self, key: str) -> None: ...
-    def own_cleared(self) -> None: ...
 
 
 # ---------------------------------------------------------------- the policy

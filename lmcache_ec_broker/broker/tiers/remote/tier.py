@@ -26,12 +26,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from ....protocol import Extent
 from ..base import (
     EntryMeta,
     LowerTier,
+    OwnTierEvents,
     SlabAccess,
     TierCorrupt,
     TierEvents,
@@ -103,16 +104,6 @@ async def _uncancellable(fut: asyncio.Future[Any]) -> Any:
     if cancelled:
         raise asyncio.CancelledError
     return fut.result()
-
-
-@runtime_checkable
-class OwnTierEvents(Protocol):
-    """Tier events that also hear what this broker itself wrote to or deleted from a
-    shared tier (the coordinator; ``RemotePolicy``'s promise 8 says when)."""
-
-    def own_stored(self, tier: LowerTier, key: str, nbytes: int) -> None: ...
-    def own_deleted(self, tier: LowerTier, key: str) -> None: ...
-    def own_cleared(self, tier: LowerTier) -> None: ...
 
 
 class RemoteTier(LowerTier):
