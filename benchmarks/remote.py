@@ -94,7 +94,12 @@ def bench_clients(srv: RedisServer, sizes: list[int], runs: int) -> list[dict[st
     import redis
     from redis.connection import _HiredisParser, _RESP2Parser
 
-    from lmcache_ec_broker.broker.tiers.redis.resp import Connection, ConnParams, Endpoint, pack_set
+    from lmcache_ec_broker.broker.tiers.redis.resp import (
+        ConnParams,
+        Endpoint,
+        RespConnection,
+        pack_set,
+    )
 
     rows: list[dict[str, Any]] = []
     for transport in ("unix", "tcp"):
@@ -127,7 +132,7 @@ def bench_clients(srv: RedisServer, sizes: list[int], runs: int) -> list[dict[st
             glide = g.GlideClient.create(g.GlideClientConfiguration([addr], request_timeout=60000))
         except Exception:  # not installed or cannot connect over this transport
             glide = None
-        ours = Connection(ep, ConnParams(timeout_s=30.0))
+        ours = RespConnection(ep, ConnParams(timeout_s=30.0))
         for size in sizes:
             src = bytearray(os.urandom(1024)) * (size // 1024)
             view = memoryview(src)

@@ -203,7 +203,7 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
 
     for mod in (value_rules, mooncake_io):
         timed(mod, "parse_header", "header")
-    timed(resp.Connection, "read_bulk_len", "first byte")
+    timed(resp.RespConnection, "read_bulk_len", "first byte")
     if hasattr(resp_async, "LoopConnection"):
         timed_async(resp_async.LoopConnection, "bulk_len", "first byte")
 

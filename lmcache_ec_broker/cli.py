@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from .config import (
     load_config,
     parse_size,
 )
+from .peercred import peer_cred
 
 if TYPE_CHECKING:
     from .connector.client import BrokerClient
@@ -386,9 +386,6 @@ def _socket_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-_PEERCRED = struct.Struct("3i")
-
-
 def _broker_process(path: str) -> tuple[int, str] | None:
     """(pid, start time) of the process listening on ``path`` as this pid namespace
     sees it, or None when it is not visible here (another pid namespace: the kernel
@@ -397,9 +394,7 @@ def _broker_process(path: str) -> tuple[int, str] | None:
     s.settimeout(2.0)
     try:
         s.connect(path)
-        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[
-            0
-        ]
+        pid = peer_cred(s)[0]
     except OSError:
         return None
     finally:

@@ -1,5 +1,5 @@
 """The package's import graph: no circles, and the layering rules of docs/design.md
-("The parts, and who may import whom").
+("The parts, and who may import whom"); and every class name means one thing.
 
 Read from the source with ``ast`` (nothing is imported): every import counts --
 at module level, inside a function (lazy) and under ``TYPE_CHECKING`` alike, since
@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The ground floor: configuration, the wire contract and the parsers they need.
 # Everything may read them; they read nothing of the package but each other.
 GROUND = frozenset(
-    f"{PKG}.{m}" for m in ("config", "config_events", "config_mooncake", "remote_url", "protocol")
+    f"{PKG}.{m}"
+    for m in ("config", "config_events", "config_mooncake", "remote_url", "protocol", "peercred")
 )
 
 
@@ -181,3 +182,20 @@ def test_layering(rule_name: str) -> None:
     }
     breaches = _breaches(rules[rule_name])
     assert not breaches, rule_name + ":\n" + "\n".join(breaches)
+
+
+def test_every_class_name_means_one_thing() -> None:
+    """One class per name in the whole package (a reader who meets ``Connection`` or
+    ``State`` need not ask which one); and the peer-credential struct is defined once."""
+    where: dict[str, list[str]] = {}
+    structs: list[str] = []
+    for mod, (path, _) in MODULES.items():
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{mod}:{node.lineno}")
+        if 'Struct("3i")' in text:
+            structs.append(mod)
+    twice = {name: places for name, places in where.items() if len(places) > 1}
+    assert not twice, f"class names defined more than once: {twice}"
+    assert structs == [f"{PKG}.peercred"], structs

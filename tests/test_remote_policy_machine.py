@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_ec_broker.broker.tiers.base import EntryMeta, TierMiss, TierUnavailable
-from lmcache_ec_broker.broker.tiers.remote.circuit import State
+from lmcache_ec_broker.broker.tiers.remote.circuit import BreakerState
 from lmcache_ec_broker.broker.tiers.remote.jobs import (
     ClearJob,
     DeleteJob,
@@ -327,7 +327,7 @@ class PolicyMachine(RuleBasedStateMachine):
             assert key not in self.policy.known or not isinstance(result, BadValue | TierMiss)
         if isinstance(result, StoreDown):
             cb = self.policy.breakers[node_of(key)]
-            assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
+            assert cb.failures < THRESHOLD or cb.state is not BreakerState.CLOSED
 
     # ------------------------------------------------------------ the store's side
 
@@ -387,11 +387,11 @@ class PolicyMachine(RuleBasedStateMachine):
         if isinstance(job, ScanJob) and isinstance(result, set):
             self.listing = result
         if isinstance(job, ProbeJob) and mode in ("ok", "early"):
-            assert self.policy.breakers[job.node].state is State.CLOSED
+            assert self.policy.breakers[job.node].state is BreakerState.CLOSED
         if isinstance(result, StoreDown):
             for node in result.nodes:
                 cb = self.policy.breakers[node]
-                assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
+                assert cb.failures < THRESHOLD or cb.state is not BreakerState.CLOSED
 
     @precondition(lambda self: self.late)
     @rule(i=st.integers(0, 10))

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from lmcache_ec_broker.broker.tiers.redis.resp import (
-    Connection,
     ConnParams,
     Endpoint,
     ProtocolViolation,
+    RespConnection,
 )
 
 MAX_REPLY = 16 << 20  # resp.MAX_REPLY: the documented bound
@@ -23,11 +23,11 @@ MAX_REPLY = 16 << 20  # resp.MAX_REPLY: the documented bound
 
 @pytest.fixture
 def serve() -> Iterator:
-    """serve(data) -> a Connection to a listener that sends ``data`` and then stalls."""
+    """serve(data) -> a RespConnection to a listener that sends ``data`` and then stalls."""
     listeners: list[socket.socket] = []
     conns: list[socket.socket] = []
 
-    def start(data: bytes, timeout_s: float = 2.0) -> Connection:
+    def start(data: bytes, timeout_s: float = 2.0) -> RespConnection:
         srv = socket.socket()
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
@@ -39,7 +39,7 @@ def serve() -> Iterator:
             c.sendall(data)
 
         threading.Thread(target=run, daemon=True).start()
-        return Connection(
+        return RespConnection(
             Endpoint("127.0.0.1", srv.getsockname()[1]), ConnParams(timeout_s=timeout_s)
         )
 

@@ -429,8 +429,8 @@ class BrokerServer:
             self.config.socket_path,
             self.epoch[:12],
             os.getpid(),
-            "tiers: slab, " + ", ".join(t.name for t in self.tiers.tiers)
-            if self.tiers.tiers
+            "tiers: slab, " + ", ".join(t.name for t in self.tiers.lower_tiers)
+            if self.tiers.lower_tiers
             else "no disk tier: entries live in memory only and a restart starts empty",
         )
         sweeper = asyncio.ensure_future(self._sweep_leases())
@@ -461,7 +461,7 @@ class BrokerServer:
         for conn in list(self.connections.values()):
             conn.close()
         await asyncio.sleep(0)  # let connection_lost run: releases pins and reservations
-        if self.tiers.tiers:
+        if self.tiers.lower_tiers:
             log.info(
                 "flushing the lower tiers for up to %gs (shutdown_flush_s)",
                 self.config.shutdown_flush_s,

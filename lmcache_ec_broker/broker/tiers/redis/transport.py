@@ -70,11 +70,11 @@ from .link import UNMAPPED, Link, with_asking
 from .loop import LoopCalls
 from .resp import (
     MAX_REDIRECTS,
-    Connection,
     ConnParams,
     Endpoint,
     Pool,
     ProtocolViolation,
+    RespConnection,
     RespError,
     Router,
     pack_set,
@@ -188,7 +188,7 @@ class RedisTransport:
                     cmds.append(["GETRANGE", rks[i], 0, MAX_HEADER - 1])
                     cmds.append(["STRLEN", rks[i]])
 
-                def ask(c: Connection, cmds: list[list[Any]] = cmds) -> list[Any]:
+                def ask(c: RespConnection, cmds: list[list[Any]] = cmds) -> list[Any]:
                     return c.pipeline(cmds)
 
                 replies = link.call(ep, with_asking(ask) if asking else ask)
@@ -221,7 +221,7 @@ class RedisTransport:
         rk = self.link.rk(key)
         rules = self.rules
 
-        def get(conn: Connection) -> None:
+        def get(conn: RespConnection) -> None:
             conn.send(["GET", rk])
             total = rules.total(key, conn.read_bulk_len())
             fixed = conn.read_exact(rules.fixed_size(total))
@@ -285,7 +285,7 @@ class RedisTransport:
         rk = self.link.rk(item.key)
         meta = item.meta
 
-        def put(conn: Connection) -> Outcome:
+        def put(conn: RespConnection) -> Outcome:
             if not item.overwrite:
                 head, total = conn.pipeline([["GETRANGE", rk, 0, MAX_HEADER - 1], ["STRLEN", rk]])
                 for reply in (head, total):

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .jobs import ScanJob
+from .part import PolicyPart
 from .transport import StoreDown
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ ECHO_TTL_S = 30.0  # longer than any subscriber backlog seen; see "Own echoes" a
 ECHO_CAP = 65536
 
 
-class KeyDiscovery:
+class KeyDiscovery(PolicyPart):
     """Mixed into RemotePolicy: the state it uses is the policy's."""
 
     limits: Limits
@@ -58,12 +59,6 @@ class KeyDiscovery:
     _scan: ScanJob | None
     _scan_again: bool
     _fold: Iterator[None] | None
-
-    def _next_id(self) -> int: ...
-    def _learn(self, key: str) -> bool: ...
-    def _forget(self, key: str) -> bool: ...
-    def _blocked(self, key: str) -> bool: ...
-    def _fail(self, nodes: Sequence[Any]) -> None: ...
 
     def want_scan(self) -> None:
         """List the store's keys (coalesced: one at a time, one more if asked meanwhile)."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..base import EntryMeta, TierMiss, TierUnavailable
 from .jobs import LookupJob, ScanJob, WriteJob
+from .part import PolicyPart
 from .transport import Declined, StoreDown
 from .value import BadValue
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .transport import Node
 
 
-class Lookups:
+class Lookups(PolicyPart):
     """Mixed into RemotePolicy: the state it uses is the policy's."""
 
     limits: Limits
@@ -51,15 +52,6 @@ class Lookups:
     known: collections.OrderedDict[str, int]
     complete: bool
 
-    if TYPE_CHECKING:  # the policy's (not defined here: see the MRO)
-
-        def _next_id(self) -> int: ...
-        def _fail(self, nodes: Sequence[Node]) -> None: ...
-        def _ok(self, nodes: Sequence[Node]) -> None: ...
-        def _learn(self, key: str) -> bool: ...
-        def _forget(self, key: str) -> bool: ...
-        def _blocked(self, key: str) -> bool: ...
-        def refuse(self, key: str, why: object) -> None: ...
 
     def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None] | LookupJob:
         """Answer now (a list) or admit a lookup job that ``answered`` will end by

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ....protocol import Extent
 from ..base import EntryMeta
 from .jobs import ClearJob, DeleteJob, Job, LookupJob, ScanJob, WriteBatch, WriteJob
+from .part import PolicyPart
 from .transport import Outcome
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class OwnWrites(Protocol):
     def own_cleared(self) -> None: ...
 
 
-class WriteOrdering:
+class WriteOrdering(PolicyPart):
     """Mixed into RemotePolicy: the state it uses is the policy's."""
 
     limits: Limits
@@ -74,13 +75,6 @@ class WriteOrdering:
     known: collections.OrderedDict[str, int]
     _timer_at: float
 
-    if TYPE_CHECKING:  # the policy's and KeyDiscovery's (not defined here: see the MRO)
-
-        def _next_id(self) -> int: ...
-        def _learn(self, key: str) -> bool: ...
-        def _forget(self, key: str) -> bool: ...
-        def _blocked(self, key: str) -> bool: ...
-        def _echo_sent(self, keys: Sequence[str]) -> None: ...
 
     def write(
         self, key: str, meta: EntryMeta, extents: list[Extent], waiter: Any = None

@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..base import TierUnavailable
-from .circuit import Breakers, State
+from .circuit import Breakers, BreakerState
 from .discovery import KeyDiscovery
 from .jobs import (
     ClearJob,
@@ -171,13 +171,13 @@ class RemotePolicy(WriteOrdering, Lookups, KeyDiscovery):
         self._ids += 1
         return self._ids
 
-    def _breaker_changed(self, node: object, state: State) -> None:
-        if state is State.OPEN:
+    def _breaker_changed(self, node: object, state: BreakerState) -> None:
+        if state is BreakerState.OPEN:
             self.counters["remote_circuit_opens"] += 1
             if node not in self._said_down:  # once per outage, not at every failed probe
                 self._said_down.add(node)
                 log.warning("remote tier: store node %s is unavailable; serving local tiers", node)
-        elif state is State.CLOSED:
+        elif state is BreakerState.CLOSED:
             self._said_down.discard(node)
             log.info("remote tier: store node %s is reachable again", node)
             self.want_scan()  # it may have restarted empty: re-learn what it holds
