@@ -220,7 +220,7 @@ def _metrics_missing() -> str | None:
 
 def _start(args: argparse.Namespace) -> int:
     from .broker.lifecycle import BrokerError
-    from .broker.main import run_broker
+    from .run import run_broker
     from .shm.segment import ShmError
 
     cli = {k: getattr(args, k) for k in _START_KEYS}

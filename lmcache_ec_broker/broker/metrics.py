@@ -203,7 +203,7 @@ class MetricsEndpoint:
 
 
 def start(server: BrokerServer) -> MetricsEndpoint:
-    """The add-on (``broker/main.py``): ``install`` on ``metrics_port``, or BrokerError
+    """The add-on (``run.py``): ``install`` on ``metrics_port``, or BrokerError
     naming the fix."""
     port = server.config.metrics_port
     try:

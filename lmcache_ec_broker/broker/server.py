@@ -91,7 +91,7 @@ log = logging.getLogger("lmcache_ec_broker")
 MAX_LEASE_MS = 600_000
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
 SERVER_COUNTERS = ("queue_pauses",)
-# Started by ``prepare`` with the server, in order (``broker/main.py`` chooses them: the
+# Started by ``prepare`` with the server, in order (``run.py`` chooses them: the
 # metrics endpoint, the residency events; the server imports neither). Each plugs into
 # the hooks below and the store's and coordinator's ``observer``, or raises BrokerError.
 AddOn = Callable[["BrokerServer"], object]

@@ -1,4 +1,4 @@
-"""Wiring the events into a broker (an add-on: ``broker/main.py`` hands ``install`` to the
+"""Wiring the events into a broker (an add-on: ``run.py`` hands ``install`` to the
 server when ``events_port`` or ``events_lookup_port`` is set, and ``BrokerServer.prepare``
 calls it; the server does not import this package): the tracker observes the store
 and the coordinator, the publisher thread and the lookup endpoint start, and the

@@ -1,6 +1,6 @@
 """The broker process, top-down: a ``BrokerServer`` with the add-ons its config asks for
 (the metrics endpoint, the residency events), run until SIGTERM/SIGINT or a Shutdown
-request, then cleaned up.
+request, then cleaned up. It stands above both ``broker/`` and ``events/``.
 
 The server imports neither add-on: it hands itself to each one in ``prepare`` (after
 the slab and its indexes exist, before the tiers open and the socket is bound, so a
@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from ..config import BrokerConfig
-from .server import AddOn, BrokerServer
+from .broker.server import AddOn, BrokerServer
+from .config import BrokerConfig
 
 
 def add_ons(config: BrokerConfig) -> list[AddOn]:
@@ -30,13 +30,13 @@ def add_ons(config: BrokerConfig) -> list[AddOn]:
 
 
 def _metrics(server: BrokerServer) -> None:
-    from .metrics import start  # prometheus_client: imported only when metrics are on
+    from .broker.metrics import start  # prometheus_client: imported only when metrics are on
 
     start(server)
 
 
 def _events(server: BrokerServer) -> None:
-    from ..events.install import install
+    from .events.install import install
 
     install(server)  # BrokerError naming the fix if it cannot start
 
