@@ -14,7 +14,7 @@ Sections (every ratio compares figures measured in the same run, same store):
 
 - ``clients`` (Redis): GET/SET of each size through redis-py (hiredis parser, and
   its pure Python parser), valkey-glide (if installed), and this project's RESP
-  client (``broker/tiers/resp.py``: GET streamed into a reused buffer, SET gathered
+  client (``broker/tiers/redis/resp.py``: GET streamed into a reused buffer, SET gathered
   from a memoryview), on a Unix socket and on 127.0.0.1. Why the tier uses its own
   client.
 - ``the tier alone`` (both backends, one table): each tier in process, without a

@@ -1,4 +1,4 @@
-"""A hypothesis state machine for the remote policy (``broker/tiers/remote_policy.py``),
+"""A hypothesis state machine for the remote policy (``broker/tiers/remote/policy.py``),
 the rules both remote backends share, against an in-memory store whose every call
 the machine completes, fails, loses the reply of, or lets time out -- in any order.
 

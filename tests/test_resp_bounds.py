@@ -1,4 +1,4 @@
-"""The RESP client's bounds on what a server may send (``broker/tiers/resp.py``).
+"""The RESP client's bounds on what a server may send (``broker/tiers/redis/resp.py``).
 
 A real redis-server cannot be made to send these replies, so a listener on
 127.0.0.1 plays the server's side with canned bytes; the client is the real one."""

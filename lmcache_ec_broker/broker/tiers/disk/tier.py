@@ -1,4 +1,4 @@
-"""The local disk tier: one safetensors file per entry (``broker/diskfile.py``).
+"""The local disk tier: one safetensors file per entry (``file.py``).
 
 The event loop only does bookkeeping; file I/O runs on worker threads:
 

@@ -1,11 +1,11 @@
 """The remote tier on Mooncake Store: the transport (client lifecycle, key listing,
-deletes) -- the data path is ``mooncake_io.py``, the rules are the remote policy's.
+deletes) -- the data path is ``data_path.py``, the rules are the remote policy's.
 
 Enabled with ``remote_url: mooncakestore://<master host:port>`` (LMCache's scheme).
 The broker's whole slab is registered with the Mooncake client once (in the
 background: a master that is down at start only delays it).
 
-The object is exactly the remote value format of ``remote_value.py`` (header +
+The object is exactly the remote value format of ``../remote/value.py`` (header +
 payload), so a value is untrusted input here as it is in Redis.
 
 Mooncake semantics this transport relies on (0.3.13, docs/mooncake.md): ``put``

@@ -1,21 +1,22 @@
 """The remote tier on Redis / Valkey (standalone or Cluster): the transport.
 
 What is written, in which order, what is known and when the store is left alone
-is the remote policy's (``remote_policy.py``); the transport only moves bytes over
-RESP (``resp.py``) and lists keys. This module wires it and holds the threads' calls
-and the rules a value must meet; the rest is one module each:
+is the remote policy's (``../remote/policy.py``); the transport only moves bytes over
+RESP (``resp.py``) and lists keys. This module wires it and holds the threads' calls;
+the rest is one module each:
 
-- ``redis_link.py``: pooled round trips to the server owning a key; Cluster routing
+- ``value_rules.py``: the rules a value read back must meet (threads and loop alike).
+- ``link.py``: pooled round trips to the server owning a key; Cluster routing
   (slot map, ``-MOVED``/``-ASK``); ``stop`` cuts every connection in use.
-- ``redis_loop.py``: the same calls on the broker's event loop.
-- ``redis_keys.py``: listing (``SCAN``) and clearing the namespace.
-- ``redis_announce.py``: announcements of written keys between brokers.
+- ``loop.py``: the same calls on the broker's event loop.
+- ``keys.py``: listing (``SCAN``) and clearing the namespace.
+- ``announce.py``: announcements of written keys between brokers.
 
 The calls:
 
 - *lookup*: one pipelined round trip per server for a batch of keys
   (``GETRANGE key 0 <max header>`` + ``STRLEN``); a key is a hit only if its header
-  parses and matches the value's length (``remote_value.py``).
+  parses and matches the value's length (``../remote/value.py``).
 - *read_into* (promotion): ``GET`` streamed straight into the reserved slab extents,
   hashed as it lands; served only after checksum (and HMAC) matched.
 - *lookup_on_loop* / *read_on_loop* / *fetch_on_loop*: on the broker's event loop

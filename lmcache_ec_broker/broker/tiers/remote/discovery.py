@@ -1,4 +1,4 @@
-"""Key discovery for the remote policy (rule 7 of ``remote_policy.py``): listings of
+"""Key discovery for the remote policy (rule 7 of ``policy.py``): listings of
 the store's keys, coalesced (one at a time, one more if asked for meanwhile), and
 announcements, folded into the membership filter in slices of ``fold_slice`` keys
 per loop turn so that a listing of 300k keys never holds the event loop.
@@ -41,7 +41,8 @@ ECHO_CAP = 65536
 
 
 class KeyDiscovery(PolicyPart):
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     runner: Runner

@@ -1,4 +1,4 @@
-"""The remote policy's units of work (``remote_policy.py``) and how each one is run
+"""The remote policy's units of work (``policy.py``) and how each one is run
 against a transport (``execute``, on a worker thread)."""
 
 from __future__ import annotations

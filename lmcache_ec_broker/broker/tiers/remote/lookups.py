@@ -1,5 +1,5 @@
 """Lookups, promotion reads and fetches of the remote policy (rules 5 and 9 of
-``remote_policy.py``, and the lookup side of rules 1, 3 and 6). A mixin of
+``policy.py``, and the lookup side of rules 1, 3 and 6). A mixin of
 ``RemotePolicy``: it works on the policy's own state, declared below.
 
 Invariants:
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 
 class Lookups(PolicyPart):
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     runner: Runner

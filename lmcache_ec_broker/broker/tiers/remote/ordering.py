@@ -1,5 +1,5 @@
 """Write-behind, deletes and clears of the remote policy (rules 1, 2, 4 and 8 of
-``remote_policy.py``): the queue of jobs in arrival order, the writes' budget, how
+``policy.py``): the queue of jobs in arrival order, the writes' budget, how
 each write ends, and the follow-up delete of a key whose failed write may still land.
 A mixin of ``RemotePolicy``: it works on the policy's own state, declared below.
 
@@ -51,7 +51,8 @@ class OwnWrites(Protocol):
 
 
 class WriteOrdering(PolicyPart):
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     ready: Callable[[], bool]
@@ -275,7 +276,7 @@ class WriteOrdering(PolicyPart):
             job.writes = [w for w in job.writes if w not in down]
             if not job.writes:
                 return False
-            self._echo_sent([w.key for w in job.writes])  # remote_discovery.py: own echoes
+            self._echo_sent([w.key for w in job.writes])  # discovery.py: own echoes
         self.running.add(job)
         self.runner.dispatch(job)
         return True

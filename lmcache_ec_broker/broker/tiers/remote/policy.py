@@ -1,9 +1,9 @@
 """The remote tier's policy: one set of rules for every store (Redis/Valkey, Mooncake).
 
-The transport (``remote_transport.py``) moves bytes; this module decides what is
+The transport (``transport.py``) moves bytes; this module decides what is
 written, in which order, what is known, what is refused and when the store is
 left alone. It is plain single-threaded state, driven by the event loop (the
-runtime, ``remote_tier.py``) or by a test: it *asks* for I/O through
+runtime, ``tier.py``) or by a test: it *asks* for I/O through
 ``Runner.dispatch`` and hears back through ``finished``; time comes from ``clock``.
 
 The promises (``tests/test_remote_policy_machine.py`` checks each of them):
@@ -37,7 +37,7 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    more) and their results, like announcements, are folded into the filter in
    slices of ``fold_slice`` keys per loop turn. This broker's own announcements,
    heard back, are never learned (a delete may have ended before they arrive;
-   ``remote_discovery.py``, "Own echoes"). A key leaves the filter without
+   ``discovery.py``, "Own echoes"). A key leaves the filter without
    ``partial`` set only when the policy saw it gone (a miss, a refused value, a
    listing without it, its own delete or clear); one forgotten for room sets
    ``partial`` first, and only a listing that fit under ``filter_cap`` clears it:
@@ -55,9 +55,10 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    is remembered, a store failure feeds the breaker.
 
 ``RemotePolicy`` is one object in parts (mixins over its state, each keeping its
-rules' invariants, listed at its top): ``remote_ordering.py`` the write-behind,
-deletes and clears (rules 1, 2, 4, 8), ``remote_lookups.py`` the lookups, promotion
-reads and fetches (rules 5, 9), ``remote_discovery.py`` the key discovery (rule 7).
+rules' invariants, listed at its top): ``ordering.py`` the write-behind,
+deletes and clears (rules 1, 2, 4, 8), ``lookups.py`` the lookups, promotion
+reads and fetches (rules 5, 9), ``discovery.py`` the key discovery (rule 7); what
+they call on the policy is declared once, abstract, in ``part.py``.
 This module holds the state, the breakers (rule 6), the filter and refusals (rule 3),
 the probes, the dispatch of finished jobs (``finished``) and shutdown.
 """

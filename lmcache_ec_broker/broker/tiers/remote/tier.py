@@ -1,4 +1,4 @@
-"""The remote tier at run time: the policy (``remote_policy.py``) on the event loop,
+"""The remote tier at run time: the policy (``policy.py``) on the event loop,
 the transport's calls on the tier's own threads.
 
 Threads: lookups (``lookup_concurrency``), promotions (reads), write-behind
