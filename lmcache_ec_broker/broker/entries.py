@@ -54,7 +54,7 @@ class ConnState:
     reserved_blocks: int = 0  # blocks of its open reservations (max_reserved_bytes cap)
 
 
-class Membership(Protocol):
+class MembershipFilter(Protocol):
     """What the store needs of a membership filter (shm.filter.FilterWriter)."""
 
     def add(self, key: str) -> None: ...
@@ -62,7 +62,7 @@ class Membership(Protocol):
     def set_partial(self, partial: bool) -> None: ...
 
 
-class Residency(Protocol):
+class ResidencyIndex(Protocol):
     """What the store needs of the residency index (shm.residency.ResidencyWriter)."""
 
     def publish(
