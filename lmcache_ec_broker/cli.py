@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most has()/lookup() leases one connection may hold (default 65536)",
     )
     start.add_argument(
+        "--max-reserved-per-connection",
+        dest="max_reserved_bytes_per_connection",
+        type=_bytes,
+        help="slab one connection's open reservations may hold, e.g. 512MiB "
+        "(default 0: a quarter of the slab)",
+    )
+    start.add_argument(
         "--put-arena-size",
         dest="put_arena_bytes",
         type=_bytes,
@@ -175,6 +182,7 @@ _START_KEYS = (
     "max_connections",
     "max_pins_per_connection",
     "max_leases_per_connection",
+    "max_reserved_bytes_per_connection",
     "put_arena_bytes",
     "local_disk",
     "max_local_disk_size",

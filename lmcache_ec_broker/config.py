@@ -193,6 +193,10 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (docs/design.md "Put arenas"); all arenas together take at most a quarter of the
     # slab. 0: every put reserves (one round trip).
     put_arena_bytes: int = 8 * MiB
+    # Slab one connection's open reservations (reserved, not yet committed or aborted)
+    # may hold; a connection holding none may still reserve any entry the slab takes.
+    # 0: a quarter of the slab. Bounds what one client holding reservations evicts.
+    max_reserved_bytes_per_connection: int = 0
     # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
     # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
     events_port: int = 0  # 0: no events
@@ -262,6 +266,14 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"put_arena_bytes must be 0 (off) or at least block_size ({self.block_size}), "
                 f"got {self.put_arena_bytes}"
+            )
+        if self.max_reserved_bytes_per_connection != 0 and not (
+            self.block_size <= self.max_reserved_bytes_per_connection <= self.shm_size
+        ):
+            raise ValueError(
+                "max_reserved_bytes_per_connection must be 0 (a quarter of the slab) or "
+                f"between block_size ({format_size(self.block_size)}) and shm_size "
+                f"({format_size(self.shm_size)}), got {self.max_reserved_bytes_per_connection}"
             )
         self._validate_access()
         self._validate_remote()
@@ -413,6 +425,7 @@ _BYTE_SIZES = frozenset(
         "max_entry_size",
         "max_frame_bytes",
         "put_arena_bytes",
+        "max_reserved_bytes_per_connection",
         "mooncake_global_segment_size",
         "mooncake_local_buffer_size",
     }
