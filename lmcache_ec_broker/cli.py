@@ -122,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--max-local-disk-size", type=_size, help="disk tier capacity")
     start.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: off)")
+    start.add_argument(
+        "--metrics-host",
+        help="address the Prometheus endpoint binds (default 127.0.0.1: this host only; "
+        "0.0.0.0 for a cluster's scraper)",
+    )
     start.add_argument("--log-level", help=", ".join(LOG_LEVELS) + " (default INFO)")
     start.add_argument(
         "--remote-url",
@@ -179,6 +184,7 @@ _START_KEYS = (
     "local_disk",
     "max_local_disk_size",
     "metrics_port",
+    "metrics_host",
     "log_level",
     "remote_url",
 )

@@ -165,6 +165,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # keep it below the supervisor's stop timeout (systemd/Kubernetes: 30 s).
     shutdown_flush_s: float = 20.0
     metrics_port: int = 0
+    # Address the Prometheus endpoint binds: local only unless set (0.0.0.0: all, for
+    # a cluster's scraper), as events_host.
+    metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     # Remote tier (Redis/Valkey; off unless remote_url is set). See docs/scaling.md.
     remote_url: str | None = None
@@ -250,6 +253,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+        check_bind_host("metrics_host", self.metrics_host)
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(
                 f"log_level {self.log_level!r} is not a log level; use one of "
@@ -347,6 +351,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"remote_key_prefix must be 1-256 characters without spaces, "
                 f"got {self.remote_key_prefix!r}"
             )
+
+
+def check_bind_host(name: str, host: str) -> None:
+    """An address to bind a TCP listener to: a host name or an IP literal, nothing else."""
+    if not host or any(c.isspace() or c in "/*[]" for c in host):
+        raise ValueError(
+            f"{name} must be an address to bind, e.g. 127.0.0.1 (this host only), 0.0.0.0 "
+            f"(every IPv4 address), :: (every address), got {host!r}"
+        )
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

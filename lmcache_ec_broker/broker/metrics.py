@@ -1,4 +1,5 @@
-"""Prometheus endpoint (``--metrics-port``, off by default) and request latency histograms.
+"""Prometheus endpoint (``--metrics-port``, off by default; bound to ``--metrics-host``,
+127.0.0.1 unless set) and request latency histograms.
 
 Hot-path cost: one ``bisect`` and three integer updates per request, on the
 broker's loop (``BrokerServer.observers``). Everything else -- counters, gauges,

@@ -396,12 +396,13 @@ class BrokerServer:
     def _start_metrics(self, port: int) -> None:
         from .metrics import install
 
+        host = self.config.metrics_host
         try:
-            install(self, port)
+            install(self, port, host)
         except OSError as exc:
             raise BrokerError(
-                f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
-                "choose another --metrics-port (0 turns metrics off)"
+                f"cannot serve metrics on {host}:{port}: {exc}; choose another "
+                "--metrics-port (0 turns metrics off) or --metrics-host (an address of this host)"
             ) from exc
 
     def _publish_filter(self, slab_name: str, gid: int | None) -> None:
