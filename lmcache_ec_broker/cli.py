@@ -142,13 +142,24 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("stop", "ask the broker on the socket to stop and wait until its process is gone"),
         ("stats", "print the broker's counters"),
-        ("ping", "exit 0 if a broker answers on the socket, 1 otherwise"),
+        (
+            "ping",
+            "exit 0 if a broker answers on the socket, 1 otherwise; says whether its remote "
+            "tier is up",
+        ),
         ("clear", "empty the broker's slab and disk tier (owner or root only)"),
     ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--socket", dest="socket_path", help="Unix socket path")
         if name == "stats":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "ping":
+            sp.add_argument(
+                "--require-remote",
+                action="store_true",
+                help="also exit 1 when the broker's configured remote tier is down (for a "
+                "readiness probe that should keep a node out of service without it)",
+            )
         if name == "clear":
             sp.add_argument(
                 "--shared",
@@ -369,18 +380,47 @@ def _natural(key: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
 
 
+def remote_state(stats: dict) -> tuple[str, bool | None, str]:
+    """(store as shown, up, reason) of the broker's remote tier; up is None when no
+    remote tier is configured. The reason is the one `stats` gives (auth refused,
+    connection refused, TLS, timeout...), or "not connected yet" before the first try."""
+    store = stats.get("remote_store")
+    if not store:
+        return "", None, ""
+    if stats.get("remote_up", 0):
+        return str(store), True, ""
+    return str(store), False, str(stats.get("remote_down_reason") or "not connected yet")
+
+
 def _ping(args: argparse.Namespace) -> int:
     c = _client(args)
     if c is None:
         return 1
     ok = c.ping()
     epoch = c.epoch
+    stats = c.stats() if ok else {}
     c.close()
-    if ok:
-        print(f"ok: broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})")
-        return 0
-    print(_no_broker(c.socket_path, []), file=sys.stderr)
-    return 1
+    if not ok or not stats:
+        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        return 1
+    store, up, reason = remote_state(stats)
+    where = f"broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})"
+    if up is None:
+        remote = "remote tier: none configured"
+    elif up:
+        remote = f"remote tier {store}: up"
+    else:
+        remote = f"remote tier {store}: down ({reason})"
+    if up is False and args.require_remote:
+        print(
+            f"lmcache-ec-broker: not ready: the {where} answers, but its {remote}; "
+            "`lmcache-ec-broker stats` shows remote_down_reason, the broker's log says how "
+            "to fix it (drop --require-remote to accept a broker serving without it)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"ok: {where}; {remote}")
+    return 0
 
 
 def _socket_id(path: str) -> tuple[int, int] | None:
