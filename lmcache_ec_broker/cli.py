@@ -240,12 +240,16 @@ def _start(args: argparse.Namespace) -> int:
     from .shm.segment import ShmError
 
     cli = {k: getattr(args, k) for k in _START_KEYS}
+    notes = _ConfigNotes()
     try:
-        cfg, sources = load_config(cli, args.config or os.environ.get("LMCACHE_CONFIG_FILE"))
+        with notes:
+            cfg, sources = load_config(cli, args.config or os.environ.get("LMCACHE_CONFIG_FILE"))
     except (ValueError, OSError) as exc:
+        notes.print_to_stderr()
         print(f"lmcache-ec-broker: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
+        notes.print_to_stderr()
         import msgspec
 
         values = msgspec.structs.asdict(cfg)
@@ -273,11 +277,51 @@ def _start(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    notes.replay()
     try:
         return run_broker(cfg)
     except (BrokerError, ShmError) as exc:
         print(f"lmcache-ec-broker: {exc}", file=sys.stderr)
         return 1
+
+
+class _ConfigNotes(logging.Handler):
+    """What the configuration says while it loads (LMCache keys it ignores, retired
+    keys), kept until logging is set up from it, then logged with the broker's own
+    format and level (``replay``): said before logging starts, an info line would be
+    lost and a warning printed without time or source."""
+
+    _LOGGER = "lmcache_ec_broker.config"
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._level = logging.NOTSET
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _ConfigNotes:
+        logger = logging.getLogger(self._LOGGER)
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+    def replay(self) -> None:
+        for record in self.records:
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
+
+    def print_to_stderr(self) -> None:
+        for record in self.records:
+            print(f"lmcache-ec-broker: {record.getMessage()}", file=sys.stderr)
 
 
 class _Held(logging.Handler):

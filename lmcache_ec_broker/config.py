@@ -11,6 +11,8 @@ from collections.abc import Collection
 
 import msgspec
 
+from .lmcache_keys import LMCACHE_KEYS, closest, did_you_mean
+
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
@@ -409,8 +411,20 @@ ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 # LMCache keys that name one of our fields differently.
 _ALIASES = {"max_local_cpu_size": "shm_size"}
-# LMCache keys accepted so an existing LMCache file works; the encoder cache has no use for them.
-_IGNORED = frozenset({"chunk_size", "local_cpu"})
+# Environment variables of this project that are not settings: read by the clients
+# (socket, broker uid), the remote tier (password) and the test harness. Any other
+# LMCACHE_EC_* variable must name a setting (unknown_env_error).
+OTHER_ENV = frozenset(
+    {
+        SOCKET_ENV,
+        "LMCACHE_EC_BROKER_UID",
+        "LMCACHE_EC_REMOTE_PASSWORD",
+        "LMCACHE_EC_VLLM_LOCK",
+        "LMCACHE_EC_FAULT_FILE",
+        "LMCACHE_EC_VLLM_NEXT_SRC",
+    }
+)
+OTHER_ENV_PREFIXES = ("LMCACHE_EC_TEST_", "LMCACHE_EC_KEEP_")
 # Keys earlier releases accepted but never used; old files and environments still
 # start, with a warning that says what to do instead.
 _RETIRED = {
@@ -533,29 +547,48 @@ def _read_yaml(path: str) -> dict[str, object]:
     return data
 
 
+def _yaml_keys(path: str) -> list[tuple[str, bool, str, object]]:
+    """(key as written, ec_-prefixed, bare name, value) for each key of the file;
+    LMCache's nested ``ec:`` map counts as ``ec_``-prefixed keys (shown ``ec.<key>``)."""
+    out: list[tuple[str, bool, str, object]] = []
+    for key, value in _read_yaml(path).items():
+        if key == "ec" and isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise ValueError(f"config file {path}: the keys under ec: must be option names")
+            out += [(f"ec.{k}", True, k, v) for k, v in value.items()]
+        elif key.startswith("ec_"):
+            out.append((key, True, key[3:], value))
+        else:
+            out.append((key, False, key, value))
+    return out
+
+
 def _yaml_layers(
     path: str, fields: dict[str, object]
-) -> tuple[dict[str, tuple[object, str]], dict[str, tuple[object, str]], list[str]]:
-    """(plain layer, ec_ layer, unknown keys); each layer maps field -> (raw value, source)."""
+) -> tuple[dict[str, tuple[object, str]], dict[str, tuple[object, str]], list[str], list[str]]:
+    """(plain layer, ec_ layer, unknown keys, LMCache keys without a use here); each
+    layer maps field -> (raw value, source)."""
     plain: dict[str, tuple[object, str]] = {}
     prefixed: dict[str, tuple[object, str]] = {}
     unknown: list[str] = []
-    for key, value in _read_yaml(path).items():
-        layer, bare = (prefixed, key[3:]) if key.startswith("ec_") else (plain, key)
+    unused: list[str] = []
+    for key, is_prefixed, bare, value in _yaml_keys(path):
+        layer = prefixed if is_prefixed else plain
         if bare in _RETIRED:
             _warn_retired(bare, f"config {path}: {key}")
             continue
-        if bare in _IGNORED:
-            if bare == "local_cpu" and value is False:
-                log.warning(
-                    "config %s: local_cpu: false is ignored; the encoder cache always keeps "
-                    "entries in the shared-memory slab",
-                    path,
-                )
-            continue
         name = _field_for(bare)
         if name not in fields:
-            unknown.append(key)
+            if bare in LMCACHE_KEYS:
+                unused.append(key)
+                if bare == "local_cpu" and value is False:
+                    log.warning(
+                        "config %s: local_cpu: false is ignored; the encoder cache always "
+                        "keeps entries in the shared-memory slab",
+                        path,
+                    )
+            else:
+                unknown.append(key)
             continue
         if name in layer:
             raise ValueError(
@@ -563,24 +596,64 @@ def _yaml_layers(
                 f"{key}); keep one of them"
             )
         layer[name] = (value, f"yaml {path}: {key}")
-    return plain, prefixed, unknown
+    return plain, prefixed, unknown, unused
 
 
 def describe_unknown(unknown: list[str], known: list[str]) -> str:
     """'unknown key X (did you mean Y?)', naming the closest known key for each
     misspelling instead of listing every key."""
-    import difflib
-
     parts = []
     for key in sorted(unknown):
-        prefix = "ec_" if key.startswith("ec_") else ""
-        close = difflib.get_close_matches(key.removeprefix(prefix), known, n=1, cutoff=0.75)
-        parts.append(f"{key} (did you mean {prefix}{close[0]}?)" if close else key)
+        prefix = "ec_" if key.startswith("ec_") else "ec." if key.startswith("ec.") else ""
+        bare = key.removeprefix(prefix)
+        match = closest(bare, known)
+        parts.append(f"{key} (did you mean {prefix}{match}?)" if match else key)
     noun = "unknown key" if len(parts) == 1 else "unknown keys"
     return (
-        f"{noun} {', '.join(parts)}; `lmcache-ec-broker start --print-config` lists the "
-        "broker's settings"
+        f"{noun} {', '.join(parts)}; fix or remove {'it' if len(parts) == 1 else 'them'} "
+        "(`lmcache-ec-broker start --print-config` lists the broker's settings)"
     )
+
+
+def _env_names(fields: dict[str, object]) -> tuple[list[str], list[str]]:
+    """(unknown, LMCache-only) LMCACHE_EC_* variables: every other one names a setting,
+    an alias or a retired key, or is one of OTHER_ENV (LMCache reads LMCACHE_EC_<its
+    key> as its own encoder-cache override, so those are LMCache's, not typos)."""
+    ours = {ENV_PREFIX + n.upper() for n in (*fields, *_ALIASES, *_RETIRED)}
+    unknown: list[str] = []
+    unused: list[str] = []
+    for var in sorted(os.environ):
+        if not var.startswith(ENV_PREFIX) or var in ours or var in OTHER_ENV:
+            continue
+        if var.startswith(OTHER_ENV_PREFIXES):
+            continue
+        if var[len(ENV_PREFIX) :].lower() in LMCACHE_KEYS:
+            unused.append(var)
+        else:
+            unknown.append(var)
+    return unknown, unused
+
+
+def unknown_env_error(unknown: list[str], fields: dict[str, object]) -> ValueError:
+    """The refusal of misspelt LMCACHE_EC_* variables, each with the closest setting's."""
+    known = [ENV_PREFIX + n.upper() for n in (*fields, *_ALIASES)] + sorted(OTHER_ENV)
+    named = ", ".join(did_you_mean(var, known) for var in unknown)
+    what = "variable" if len(unknown) == 1 else "variables"
+    return ValueError(
+        f"environment {what} {named}: not a broker setting; fix the name or unset it "
+        f"(every setting is {ENV_PREFIX}<NAME> of a name `lmcache-ec-broker start "
+        "--print-config` lists)"
+    )
+
+
+def _note_lmcache_only(parts: list[str]) -> None:
+    """One info line naming every LMCache setting given that the encoder cache does not use."""
+    if parts:
+        log.info(
+            "LMCache settings without a use in the encoder-cache broker, accepted and "
+            "ignored: %s",
+            "; ".join(parts),
+        )
 
 
 def _warn_retired(name: str, where: str) -> None:
@@ -633,14 +706,19 @@ def load_config(
     config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     plain: dict[str, tuple[object, str]] = {}
     prefixed: dict[str, tuple[object, str]] = {}
+    unused: list[str] = []
     if config_file:
-        plain, prefixed, unknown = _yaml_layers(config_file, fields)
+        plain, prefixed, unknown, unused = _yaml_layers(config_file, fields)
         if unknown:
-            log.warning(
-                "config %s: ignoring %s",
-                config_file,
-                describe_unknown(unknown, [*fields, *_ALIASES, *_IGNORED, *_RETIRED]),
-            )
+            known = [*fields, *_ALIASES, *_RETIRED, *LMCACHE_KEYS]
+            raise ValueError(f"config file {config_file}: {describe_unknown(unknown, known)}")
+    env_unknown, env_unused = _env_names(fields)
+    if env_unknown:
+        raise unknown_env_error(env_unknown, fields)
+    _note_lmcache_only(
+        ([f"{', '.join(unused)} (config {config_file})"] if unused else [])
+        + ([f"{', '.join(env_unused)} (environment)"] if env_unused else [])
+    )
     env = _env_layer(fields)
     values: dict[str, object] = {}
     sources = {name: "default" for name in fields}
