@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..lmcache_keys import LMCACHE_KEYS, closest
+from ..config_lmcache import LMCACHE_KEYS, closest
 
 # Every key ECBrokerConnector.__init__ reads (connector/vllm.py), with what it sets.
 KEYS = {
