@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Everything may read them; they read nothing of the package but each other.
 GROUND = frozenset(
     f"{PKG}.{m}"
-    for m in ("config", "config_events", "config_mooncake", "remote_url", "protocol", "peercred")
+    for m in (
+        "config", "config_events", "config_mooncake", "config_lmcache", "remote_url",
+        "protocol", "peercred",
+    )  # fmt: skip
 )
 
 

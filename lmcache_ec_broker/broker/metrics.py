@@ -1,4 +1,5 @@
-"""Prometheus endpoint (``--metrics-port``, off by default) and request latency histograms.
+"""Prometheus endpoint (``--metrics-port``, off by default; bound to ``--metrics-host``,
+127.0.0.1 unless set) and request latency histograms.
 
 Hot-path cost: one ``bisect`` and three integer updates per request, on the
 broker's loop (``BrokerServer.observers``). Everything else -- counters, gauges,
@@ -205,15 +206,15 @@ class MetricsEndpoint:
 
 
 def start(server: BrokerServer) -> MetricsEndpoint:
-    """The add-on (``run.py``): ``install`` on ``metrics_port``, or BrokerError
-    naming the fix."""
-    port = server.config.metrics_port
+    """The add-on (``run.py``): ``install`` on ``metrics_host:metrics_port``, or
+    BrokerError naming the fix."""
+    host, port = server.config.metrics_host, server.config.metrics_port
     try:
-        return install(server, port)
+        return install(server, port, host)
     except OSError as exc:
         raise BrokerError(
-            f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
-            "choose another --metrics-port (0 turns metrics off)"
+            f"cannot serve metrics on {host}:{port}: {exc}; choose another "
+            "--metrics-port (0 turns metrics off) or --metrics-host (an address of this host)"
         ) from exc
 
 
