@@ -110,8 +110,14 @@ def yaml_keys(text: str) -> list[str]:
     blocks, _ = _code(text)
     keys = []
     for lang, block in blocks:
-        if lang in ("yaml", "yml"):
-            keys += re.findall(r"^([A-Za-z_][A-Za-z0-9_]*):", block, re.M)
+        # a YAML block, or a YAML here-document in a shell block (cat > f <<'YAML')
+        docs = (
+            [block]
+            if lang in ("yaml", "yml")
+            else re.findall(r"<<'?YAML'?\n(.*?)^YAML$", block, re.S | re.M)
+        )
+        for doc in docs:
+            keys += re.findall(r"^([A-Za-z_][A-Za-z0-9_]*):", doc, re.M)
     return keys
 
 
@@ -192,6 +198,11 @@ run `lmcache-ec-broker stop --timeout 5` and read `docs/nope.md`
 local_disc: /var/lib/x
 ec_max_local_disk_size: 4
 ```
+```bash
+cat > b.yaml <<'YAML'
+remote_ulr: redis://x
+YAML
+```
 """
     cmds = command_lines(text)
     assert cmds == [
@@ -203,6 +214,7 @@ ec_max_local_disk_size: 4
     assert [bool(bad_command(c, surface)) for c in cmds] == [True, True, False, False]
     known = config_keys()
     assert [k for k in yaml_keys(text) if missing("config", k.removeprefix("ec_"), known)] == [
-        "local_disc"
+        "local_disc",
+        "remote_ulr",
     ]
     assert repo_paths(text) == ["docs/nope.md"]
