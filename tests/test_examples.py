@@ -531,3 +531,27 @@ def test_the_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, sock_di
                 proc.kill()
                 proc.wait(10)
     assert not os.path.exists(sock) and shm_segments(sock, include_filter=True) == []
+
+
+def test_the_broker_image_installs_from_binary_wheels_only(tmp_path: Path) -> None:
+    """python:*-slim has no C compiler: every dependency the image's pip install pulls
+    must come as a binary wheel for the image's Python (resolved, not installed)."""
+    (base,) = [a for i, a in _instructions(DOCKERFILE) if i == "FROM"]
+    pyver = re.fullmatch(r"python:(3\.\d+)-slim", base)[1]  # type: ignore[index]
+    (run,) = [a for i, a in _instructions(DOCKERFILE) if i == "RUN"]
+    (extras,) = re.findall(rf"{re.escape(_wheel_name())}(\[[a-z,]+\])", run)
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+    platforms += ["manylinux_2_5_x86_64", "manylinux1_x86_64"]
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+            "--only-binary", ":all:", "--python-version", pyver,
+            *[arg for p in platforms for arg in ("--platform", p)],
+            "--target", str(tmp_path / "target"), f"{_built_wheel(tmp_path)}{extras}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "posix_ipc" in r.stdout and "prometheus_client" in r.stdout, r.stdout
