@@ -86,7 +86,8 @@ fi
 
 # --- Deployment block: the wheel docker/*.Dockerfile and the examples install (tests/
 # test_examples.py installs it into a clean venv), and systemd-analyze for the unit checks.
-rm -f dist/lmcache_ec_broker-*.whl
+# build/ first: setuptools reuses build/lib, where a module deleted since would survive.
+rm -rf build dist/lmcache_ec_broker-*.whl
 "$VPY" -m pip wheel -q --no-deps -w dist .
 if ! command -v systemd-analyze >/dev/null && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) >/dev/null \
