@@ -127,7 +127,7 @@ def env_vars(text: str) -> list[str]:
 
 def repo_paths(text: str) -> list[str]:
     """Repository files named in code: docs/..., examples/..., tests/..., benchmarks/...,
-    docker/..., .ci/... (a `::test` suffix is dropped)."""
+    docker/..., .ci/... (a `::test` suffix is dropped), and the package's modules."""
     _, spans = _code(text)
     blocks, _ = _code(text)
     pool = spans + [b for _, b in blocks] + re.findall(r"\]\(([^)]+)\)", text)
@@ -137,6 +137,13 @@ def repo_paths(text: str) -> list[str]:
             r"(?<![\w/.-])((?:docs|examples|tests|benchmarks|docker|\.ci)/[\w./-]*\w)", chunk
         ):
             found.add(m[1].split("::")[0])
+        # package modules named from the package root (`broker/tiers/disk.py`)
+        for m in re.finditer(
+            r"(?<![\w/.-])((?:broker|connector|shm|events|testing)/[\w/]*\.py)\b", chunk
+        ):
+            found.add(f"lmcache_ec_broker/{m[1]}")
+        for m in re.finditer(r"(?<![\w/.-])(lmcache_ec_broker/[\w/]*\.py)\b", chunk):
+            found.add(m[1])
     return sorted(found)
 
 
@@ -193,7 +200,7 @@ lmcache-ec-broker start --shm-size 2GiB --sokcet /x
 lmcache-ec-broker pong
 /opt/v/bin/lmcache-ec-broker stats --json | grep hits
 ```
-run `lmcache-ec-broker stop --timeout 5` and read `docs/nope.md`
+run `lmcache-ec-broker stop --timeout 5` and read `docs/nope.md` and `broker/gone.py`
 ```yaml
 local_disc: /var/lib/x
 ec_max_local_disk_size: 4
@@ -217,4 +224,4 @@ YAML
         "local_disc",
         "remote_ulr",
     ]
-    assert repo_paths(text) == ["docs/nope.md"]
+    assert repo_paths(text) == ["docs/nope.md", "lmcache_ec_broker/broker/gone.py"]
