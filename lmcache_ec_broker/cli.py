@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from .config import (
     load_config,
     parse_size,
 )
+from .peercred import peer_cred
 
 if TYPE_CHECKING:
     from .connector.client import BrokerClient
@@ -203,7 +203,7 @@ def _shown(name: str, value: object) -> str:
         exact = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
         return shown if float(number) * exact == value else f"{shown} ({value} bytes)"
     if name in ("remote_url", "mooncake_metadata_server") and isinstance(value, str):
-        from .broker.tiers.remote_url import mask_url
+        from .remote_url import mask_url
 
         return mask_url(value)
     return str(value)
@@ -219,7 +219,8 @@ def _metrics_missing() -> str | None:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from .broker.server import BrokerError, run_broker
+    from .broker.lifecycle import BrokerError
+    from .run import run_broker
     from .shm.segment import ShmError
 
     cli = {k: getattr(args, k) for k in _START_KEYS}
@@ -385,9 +386,6 @@ def _socket_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-_PEERCRED = struct.Struct("3i")
-
-
 def _broker_process(path: str) -> tuple[int, str] | None:
     """(pid, start time) of the process listening on ``path`` as this pid namespace
     sees it, or None when it is not visible here (another pid namespace: the kernel
@@ -396,9 +394,7 @@ def _broker_process(path: str) -> tuple[int, str] | None:
     s.settimeout(2.0)
     try:
         s.connect(path)
-        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[
-            0
-        ]
+        pid = peer_cred(s)[0]
     except OSError:
         return None
     finally:

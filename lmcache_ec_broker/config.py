@@ -265,7 +265,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         self._validate_access()
         self._validate_remote()
-        from .events.settings import validate_events
+        from .config_events import validate_events
 
         validate_events(self)
         self._refuse_ignored_settings()
@@ -319,11 +319,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.remote_url:
             return
         if self.remote_url.strip().lower().startswith("mooncakestore://"):
-            from .broker.tiers.mooncake_config import validate_mooncake
+            from .config_mooncake import validate_mooncake
 
             validate_mooncake(self)  # the Mooncake backend checks its own settings
             return
-        from .broker.tiers.remote_url import parse_remote_url, read_hmac_key, resolve_password
+        from .remote_url import parse_remote_url, read_hmac_key, resolve_password
 
         _refuse_raw_slash_in_password(self.remote_url)
         target = parse_remote_url(self.remote_url)
@@ -384,7 +384,7 @@ def _refuse_raw_slash_in_password(url: str) -> None:
     if not sep or scheme.lower() == "unix" or rest.startswith("/") or "@" not in rest:
         return
     if "@" not in rest.split("/", 1)[0]:
-        from .broker.tiers.remote_url import mask_url
+        from .remote_url import mask_url
 
         raise ValueError(
             f"remote_url {mask_url(url)!r}: its password contains '/'; percent-encode it "
@@ -668,6 +668,6 @@ def load_config(
 
 
 def _mask(raw: object) -> object:
-    from .broker.tiers.remote_url import mask_url
+    from .remote_url import mask_url
 
     return mask_url(raw) if isinstance(raw, str) else raw

@@ -275,7 +275,7 @@ def test_misspelt_key_gets_a_suggestion_not_the_whole_list(tmp_path, caplog):
     ],
 )
 def test_passwords_with_slash_at_colon_are_never_printed(tmp_path, monkeypatch, url, secret):
-    from lmcache_ec_broker.broker.tiers.remote_url import mask_url
+    from lmcache_ec_broker.remote_url import mask_url
 
     assert secret not in mask_url(url) and "***" in mask_url(url)
     monkeypatch.setenv("LMCACHE_EC_REMOTE_URL", url)

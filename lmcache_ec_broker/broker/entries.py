@@ -53,7 +53,7 @@ class ConnState:
     arena: Arena | None = None
 
 
-class Membership(Protocol):
+class MembershipFilter(Protocol):
     """What the store needs of a membership filter (shm.filter.FilterWriter)."""
 
     def add(self, key: str) -> None: ...
@@ -61,7 +61,7 @@ class Membership(Protocol):
     def set_partial(self, partial: bool) -> None: ...
 
 
-class Residency(Protocol):
+class ResidencyIndex(Protocol):
     """What the store needs of the residency index (shm.residency.ResidencyWriter)."""
 
     def publish(

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .coordinator import COORDINATOR_COUNTERS
+from .lifecycle import BrokerError
 from .server import SERVER_COUNTERS
 from .store import STORE_COUNTERS
 from .tiers import tier_counter_names
@@ -199,6 +200,19 @@ class MetricsEndpoint:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+def start(server: BrokerServer) -> MetricsEndpoint:
+    """The add-on (``run.py``): ``install`` on ``metrics_port``, or BrokerError
+    naming the fix."""
+    port = server.config.metrics_port
+    try:
+        return install(server, port)
+    except OSError as exc:
+        raise BrokerError(
+            f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
+            "choose another --metrics-port (0 turns metrics off)"
+        ) from exc
 
 
 def install(server: BrokerServer, port: int, host: str = "127.0.0.1") -> MetricsEndpoint:

@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import msgspec
 
@@ -79,25 +79,29 @@ from .lifecycle import (
     is_socket,
     probe_socket,
     resolve_group,
-    run_broker,
     segment_prefix,
 )
 from .store import Entry, State, Store
 from .tiers import TierError, make_lower_tiers
 
-__all__ = ["BrokerError", "BrokerServer", "probe_socket", "run_broker", "segment_prefix"]
+__all__ = ["AddOn", "BrokerError", "BrokerServer", "probe_socket", "segment_prefix"]
 
 log = logging.getLogger("lmcache_ec_broker")
 
 MAX_LEASE_MS = 600_000
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
 SERVER_COUNTERS = ("queue_pauses",)
+# Started by ``prepare`` with the server, in order (``run.py`` chooses them: the
+# metrics endpoint, the residency events; the server imports neither). Each plugs into
+# the hooks below and the store's and coordinator's ``observer``, or raises BrokerError.
+AddOn = Callable[["BrokerServer"], object]
 
 
 class BrokerServer:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, add_ons: Sequence[AddOn] = ()) -> None:
         config.validate()
         self.config = config
+        self.add_ons = list(add_ons)
         self.epoch = uuid.uuid4().hex
         self.started_at = time.time()
         self.store = Store(
@@ -294,7 +298,7 @@ class BrokerServer:
         return f"{local} (the remote store is kept: {where})"
 
     def _remote_shown(self) -> str:
-        from .tiers.remote_url import mask_url
+        from ..remote_url import mask_url
 
         return mask_url(self.config.remote_url or "")
 
@@ -377,12 +381,8 @@ class BrokerServer:
             self._publish_residency(name + "-r", gid)
             if self.store.arena_cap_blocks:
                 self._publish_journal(name + "-j", gid)
-            if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
-                self._start_metrics(cfg.metrics_port)
-            if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
-                from ..events.install import install as install_events
-
-                install_events(self)  # BrokerError naming the fix if it cannot start
+            for add_on in self.add_ons:  # before the socket exists: a refusal precedes readiness
+                add_on(self)
             try:
                 self.tiers.open()
             except TierError as exc:
@@ -392,17 +392,6 @@ class BrokerServer:
         except BaseException:
             self.cleanup()
             raise
-
-    def _start_metrics(self, port: int) -> None:
-        from .metrics import install
-
-        try:
-            install(self, port)
-        except OSError as exc:
-            raise BrokerError(
-                f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
-                "choose another --metrics-port (0 turns metrics off)"
-            ) from exc
 
     def _publish_filter(self, slab_name: str, gid: int | None) -> None:
         # Every tier counts its keys in it, so it is sized for the keys of all of them.
@@ -440,8 +429,8 @@ class BrokerServer:
             self.config.socket_path,
             self.epoch[:12],
             os.getpid(),
-            "tiers: slab, " + ", ".join(t.name for t in self.tiers.tiers)
-            if self.tiers.tiers
+            "tiers: slab, " + ", ".join(t.name for t in self.tiers.lower_tiers)
+            if self.tiers.lower_tiers
             else "no disk tier: entries live in memory only and a restart starts empty",
         )
         sweeper = asyncio.ensure_future(self._sweep_leases())
@@ -472,7 +461,7 @@ class BrokerServer:
         for conn in list(self.connections.values()):
             conn.close()
         await asyncio.sleep(0)  # let connection_lost run: releases pins and reservations
-        if self.tiers.tiers:
+        if self.tiers.lower_tiers:
             log.info(
                 "flushing the lower tiers for up to %gs (shutdown_flush_s)",
                 self.config.shutdown_flush_s,

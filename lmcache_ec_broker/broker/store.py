@@ -52,9 +52,9 @@ from .arenas import ArenaPlacement
 from .entries import (  # re-exported: coordinator, server and tests import them from here
     ConnState,
     Entry,
-    Membership,
+    MembershipFilter,
     Pin,
-    Residency,
+    ResidencyIndex,
     State,
     StoreObserver,
 )
@@ -116,12 +116,12 @@ class Store(ArenaPlacement):
         # The published membership filter (shm/filter.py); None when not published.
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
-        self.membership: Membership | None = None
+        self.membership: MembershipFilter | None = None
         # The published residency index (shm/residency.py); None when not published.
         # Invariant: a key is in it only while its entry is READY with the published
         # extents: ``publish`` after the entry turns READY (commit, place), ``withdraw``
         # first thing in _drop_ready, before the blocks can be freed or reused.
-        self.residency: Residency | None = None
+        self.residency: ResidencyIndex | None = None
         # Residency events (events/ package): told of every entry that became READY
         # (commit) and every READY entry that left the index (evict, delete, clear).
         self.observer: StoreObserver | None = None

@@ -14,18 +14,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierMiss
-from .redis_link import Link
-from .remote_transport import Declined, LookupAnswer, StoreDown
-from .remote_value import MAX_HEADER, BadValue, Header, Verifier
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess, TierMiss
+from ..remote.transport import Declined, LookupAnswer, StoreDown
+from ..remote.value import MAX_HEADER, BadValue, Header, Verifier
+from .link import Link
 from .resp import RespError, pack
 from .resp_async import LoopConnection
-
-if TYPE_CHECKING:
-    from .redis import ValueRules
+from .value_rules import ValueRules
 
 
 class LoopCalls:

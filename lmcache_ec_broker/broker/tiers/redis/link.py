@@ -18,18 +18,18 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .base import TierMiss
-from .connect_error import ConnectTrouble
-from .remote_tier import Meter
-from .remote_transport import Node, StoreDown
-from .remote_value import BadValue
+from ..base import TierMiss
+from ..remote.connect_error import ConnectTrouble
+from ..remote.tier import Meter
+from ..remote.transport import Node, StoreDown
+from ..remote.value import BadValue
 from .resp import (
     MAX_REDIRECTS,
-    Connection,
     Endpoint,
     Pool,
     ProtocolViolation,
     Redirect,
+    RespConnection,
     RespError,
     Router,
     parse_redirect,
@@ -61,15 +61,15 @@ class Link:
         self.trouble = trouble  # why it cannot connect (stats, log once)
         self.stopped = threading.Event()
         self._lock = threading.Lock()
-        self._active: set[Connection] = set()  # invariant: every connection in use
+        self._active: set[RespConnection] = set()  # invariant: every connection in use
 
     # ------------------------------------------------------------ connections in use
 
-    def track(self, conn: Connection) -> None:
+    def track(self, conn: RespConnection) -> None:
         with self._lock:
             self._active.add(conn)
 
-    def untrack(self, conn: Connection) -> None:
+    def untrack(self, conn: RespConnection) -> None:
         with self._lock:
             self._active.discard(conn)
 
@@ -116,7 +116,7 @@ class Link:
 
     # ------------------------------------------------------------ round trips
 
-    def call(self, ep: Endpoint, fn: Callable[[Connection], T]) -> T:
+    def call(self, ep: Endpoint, fn: Callable[[RespConnection], T]) -> T:
         """Run ``fn`` on a pooled connection to ``ep``. Raises StoreDown for connection
         trouble, RespError for a server error reply, BadValue/TierMiss from ``fn``."""
         t0 = time.monotonic()
@@ -146,7 +146,7 @@ class Link:
         self.pool.put(conn)
         return result
 
-    def routed(self, rk: bytes, fn: Callable[[Connection], T]) -> T:
+    def routed(self, rk: bytes, fn: Callable[[RespConnection], T]) -> T:
         """``call`` on the node owning ``rk``, following Cluster redirects: after
         ``-MOVED`` on the new owner (slot map updated), after ``-ASK`` once on the
         migration target with ASKING before each command (slot map unchanged)."""
@@ -164,10 +164,10 @@ class Link:
         raise AssertionError("unreachable")
 
 
-def with_asking(fn: Callable[[Connection], T]) -> Callable[[Connection], T]:
+def with_asking(fn: Callable[[RespConnection], T]) -> Callable[[RespConnection], T]:
     """``fn`` with every command it sends preceded by ASKING (following an -ASK)."""
 
-    def run(conn: Connection) -> T:
+    def run(conn: RespConnection) -> T:
         conn.asking = True  # the pool clears it when the connection comes back
         return fn(conn)
 

@@ -16,7 +16,7 @@ Cluster redirects (the Redis Cluster specification): ``-MOVED <slot> <host:port>
 means the slot lives elsewhere now (the caller updates its slot map and retries
 there); ``-ASK <slot> <host:port>`` means the slot is being migrated and this key
 is already on the target: the caller retries *once* on the target, each command
-preceded by ``ASKING`` (``Connection.asking``), without touching the slot map.
+preceded by ``ASKING`` (``RespConnection.asking``), without touching the slot map.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ __all__ = [
     "MAX_SMALL_BULK",
     "Arg",
     "ConnParams",
-    "Connection",
+    "RespConnection",
     "Endpoint",
     "Pool",
     "ProtocolViolation",
@@ -136,7 +136,7 @@ def parse_redirect(message: str, current: Endpoint | None = None) -> Redirect | 
     return Redirect(parts[0] == "ASK", slot, Endpoint(host, port))
 
 
-class Connection:
+class RespConnection:
     """One socket to one server. Not thread-safe: a thread takes it from a Pool."""
 
     def __init__(self, ep: Endpoint, params: ConnParams) -> None:
@@ -350,24 +350,24 @@ class Pool:
     def __init__(self, params: ConnParams, max_idle: int = 8) -> None:
         self.params = params
         self.max_idle = max_idle
-        self._idle: dict[Endpoint, list[Connection]] = {}
+        self._idle: dict[Endpoint, list[RespConnection]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def get(self, ep: Endpoint) -> Connection:
+    def get(self, ep: Endpoint) -> RespConnection:
         with self._lock:
             idle = self._idle.get(ep)
             if idle:
                 return idle.pop()
-        return Connection(ep, self.params)
+        return RespConnection(ep, self.params)
 
-    def take_idle(self, ep: Endpoint) -> Connection | None:
+    def take_idle(self, ep: Endpoint) -> RespConnection | None:
         """An idle connection to ``ep``, never a new one (no blocking connect)."""
         with self._lock:
             idle = self._idle.get(ep)
             return idle.pop() if idle else None
 
-    def put(self, conn: Connection) -> None:
+    def put(self, conn: RespConnection) -> None:
         conn.asking = False
         if not conn.idle:
             conn.close()

@@ -8,9 +8,9 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from .redis_link import Link
-from .remote_transport import Node
-from .resp import Connection, ConnParams, ProtocolViolation, RespError
+from ..remote.transport import Node
+from .link import Link
+from .resp import ConnParams, ProtocolViolation, RespConnection, RespError
 
 _SUB_POLL_S = 0.5
 _ANNOUNCE_BATCH = 256
@@ -56,7 +56,7 @@ class Announcements:
             ep = (link.router.masters() or link.router.seeds)[0]
             node = link.node_of("") if not link.cluster else ep
             try:
-                conn = Connection(ep, dataclasses.replace(self.params, timeout_s=_SUB_POLL_S))
+                conn = RespConnection(ep, dataclasses.replace(self.params, timeout_s=_SUB_POLL_S))
             except (OSError, RespError) as exc:
                 link.trouble.failed(exc, ep)
                 if on_health is not None:

@@ -1,4 +1,4 @@
-"""The remote policy's units of work (``remote_policy.py``) and how each one is run
+"""The remote policy's units of work (``policy.py``) and how each one is run
 against a transport (``execute``, on a worker thread)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from ...protocol import Extent
-from .base import EntryMeta
-from .remote_transport import Node, Outcome, Retry, StoreDown, Transport
+from ....protocol import Extent
+from ..base import EntryMeta
+from .transport import Node, Outcome, Retry, StoreDown, Transport
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 

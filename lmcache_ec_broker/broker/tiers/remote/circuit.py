@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 
-class State(enum.Enum):
+class BreakerState(enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -28,7 +28,7 @@ class CircuitBreaker:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[State], None] | None = None,
+        on_change: Callable[[BreakerState], None] | None = None,
     ) -> None:
         if threshold < 1 or backoff_s <= 0 or max_backoff_s < backoff_s:
             raise ValueError("threshold >= 1 and 0 < backoff_s <= max_backoff_s")
@@ -38,7 +38,7 @@ class CircuitBreaker:
         self._clock = clock
         self._on_change = on_change
         self._lock = threading.Lock()
-        self.state = State.CLOSED
+        self.state = BreakerState.CLOSED
         self.failures = 0
         self.backoff = backoff_s
         self.retry_at = 0.0
@@ -48,17 +48,17 @@ class CircuitBreaker:
 
     @property
     def up(self) -> bool:
-        return self.state is State.CLOSED
+        return self.state is BreakerState.CLOSED
 
     def allow(self) -> bool:
         """May a call go to the store now? In HALF_OPEN only one probe at a time."""
         with self._lock:
-            if self.state is State.CLOSED:
+            if self.state is BreakerState.CLOSED:
                 return True
-            if self.state is State.OPEN:
+            if self.state is BreakerState.OPEN:
                 if self._clock() < self.retry_at:
                     return False
-                self._set(State.HALF_OPEN)
+                self._set(BreakerState.HALF_OPEN)
             # A probe that never reported (its caller failed before reaching the store)
             # must not keep the breaker half-open forever.
             if self._probing and self._clock() - self._probe_at < self.max_backoff:
@@ -72,27 +72,27 @@ class CircuitBreaker:
             self.failures = 0
             self._probing = False
             self.backoff = self.base_backoff
-            if self.state is not State.CLOSED:
-                self._set(State.CLOSED)
+            if self.state is not BreakerState.CLOSED:
+                self._set(BreakerState.CLOSED)
 
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
             was_probe = self._probing
             self._probing = False
-            if self.state is State.HALF_OPEN or (was_probe and self.state is not State.CLOSED):
+            if self.state is BreakerState.HALF_OPEN or (was_probe and self.state is not BreakerState.CLOSED):
                 self.backoff = min(self.backoff * 2, self.max_backoff)
                 self._open()
-            elif self.state is State.CLOSED and self.failures >= self.threshold:
+            elif self.state is BreakerState.CLOSED and self.failures >= self.threshold:
                 self._open()
 
     def _open(self) -> None:
         self.retry_at = self._clock() + self.backoff
-        if self.state is not State.OPEN:
+        if self.state is not BreakerState.OPEN:
             self.opened += 1
-            self._set(State.OPEN)
+            self._set(BreakerState.OPEN)
 
-    def _set(self, state: State) -> None:
+    def _set(self, state: BreakerState) -> None:
         self.state = state
         if self._on_change is not None:
             self._on_change(state)
@@ -106,9 +106,9 @@ class CircuitBreaker:
     def refusing(self) -> bool:
         """Would ``allow`` refuse now? (No side effect: takes no probe.)"""
         with self._lock:
-            if self.state is State.CLOSED:
+            if self.state is BreakerState.CLOSED:
                 return False
-            if self.state is State.OPEN:
+            if self.state is BreakerState.OPEN:
                 return self._clock() < self.retry_at
             return self._probing and self._clock() - self._probe_at < self.max_backoff
 
@@ -124,7 +124,7 @@ class Breakers:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[object, State], None] | None = None,
+        on_change: Callable[[object, BreakerState], None] | None = None,
     ) -> None:
         self._args = (threshold, backoff_s, max_backoff_s, clock)
         self._on_change = on_change
@@ -136,7 +136,7 @@ class Breakers:
             threshold, backoff_s, max_backoff_s, clock = self._args
             hook = self._on_change
 
-            def changed(state: State, node: object = node) -> None:
+            def changed(state: BreakerState, node: object = node) -> None:
                 if hook is not None:
                     hook(node, state)
 

@@ -1,9 +1,9 @@
 """The remote tier's policy: one set of rules for every store (Redis/Valkey, Mooncake).
 
-The transport (``remote_transport.py``) moves bytes; this module decides what is
+The transport (``transport.py``) moves bytes; this module decides what is
 written, in which order, what is known, what is refused and when the store is
 left alone. It is plain single-threaded state, driven by the event loop (the
-runtime, ``remote_tier.py``) or by a test: it *asks* for I/O through
+runtime, ``tier.py``) or by a test: it *asks* for I/O through
 ``Runner.dispatch`` and hears back through ``finished``; time comes from ``clock``.
 
 The promises (``tests/test_remote_policy_machine.py`` checks each of them):
@@ -37,7 +37,7 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    more) and their results, like announcements, are folded into the filter in
    slices of ``fold_slice`` keys per loop turn. This broker's own announcements,
    heard back, are never learned (a delete may have ended before they arrive;
-   ``remote_discovery.py``, "Own echoes"). A key leaves the filter without
+   ``discovery.py``, "Own echoes"). A key leaves the filter without
    ``partial`` set only when the policy saw it gone (a miss, a refused value, a
    listing without it, its own delete or clear); one forgotten for room sets
    ``partial`` first, and only a listing that fit under ``filter_cap`` clears it:
@@ -55,9 +55,10 @@ The promises (``tests/test_remote_policy_machine.py`` checks each of them):
    is remembered, a store failure feeds the breaker.
 
 ``RemotePolicy`` is one object in parts (mixins over its state, each keeping its
-rules' invariants, listed at its top): ``remote_ordering.py`` the write-behind,
-deletes and clears (rules 1, 2, 4, 8), ``remote_lookups.py`` the lookups, promotion
-reads and fetches (rules 5, 9), ``remote_discovery.py`` the key discovery (rule 7).
+rules' invariants, listed at its top): ``ordering.py`` the write-behind,
+deletes and clears (rules 1, 2, 4, 8), ``lookups.py`` the lookups, promotion
+reads and fetches (rules 5, 9), ``discovery.py`` the key discovery (rule 7); what
+they call on the policy is declared once, abstract, in ``part.py``.
 This module holds the state, the breakers (rule 6), the filter and refusals (rule 3),
 the probes, the dispatch of finished jobs (``finished``) and shutdown.
 """
@@ -68,12 +69,12 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from .base import TierUnavailable
-from .circuit import Breakers, State
-from .remote_discovery import KeyDiscovery
-from .remote_jobs import (
+from ..base import TierUnavailable
+from .circuit import Breakers, BreakerState
+from .discovery import KeyDiscovery
+from .jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -86,27 +87,20 @@ from .remote_jobs import (
     WriteBatch,
     WriteJob,
 )
-from .remote_lookups import Lookups
-from .remote_ordering import (  # the constants re-exported: tests import them from here
+from .lookups import Lookups
+from .ordering import (  # the constants re-exported: tests import them from here
     GONE_CAP,  # noqa: F401
     LATE_WRITE_TIMEOUTS,  # noqa: F401
+    OwnWrites,
     WriteOrdering,
 )
-from .remote_transport import Node, Outcome, Retry, StoreDown
+from .transport import Node, Outcome, Retry, StoreDown
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 
 MAX_DELETE_TRIES = 6
 REFUSED_CAP = 65536
 REFUSED_TTL_S = 60.0
-
-
-class OwnWrites(Protocol):
-    """Hears what this broker itself did to the shared store (promise 8)."""
-
-    def own_stored(self, key: str, nbytes: int) -> None: ...
-    def own_deleted(self, key: str) -> None: ...
-    def own_cleared(self) -> None: ...
 
 
 # ---------------------------------------------------------------- the policy
@@ -178,13 +172,13 @@ class RemotePolicy(WriteOrdering, Lookups, KeyDiscovery):
         self._ids += 1
         return self._ids
 
-    def _breaker_changed(self, node: object, state: State) -> None:
-        if state is State.OPEN:
+    def _breaker_changed(self, node: object, state: BreakerState) -> None:
+        if state is BreakerState.OPEN:
             self.counters["remote_circuit_opens"] += 1
             if node not in self._said_down:  # once per outage, not at every failed probe
                 self._said_down.add(node)
                 log.warning("remote tier: store node %s is unavailable; serving local tiers", node)
-        elif state is State.CLOSED:
+        elif state is BreakerState.CLOSED:
             self._said_down.discard(node)
             log.info("remote tier: store node %s is reachable again", node)
             self.want_scan()  # it may have restarted empty: re-learn what it holds

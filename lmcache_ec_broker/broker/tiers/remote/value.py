@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from ...protocol import expected_nbytes
+from ....protocol import expected_nbytes
 
 try:  # blake3 is a dependency, but the format stays readable without it
     import blake3 as _blake3

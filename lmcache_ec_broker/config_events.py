@@ -1,4 +1,7 @@
-"""Validation of the ``events_*`` configuration keys (called by BrokerConfig.validate)."""
+"""The ``events_*`` configuration keys: their validation (``BrokerConfig.validate`` calls
+``validate_events``) and the node name they resolve to. Ground floor, like ``config.py``:
+imports nothing of the package (``cfg`` is the ``BrokerConfig``, typed loosely so that
+``config.py`` can import this module)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """RESP2 on the wire, without I/O: commands packed, replies read from a buffer with
 every length the server sends bounded before it is used. One grammar for both
-readers, the threads' blocking ``resp.Connection`` and the loop's
+readers, the threads' blocking ``resp.RespConnection`` and the loop's
 ``resp_async.LoopConnection``; each brings its own way to wait for bytes."""
 
 from __future__ import annotations

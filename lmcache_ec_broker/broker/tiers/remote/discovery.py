@@ -1,4 +1,4 @@
-"""Key discovery for the remote policy (rule 7 of ``remote_policy.py``): listings of
+"""Key discovery for the remote policy (rule 7 of ``policy.py``): listings of
 the store's keys, coalesced (one at a time, one more if asked for meanwhile), and
 announcements, folded into the membership filter in slices of ``fold_slice`` keys
 per loop turn so that a listing of 300k keys never holds the event loop.
@@ -27,11 +27,12 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .remote_jobs import ScanJob
-from .remote_transport import StoreDown
+from .jobs import ScanJob
+from .part import PolicyPart
+from .transport import StoreDown
 
 if TYPE_CHECKING:
-    from .remote_jobs import Limits, LookupJob, Runner, WriteJob
+    from .jobs import Limits, LookupJob, Runner, WriteJob
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 
@@ -39,8 +40,9 @@ ECHO_TTL_S = 30.0  # longer than any subscriber backlog seen; see "Own echoes" a
 ECHO_CAP = 65536
 
 
-class KeyDiscovery:
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+class KeyDiscovery(PolicyPart):
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     runner: Runner
@@ -58,12 +60,6 @@ class KeyDiscovery:
     _scan: ScanJob | None
     _scan_again: bool
     _fold: Iterator[None] | None
-
-    def _next_id(self) -> int: ...
-    def _learn(self, key: str) -> bool: ...
-    def _forget(self, key: str) -> bool: ...
-    def _blocked(self, key: str) -> bool: ...
-    def _fail(self, nodes: Sequence[Any]) -> None: ...
 
     def want_scan(self) -> None:
         """List the store's keys (coalesced: one at a time, one more if asked meanwhile)."""

@@ -1,4 +1,4 @@
-"""The local disk tier: one safetensors file per entry (``broker/diskfile.py``).
+"""The local disk tier: one safetensors file per entry (``file.py``).
 
 The event loop only does bookkeeping; file I/O runs on worker threads:
 
@@ -35,9 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import format_size
-from ...protocol import Extent
-from ..diskfile import (
+from ....config import format_size
+from ....protocol import Extent
+from ..base import (
+    EntryMeta,
+    LowerTier,
+    SlabAccess,
+    TierCorrupt,
+    TierError,
+    TierEvents,
+    TierMiss,
+    TierUnavailable,
+)
+from .file import (
     LOCK_FILE,
     QUARANTINE_DIR,
     SUFFIX,
@@ -49,16 +59,6 @@ from ..diskfile import (
     read_into,
     read_meta_path,
     write_file,
-)
-from .base import (
-    EntryMeta,
-    LowerTier,
-    SlabAccess,
-    TierCorrupt,
-    TierError,
-    TierEvents,
-    TierMiss,
-    TierUnavailable,
 )
 
 log = logging.getLogger("lmcache_ec_broker.disk")

@@ -1,4 +1,4 @@
-"""What a remote store's transport does for the remote policy (``remote_policy.py``):
+"""What a remote store's transport does for the remote policy (``policy.py``):
 move bytes and list keys, nothing else.
 
 A transport knows how to reach one kind of store (Redis/Valkey over RESP, Mooncake
@@ -11,7 +11,7 @@ Errors a transport raises:
 
 - ``StoreDown(nodes, why)``: the store (those nodes) did not answer or misbehaved;
   the policy feeds each node's circuit breaker;
-- ``BadValue`` (``remote_value.py``): the value is there but not servable;
+- ``BadValue`` (``value.py``): the value is there but not servable;
 - ``TierMiss``: the value is gone.
 """
 
@@ -21,9 +21,9 @@ import enum
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess
-from .remote_value import BadValue
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess
+from .value import BadValue
 
 Node = Hashable
 

@@ -1,21 +1,22 @@
 """The remote tier on Redis / Valkey (standalone or Cluster): the transport.
 
 What is written, in which order, what is known and when the store is left alone
-is the remote policy's (``remote_policy.py``); the transport only moves bytes over
-RESP (``resp.py``) and lists keys. This module wires it and holds the threads' calls
-and the rules a value must meet; the rest is one module each:
+is the remote policy's (``../remote/policy.py``); the transport only moves bytes over
+RESP (``resp.py``) and lists keys. This module wires it and holds the threads' calls;
+the rest is one module each:
 
-- ``redis_link.py``: pooled round trips to the server owning a key; Cluster routing
+- ``value_rules.py``: the rules a value read back must meet (threads and loop alike).
+- ``link.py``: pooled round trips to the server owning a key; Cluster routing
   (slot map, ``-MOVED``/``-ASK``); ``stop`` cuts every connection in use.
-- ``redis_loop.py``: the same calls on the broker's event loop.
-- ``redis_keys.py``: listing (``SCAN``) and clearing the namespace.
-- ``redis_announce.py``: announcements of written keys between brokers.
+- ``loop.py``: the same calls on the broker's event loop.
+- ``keys.py``: listing (``SCAN``) and clearing the namespace.
+- ``announce.py``: announcements of written keys between brokers.
 
 The calls:
 
 - *lookup*: one pipelined round trip per server for a batch of keys
   (``GETRANGE key 0 <max header>`` + ``STRLEN``); a key is a hit only if its header
-  parses and matches the value's length (``remote_value.py``).
+  parses and matches the value's length (``../remote/value.py``).
 - *read_into* (promotion): ``GET`` streamed straight into the reserved slab extents,
   hashed as it lands; served only after checksum (and HMAC) matched.
 - *lookup_on_loop* / *read_on_loop* / *fetch_on_loop*: on the broker's event loop
@@ -48,100 +49,46 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierError, TierMiss
-from .connect_error import ConnectTrouble
-from .redis_announce import Announcements
-from .redis_keys import clear, scan
-from .redis_link import UNMAPPED, Link, with_asking
-from .redis_loop import LoopCalls
-from .remote_policy import Limits
-from .remote_stats import REMOTE_COUNTERS
-from .remote_tier import BACKGROUND_NICE, Meter, RemoteTier
-from .remote_transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
-from .remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
-from .remote_value import (
-    FIXED,
+from ....protocol import Extent
+from ....remote_url import mask_url, parse_remote_url, read_hmac_key, resolve_password
+from ..base import EntryMeta, SlabAccess, TierError
+from ..remote.connect_error import ConnectTrouble
+from ..remote.policy import Limits
+from ..remote.stats import REMOTE_COUNTERS
+from ..remote.tier import BACKGROUND_NICE, Meter, RemoteTier
+from ..remote.transport import LookupAnswer, Node, Outcome, StoreDown, WriteItem
+from ..remote.value import (
     MAX_HEADER,
     BadValue,
-    Header,
     Verifier,
     checksum,
     default_algo,
     encode_header,
-    fixed_lengths,
-    parse_header,
 )
+from .announce import Announcements
+from .keys import clear, scan
+from .link import UNMAPPED, Link, with_asking
+from .loop import LoopCalls
 from .resp import (
     MAX_REDIRECTS,
-    Connection,
     ConnParams,
     Endpoint,
     Pool,
     ProtocolViolation,
+    RespConnection,
     RespError,
     Router,
     pack_set,
 )
 from .resp_async import LoopConnection
+from .value_rules import ValueRules
 
 if TYPE_CHECKING:
-    from ...config import BrokerConfig
+    from ....config import BrokerConfig
 
 __all__ = ["BACKGROUND_NICE", "UNMAPPED", "RedisTier", "RedisTransport", "ValueRules"]
 
 log = logging.getLogger("lmcache_ec_broker.remote")
-
-
-class ValueRules:
-    """What a stored value must be to be served: no larger than an entry may be, a
-    header that parses (signed, where a key is set) and names the key it is read as.
-    The threads and the loop read a value's header through the same checks.
-
-    ``parse_header`` is called here, in this module, on purpose:
-    benchmarks/remote_attribution.py times ``redis.parse_header``."""
-
-    def __init__(self, max_entry_bytes: int, hmac_key: bytes | None) -> None:
-        self.max_entry_bytes = max_entry_bytes
-        self.hmac_key = hmac_key
-
-    def meta(self, key: str, head: object, total: object) -> LookupAnswer:
-        """A lookup's answer from ``GETRANGE key 0 <max header>`` and ``STRLEN key``."""
-        if not isinstance(total, int) or total == 0 or not isinstance(head, bytes):
-            return None  # absent (GETRANGE of a missing key is empty)
-        try:
-            h = parse_header(head, key, self.max_entry_bytes, self.hmac_key, total_len=total)
-        except BadValue as exc:
-            return exc
-        return EntryMeta(h.nbytes, h.dtype, h.shape)
-
-    def total(self, key: str, length: int | None) -> int:
-        """A ``GET``'s bulk length, checked before a byte of the value is read."""
-        if length is None:
-            raise TierMiss(key)
-        if length > MAX_HEADER + self.max_entry_bytes:
-            raise BadValue(f"value of {length} bytes exceeds the entry size limit")
-        return length
-
-    def fixed_size(self, total: int) -> int:
-        """How much to read first: the header's fixed part (less of a shorter value)."""
-        return min(FIXED.size, total)
-
-    def head_rest(self, fixed: bytes, total: int) -> int:
-        """How many bytes of the header follow its fixed part ``fixed``."""
-        size, _ = fixed_lengths(fixed)
-        if size > total:
-            raise BadValue("value is truncated inside its header")
-        return size - FIXED.size
-
-    def header(self, key: str, data: bytes, total: int) -> Header:
-        return parse_header(data, key, self.max_entry_bytes, self.hmac_key, total_len=total)
-
-    @staticmethod
-    def unchanged(head: Header, meta: EntryMeta) -> None:
-        """A promotion reads what its lookup saw, or nothing."""
-        if (head.nbytes, head.dtype, head.shape) != (meta.nbytes, meta.dtype, meta.shape):
-            raise BadValue("value changed since the lookup (other dtype/shape)")
 
 
 class RedisTransport:
@@ -242,7 +189,7 @@ class RedisTransport:
                     cmds.append(["GETRANGE", rks[i], 0, MAX_HEADER - 1])
                     cmds.append(["STRLEN", rks[i]])
 
-                def ask(c: Connection, cmds: list[list[Any]] = cmds) -> list[Any]:
+                def ask(c: RespConnection, cmds: list[list[Any]] = cmds) -> list[Any]:
                     return c.pipeline(cmds)
 
                 replies = link.call(ep, with_asking(ask) if asking else ask)
@@ -275,7 +222,7 @@ class RedisTransport:
         rk = self.link.rk(key)
         rules = self.rules
 
-        def get(conn: Connection) -> None:
+        def get(conn: RespConnection) -> None:
             conn.send(["GET", rk])
             total = rules.total(key, conn.read_bulk_len())
             fixed = conn.read_exact(rules.fixed_size(total))
@@ -339,7 +286,7 @@ class RedisTransport:
         rk = self.link.rk(item.key)
         meta = item.meta
 
-        def put(conn: Connection) -> Outcome:
+        def put(conn: RespConnection) -> Outcome:
             if not item.overwrite:
                 head, total = conn.pipeline([["GETRANGE", rk, 0, MAX_HEADER - 1], ["STRLEN", rk]])
                 for reply in (head, total):

@@ -1,5 +1,5 @@
 """Write-behind, deletes and clears of the remote policy (rules 1, 2, 4 and 8 of
-``remote_policy.py``): the queue of jobs in arrival order, the writes' budget, how
+``policy.py``): the queue of jobs in arrival order, the writes' budget, how
 each write ends, and the follow-up delete of a key whose failed write may still land.
 A mixin of ``RemotePolicy``: it works on the policy's own state, declared below.
 
@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ...protocol import Extent
-from .base import EntryMeta
-from .remote_jobs import ClearJob, DeleteJob, Job, LookupJob, ScanJob, WriteBatch, WriteJob
-from .remote_transport import Outcome
+from ....protocol import Extent
+from ..base import EntryMeta
+from .jobs import ClearJob, DeleteJob, Job, LookupJob, ScanJob, WriteBatch, WriteJob
+from .part import PolicyPart
+from .transport import Outcome
 
 if TYPE_CHECKING:
     from .circuit import Breakers
-    from .remote_jobs import Limits, QueueJob, Runner
-    from .remote_policy import OwnWrites
-    from .remote_transport import Node
+    from .jobs import Limits, QueueJob, Runner
+    from .transport import Node
 
 GONE_CAP = 65536
 # A write that failed after its bytes may have left (a timeout, a lost connection) can
@@ -42,8 +42,17 @@ GONE_CAP = 65536
 LATE_WRITE_TIMEOUTS = 4.0
 
 
-class WriteOrdering:
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+class OwnWrites(Protocol):
+    """Hears what this broker itself did to the shared store (promise 8)."""
+
+    def own_stored(self, key: str, nbytes: int) -> None: ...
+    def own_deleted(self, key: str) -> None: ...
+    def own_cleared(self) -> None: ...
+
+
+class WriteOrdering(PolicyPart):
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     ready: Callable[[], bool]
@@ -67,13 +76,6 @@ class WriteOrdering:
     known: collections.OrderedDict[str, int]
     _timer_at: float
 
-    if TYPE_CHECKING:  # the policy's and KeyDiscovery's (not defined here: see the MRO)
-
-        def _next_id(self) -> int: ...
-        def _learn(self, key: str) -> bool: ...
-        def _forget(self, key: str) -> bool: ...
-        def _blocked(self, key: str) -> bool: ...
-        def _echo_sent(self, keys: Sequence[str]) -> None: ...
 
     def write(
         self, key: str, meta: EntryMeta, extents: list[Extent], waiter: Any = None
@@ -274,7 +276,7 @@ class WriteOrdering:
             job.writes = [w for w in job.writes if w not in down]
             if not job.writes:
                 return False
-            self._echo_sent([w.key for w in job.writes])  # remote_discovery.py: own echoes
+            self._echo_sent([w.key for w in job.writes])  # discovery.py: own echoes
         self.running.add(job)
         self.runner.dispatch(job)
         return True

@@ -1,11 +1,11 @@
 """The remote tier on Mooncake Store: the transport (client lifecycle, key listing,
-deletes) -- the data path is ``mooncake_io.py``, the rules are the remote policy's.
+deletes) -- the data path is ``data_path.py``, the rules are the remote policy's.
 
 Enabled with ``remote_url: mooncakestore://<master host:port>`` (LMCache's scheme).
 The broker's whole slab is registered with the Mooncake client once (in the
 background: a master that is down at start only delays it).
 
-The object is exactly the remote value format of ``remote_value.py`` (header +
+The object is exactly the remote value format of ``../remote/value.py`` (header +
 payload), so a value is untrusted input here as it is in Redis.
 
 Mooncake semantics this transport relies on (0.3.13, docs/mooncake.md): ``put``
@@ -29,11 +29,16 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierError
-from .connect_error import ConnectTrouble
-from .mooncake_config import EXTRA_HINT, SCHEME, MooncakeSettings
-from .mooncake_io import (
+from ....config_mooncake import SCHEME
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess, TierError
+from ..remote.connect_error import ConnectTrouble
+from ..remote.policy import Limits
+from ..remote.stats import REMOTE_COUNTERS
+from ..remote.tier import Meter, RemoteTier
+from ..remote.transport import LookupAnswer, Node, Outcome, Retry, StoreDown, WriteItem, owned
+from ..remote.value import stored_key
+from .data_path import (
     BATCH_WRITE_BYTES,
     BATCH_WRITES,
     HAS_LEASE,
@@ -47,11 +52,7 @@ from .mooncake_io import (
     MooncakeIO,
     Slots,
 )
-from .remote_policy import Limits
-from .remote_stats import REMOTE_COUNTERS
-from .remote_tier import Meter, RemoteTier
-from .remote_transport import LookupAnswer, Node, Outcome, Retry, StoreDown, WriteItem, owned
-from .remote_value import stored_key
+from .settings import EXTRA_HINT, MooncakeSettings
 
 __all__ = ["MooncakeSettings", "MooncakeTier", "MooncakeTransport"]
 

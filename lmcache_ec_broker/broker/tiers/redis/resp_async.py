@@ -1,4 +1,4 @@
-"""RESP on the broker's event loop: one pooled ``resp.Connection`` read and written
+"""RESP on the broker's event loop: one pooled ``resp.RespConnection`` read and written
 without blocking, for the two calls of a remote hit (the lookup's pipeline and the
 promotion's ``GET``), so a hit waits for the store and nothing else -- no hand-off
 to a worker thread and back (measured: 100-300 µs each on a loaded host,
@@ -8,7 +8,7 @@ The connection comes from the tier's ``Pool`` only when one is idle there (never
 blocking connect on the loop), plain TCP or a Unix socket (TLS stays on the
 threads), and goes back only when its stream is in step: any error or cancellation
 in the middle of a reply closes it. The same grammar and bounds as
-``resp.Connection`` (``resp_wire.py``, shared): every length the server sends is
+``resp.RespConnection`` (``resp_wire.py``, shared): every length the server sends is
 checked before it is used; bytes land only in the views the caller gives.
 """
 
@@ -18,7 +18,7 @@ import asyncio
 import socket
 from typing import Any
 
-from .resp import Connection, Pool
+from .resp import Pool, RespConnection
 from .resp_wire import (
     MAX_SMALL_BULK,
     ProtocolViolation,
@@ -37,7 +37,7 @@ _FILL = 16 * 1024  # the header's read: the payload goes straight into the slab
 class LoopConnection:
     """``conn`` used from ``loop``; ``release`` gives it back (or closes it)."""
 
-    def __init__(self, conn: Connection, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, conn: RespConnection, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = conn
         self.pool = pool
         self.loop = loop

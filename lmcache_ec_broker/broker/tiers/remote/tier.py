@@ -1,4 +1,4 @@
-"""The remote tier at run time: the policy (``remote_policy.py``) on the event loop,
+"""The remote tier at run time: the policy (``policy.py``) on the event loop,
 the transport's calls on the tier's own threads.
 
 Threads: lookups (``lookup_concurrency``), promotions (reads), write-behind
@@ -26,19 +26,20 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from ...protocol import Extent
-from .base import (
+from ....protocol import Extent
+from ..base import (
     EntryMeta,
     LowerTier,
+    OwnTierEvents,
     SlabAccess,
     TierCorrupt,
     TierEvents,
     TierMiss,
     TierUnavailable,
 )
-from .remote_jobs import (
+from .jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -49,10 +50,10 @@ from .remote_jobs import (
     WriteJob,
     execute,
 )
-from .remote_policy import Limits, RemotePolicy
-from .remote_stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
-from .remote_transport import Declined, Retry, StoreDown, Transport
-from .remote_value import BadValue
+from .policy import Limits, RemotePolicy
+from .stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
+from .transport import Declined, Retry, StoreDown, Transport
+from .value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
 
@@ -103,16 +104,6 @@ async def _uncancellable(fut: asyncio.Future[Any]) -> Any:
     if cancelled:
         raise asyncio.CancelledError
     return fut.result()
-
-
-@runtime_checkable
-class OwnTierEvents(Protocol):
-    """Tier events that also hear what this broker itself wrote to or deleted from a
-    shared tier (the coordinator; ``RemotePolicy``'s promise 8 says when)."""
-
-    def own_stored(self, tier: LowerTier, key: str, nbytes: int) -> None: ...
-    def own_deleted(self, tier: LowerTier, key: str) -> None: ...
-    def own_cleared(self, tier: LowerTier) -> None: ...
 
 
 class RemoteTier(LowerTier):

@@ -4,10 +4,10 @@ nested prefix's values (``a:b:x`` under ``a:``) stay."""
 
 from __future__ import annotations
 
-from .redis_link import UNMAPPED, Link
-from .remote_transport import StoreDown, owned
-from .remote_value import MAX_HEADER, stored_key
-from .resp import Connection, ProtocolViolation, RespError
+from ..remote.transport import StoreDown, owned
+from ..remote.value import MAX_HEADER, stored_key
+from .link import UNMAPPED, Link
+from .resp import ProtocolViolation, RespConnection, RespError
 
 _SCAN_COUNT = 1000
 
@@ -25,7 +25,7 @@ def scan(link: Link, channel: bytes, limit: int) -> list[str]:
     pattern = _glob_escape(link.prefix) + b"*"
     for ep in link.router.masters():
 
-        def one_node(conn: Connection) -> None:
+        def one_node(conn: RespConnection) -> None:
             cursor: bytes | int = b"0"
             while True:
                 reply = conn.command("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)

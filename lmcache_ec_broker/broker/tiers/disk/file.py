@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from ..protocol import DTYPE_ITEMSIZE, Extent, expected_nbytes
+from ....protocol import DTYPE_ITEMSIZE, Extent, expected_nbytes
 
 try:
     import blake3 as _blake3

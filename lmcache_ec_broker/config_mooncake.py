@@ -1,22 +1,18 @@
-"""The Mooncake backend's settings: ``remote_url: mooncakestore://<master host:port>``
-plus the ``mooncake_*`` keys, checked at config time and resolved for the tier.
-
-No heavy imports (config validation uses this module; the Mooncake client itself is
-imported only when the tier opens).
+"""The Mooncake backend's configuration keys: ``remote_url: mooncakestore://<master
+host:port>`` plus the ``mooncake_*`` keys, checked at config time (``BrokerConfig.validate``
+calls ``validate_mooncake``). Ground floor, like ``config.py``: imports nothing of the
+package but ``remote_url.py`` (``cfg`` is the ``BrokerConfig``, typed loosely so that
+``config.py`` can import this module). The tier's resolved settings are
+``broker/tiers/mooncake/settings.py``'s.
 """
 
 from __future__ import annotations
 
-import socket
-from typing import TYPE_CHECKING
+from typing import Any
 
-import msgspec
-
-if TYPE_CHECKING:
-    from ...config import BrokerConfig
+from .remote_url import read_hmac_key
 
 SCHEME = "mooncakestore"
-EXTRA_HINT = "pip install 'lmcache-ec-broker[mooncake]'"
 PROTOCOLS = ("tcp", "rdma")
 
 
@@ -43,27 +39,7 @@ def is_mooncake_url(url: str | None) -> bool:
     return bool(url) and str(url).strip().lower().startswith(SCHEME + "://")
 
 
-class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the tier needs, resolved from the broker's config."""
-
-    master: str  # host:port of mooncake_master's RPC service
-    local_hostname: str = "127.0.0.1"  # the address other nodes reach this broker's segment at
-    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata, etcd://...
-    protocol: str = "tcp"  # or "rdma"
-    device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; "" for tcp
-    global_segment_size: int = 1 << 30  # memory this broker contributes to the pool
-    local_buffer_size: int = 16 << 20  # Mooncake's own staging buffer (unused by our paths)
-    key_prefix: str = "ecb:"
-    timeout_s: float = 2.0  # bound on a lookup round trip; Mooncake's RPC timeout too
-    write_queue: int = 256  # queued write-behinds before new ones are dropped
-    max_entry_size: int = 0  # 0: no limit beyond the slab
-    hmac_key: bytes | None = None
-    admin_port: int = 9003  # the master's metrics/admin HTTP port (key listing)
-    key_poll_s: float = 5.0  # how often to fold the store's keys into the filter; 0: off
-    max_reported_keys: int = 1 << 20  # remote keys folded into the membership filter
-
-
-def validate_mooncake(cfg: BrokerConfig) -> None:
+def validate_mooncake(cfg: Any) -> None:
     """Raise ValueError naming the first invalid Mooncake setting and the fix."""
     assert cfg.remote_url is not None
     parse_mooncake_url(cfg.remote_url)
@@ -100,32 +76,4 @@ def validate_mooncake(cfg: BrokerConfig) -> None:
             f"remote_key_prefix must be 1-256 characters without spaces, got {cfg.remote_key_prefix!r}"
         )
     if cfg.remote_hmac_key_file:
-        from .remote_url import read_hmac_key
-
         read_hmac_key(cfg.remote_hmac_key_file)
-
-
-def settings_from_config(cfg: BrokerConfig) -> MooncakeSettings:
-    assert cfg.remote_url is not None
-    hmac_key = None
-    if cfg.remote_hmac_key_file:
-        from .remote_url import read_hmac_key
-
-        hmac_key = read_hmac_key(cfg.remote_hmac_key_file)
-    return MooncakeSettings(
-        master=parse_mooncake_url(cfg.remote_url),
-        local_hostname=cfg.mooncake_local_hostname or socket.gethostname(),
-        metadata_server=cfg.mooncake_metadata_server,
-        protocol=cfg.mooncake_protocol,
-        device_name=cfg.mooncake_device_name,
-        global_segment_size=cfg.mooncake_global_segment_size,
-        local_buffer_size=cfg.mooncake_local_buffer_size,
-        key_prefix=cfg.remote_key_prefix,
-        timeout_s=cfg.remote_timeout_s,
-        write_queue=cfg.remote_write_queue,
-        max_entry_size=cfg.max_entry_size,
-        hmac_key=hmac_key,
-        admin_port=cfg.mooncake_admin_port,
-        key_poll_s=cfg.mooncake_key_poll_s,
-        max_reported_keys=cfg.remote_filter_keys,
-    )

@@ -32,12 +32,11 @@ from typing import Any
 
 import msgspec
 
-from ...protocol import Extent
-from .base import EntryMeta, SlabAccess, TierMiss
-from .mooncake_config import MooncakeSettings
-from .remote_tier import Meter
-from .remote_transport import LookupAnswer, Outcome, Retry, StoreDown, WriteItem
-from .remote_value import (
+from ....protocol import Extent
+from ..base import EntryMeta, SlabAccess, TierMiss
+from ..remote.tier import Meter
+from ..remote.transport import LookupAnswer, Outcome, Retry, StoreDown, WriteItem
+from ..remote.value import (
     FIXED,
     MAX_HEADER,
     BadValue,
@@ -49,6 +48,7 @@ from .remote_value import (
     fixed_lengths,
     parse_header,
 )
+from .settings import MooncakeSettings
 
 # Mooncake error codes (mooncake-store/include/types.h)
 NO_SPACE = -200

@@ -1,5 +1,5 @@
 """Lookups, promotion reads and fetches of the remote policy (rules 5 and 9 of
-``remote_policy.py``, and the lookup side of rules 1, 3 and 6). A mixin of
+``policy.py``, and the lookup side of rules 1, 3 and 6). A mixin of
 ``RemotePolicy``: it works on the policy's own state, declared below.
 
 Invariants:
@@ -23,19 +23,21 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .base import EntryMeta, TierMiss, TierUnavailable
-from .remote_jobs import LookupJob, ScanJob, WriteJob
-from .remote_transport import Declined, StoreDown
-from .remote_value import BadValue
+from ..base import EntryMeta, TierMiss, TierUnavailable
+from .jobs import LookupJob, ScanJob, WriteJob
+from .part import PolicyPart
+from .transport import Declined, StoreDown
+from .value import BadValue
 
 if TYPE_CHECKING:
     from .circuit import Breakers
-    from .remote_jobs import Limits, Runner
-    from .remote_transport import Node
+    from .jobs import Limits, Runner
+    from .transport import Node
 
 
-class Lookups:
-    """Mixed into RemotePolicy: the state it uses is the policy's."""
+class Lookups(PolicyPart):
+    """Mixed into RemotePolicy: the state it uses is the policy's (declared below);
+    the policy's methods it calls are ``PolicyPart``'s."""
 
     limits: Limits
     runner: Runner
@@ -51,15 +53,6 @@ class Lookups:
     known: collections.OrderedDict[str, int]
     complete: bool
 
-    if TYPE_CHECKING:  # the policy's (not defined here: see the MRO)
-
-        def _next_id(self) -> int: ...
-        def _fail(self, nodes: Sequence[Node]) -> None: ...
-        def _ok(self, nodes: Sequence[Node]) -> None: ...
-        def _learn(self, key: str) -> bool: ...
-        def _forget(self, key: str) -> bool: ...
-        def _blocked(self, key: str) -> bool: ...
-        def refuse(self, key: str, why: object) -> None: ...
 
     def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None] | LookupJob:
         """Answer now (a list) or admit a lookup job that ``answered`` will end by
