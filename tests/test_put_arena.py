@@ -341,14 +341,19 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker, a
 
 def test_readers_scan_only_the_slots_handed_out() -> None:
     """The journal's ``bound``: a reader scans the slots the broker handed out (a few),
-    not every connection's (1024), and still sees every placement in them; a
-    scribbled ``bound`` beyond the journal is clamped, never read past the pairs."""
+    not every connection's (1024), and still sees every placement in them. ``bound``
+    and the settled words are the broker's alone (a sealed segment): a client's
+    mapping of them is read-only, and no new writable mapping can be made."""
+    import mmap
+
     from lmcache_ec_broker.shm.journal import Journal
 
     broker_side = Journal.create(f"/lmcache-ec-test-j-{os.getpid()}", 1024)
     try:
-        reader = Journal.attach(broker_side.name, broker_side.size, None)
-        writer = Journal.attach(broker_side.name, broker_side.size, None)
+        placed_fd = broker_side.segment.share_fd()
+        settled_fd = broker_side.settled_segment.share_fd(read_only=True)
+        reader = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
+        writer = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
         try:
             assert not reader.any_unsettled()
             writer.mark_placed(5, 1)  # a slot never handed out: nobody placed there
@@ -367,8 +372,10 @@ def test_readers_scan_only_the_slots_handed_out() -> None:
             broker_side.settle(39, 1)
             writer.mark_placed(100, 1)  # beyond bound: not scanned
             assert not reader.any_unsettled(own_slot=0)
-            struct.pack_into("<I", writer.segment.mm, 1024 * 8, 0xFFFFFFFF)
-            assert reader.any_unsettled(own_slot=0)  # clamped to 1024: slot 100 is seen
+            with pytest.raises(TypeError):  # read-only: bound cannot be scribbled
+                struct.pack_into("<I", writer.settled_segment.mm, 1024 * 16, 0xFFFFFFFF)
+            with pytest.raises(PermissionError):  # sealed: no writable mapping, root's too
+                mmap.mmap(os.open(f"/proc/self/fd/{settled_fd}", os.O_RDWR), 4096)
         finally:
             reader.close()
             writer.close()

@@ -119,6 +119,12 @@ class PutArena:
         assert self._journal is not None
         self._journal.mark_placed(self.slot, self.seq)
 
+    def excused(self) -> bool:
+        """Whether the broker excused this connection's last placement's window (it
+        stayed pending too long): the put must wait for the broker before returning."""
+        journal = self._journal
+        return journal is not None and journal.excused(self.slot, self.seq)
+
     def sent(self, keys: list[str], granted: bool) -> None:
         """The Place frames of ``keys`` (and a grant if ``granted``) were sent."""
         if granted:

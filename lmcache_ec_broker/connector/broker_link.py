@@ -26,7 +26,7 @@ import msgspec
 
 from ..protocol import FRAME_HEADER, PROTOCOL_VERSION, ErrorReply, Hello, HelloReply, Reply
 from .errors import BrokerRefused, BrokerUnavailable
-from .frames import _MAX_REPLY_BYTES, recv_exact
+from .frames import _MAX_REPLY_BYTES
 from .trust import check_peer
 
 log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for the whole client
@@ -37,14 +37,35 @@ def _hello_frame(client_id: str) -> bytes:
     return FRAME_HEADER.pack(len(body)) + body
 
 
-def _read_one(sock: socket.socket, limit: int) -> object:
-    (length,) = FRAME_HEADER.unpack(recv_exact(sock, FRAME_HEADER.size))
-    if length > limit:
-        raise BrokerUnavailable(f"implausible handshake reply of {length} bytes")
+def _read_hello(sock: socket.socket, limit: int, fds: list[int]) -> object:
+    """The handshake's reply, and into ``fds`` the descriptors that came with it (the
+    caller closes them). Nothing else is in flight: the broker sends nothing more
+    before this client's next request."""
+    data = b""
+    need = FRAME_HEADER.size
+    while len(data) < need:
+        chunk, got, _flags, _addr = socket.recv_fds(sock, max(need - len(data), 1 << 12), 8)
+        fds += got
+        if not chunk:
+            raise BrokerUnavailable("the broker closed the connection")
+        data += chunk
+        if need == FRAME_HEADER.size and len(data) >= need:
+            (length,) = FRAME_HEADER.unpack_from(data)
+            if length > limit:
+                raise BrokerUnavailable(f"implausible handshake reply of {length} bytes")
+            need += length
     try:
-        return msgspec.msgpack.decode(recv_exact(sock, length), type=Reply)
+        return msgspec.msgpack.decode(data[FRAME_HEADER.size : need], type=Reply)
     except msgspec.MsgspecError as exc:
         raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def close_fds(fds: Collection[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def dial(
@@ -53,10 +74,12 @@ def dial(
     client_id: str,
     connect_timeout_s: float,
     timeout_s: float,
-) -> tuple[socket.socket, HelloReply]:
-    """Connect, check who listens, greet. Raises BrokerRefused (the broker said no,
-    with its reason), BrokerImpostor (an untrusted uid listens), BrokerUnavailable or
-    OSError (TimeoutError: the broker hangs)."""
+) -> tuple[socket.socket, HelloReply, dict[str, int]]:
+    """Connect, check who listens, greet. Returns the socket, the broker's reply and
+    the segments' descriptors it sent, by label (the caller closes them). Raises
+    BrokerRefused (the broker said no, with its reason), BrokerImpostor (an
+    untrusted uid listens), BrokerUnavailable or OSError (TimeoutError: it hangs)."""
+    fds: list[int] = []
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(connect_timeout_s)
     try:
@@ -67,25 +90,30 @@ def dial(
             sock.sendall(_hello_frame(client_id))
         except (BrokenPipeError, ConnectionResetError):
             pass  # a refusing broker writes why and closes at once: its reason is queued
-        reply = _read_one(sock, _MAX_REPLY_BYTES)
+        reply = _read_hello(sock, _MAX_REPLY_BYTES, fds)
     except BaseException:
+        close_fds(fds)
         sock.close()
         raise
+    if not isinstance(reply, HelloReply) or len(fds) != len(reply.segment_fds):
+        close_fds(fds)
+        fds = []
     if isinstance(reply, ErrorReply):
         sock.close()
         raise BrokerRefused(reply.code, reply.message)
     if not isinstance(reply, HelloReply):
         sock.close()
         raise BrokerUnavailable(f"unexpected handshake reply {type(reply).__name__}")
-    return sock, reply
+    return sock, reply, dict(zip(reply.segment_fds, fds, strict=True)) if fds else {}
 
 
 def probe(socket_path: str, trusted: Collection[int], timeout_s: float) -> bool:
     """A throwaway connection and handshake: does the broker answer?"""
     try:
-        sock, _hello = dial(socket_path, trusted, uuid.uuid4().hex, timeout_s, timeout_s)
+        sock, _hello, fds = dial(socket_path, trusted, uuid.uuid4().hex, timeout_s, timeout_s)
     except (OSError, BrokerUnavailable, BrokerRefused):
         return False
+    close_fds(fds.values())
     sock.close()
     return True
 

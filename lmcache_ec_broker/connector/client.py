@@ -81,7 +81,7 @@ from ..shm.residency import ResidencyReader
 from ..shm.segment import ShmError
 from . import index_path, reads
 from .arena_blocks import Run
-from .broker_link import Circuit, Redial, dial, probe
+from .broker_link import Circuit, Redial, close_fds, dial, probe
 from .errors import BrokerImpostor as BrokerImpostor
 from .errors import BrokerRefused, BrokerUnavailable
 from .frames import _MAX_OWED
@@ -185,7 +185,7 @@ class BrokerClient:
             return None
 
     def _connect(self) -> Session:
-        sock, hello = dial(
+        sock, hello, fds = dial(
             self.socket_path,
             self.trusted_uids,
             self.client_id,
@@ -199,7 +199,9 @@ class BrokerClient:
             self._drop_maps()  # the broker restarted: its old segments are gone
             maps = None
         if maps is None:
-            maps = self._maps = Mappings(hello, self.trusted_uids, self.prefault)
+            maps = self._maps = Mappings(hello, self.trusted_uids, self.prefault, fds)
+        else:
+            close_fds(fds.values())  # the same epoch's segments, mapped already
         self._hello = hello
         self._session = s = Session(sock, hello, maps.journal, self._on_lost(), self._wrap)
         self._redial.connected()
@@ -515,6 +517,11 @@ class BrokerClient:
         s.wire.send_posted(b"".join(frames) + grant, len(frames) + (1 if grant else 0))
         arena.sent(keys, bool(grant))
         s.posted.update(keys)
+        if arena.excused():
+            # This client stopped inside the window long enough for the broker to
+            # excuse it (shm/journal.py): others skip its slot, so wait until the
+            # broker has handled the placement before put returns.
+            s.wire.read_replies(0)
 
     def _ask_arena(self, s: Session) -> None:
         """Post a grant when the arena is low (lazily: the first put of a connection);

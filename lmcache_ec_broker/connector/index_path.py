@@ -34,15 +34,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def map_index(hello: HelloReply, owners: Collection[int]) -> ResidencyReader | None:
-    """The index the handshake names, or None (not published, not x86-64, unusable)."""
+def map_index(
+    hello: HelloReply, owners: Collection[int], fd: int | None = None
+) -> ResidencyReader | None:
+    """The index the handshake names (from ``fd`` when the broker sent one), or None
+    (not published, not x86-64, unusable)."""
     if not hello.residency_name:
         return None
     if not usable_here():
         return None  # no load fence from Python: the seqlock argument needs x86-TSO
     try:
         return ResidencyReader(
-            hello.residency_name, hello.residency_size, hello.segment_size, owners
+            hello.residency_name, hello.residency_size, hello.segment_size, owners, fd
         )
     except (ShmError, ValueError, OverflowError) as exc:
         log.warning("not using the broker's residency index: %s", exc)

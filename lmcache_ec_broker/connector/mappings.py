@@ -20,6 +20,7 @@ then asks the broker), except the slab, whose failure is an outage (ShmError).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -38,31 +39,59 @@ log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for th
 
 class Mappings:
     __slots__ = ("epoch", "filter", "journal", "index", "slab", "_segment", "_hello", "_arenas",
-                 "_owners", "_prefault")  # fmt: skip
+                 "_owners", "_prefault", "_slab_fd")  # fmt: skip
 
-    def __init__(self, hello: HelloReply, owners: Collection[int], prefault: bool) -> None:
+    def __init__(
+        self,
+        hello: HelloReply,
+        owners: Collection[int],
+        prefault: bool,
+        fds: dict[str, int] | None = None,
+    ) -> None:
+        """``fds``: the descriptors the handshake brought, by label (taken over: closed
+        here once mapped); without one a segment is opened by name, where it has one."""
+        fds = dict(fds or {})
+        try:
+            self._map(hello, owners, prefault, fds)
+        finally:
+            for label, fd in fds.items():
+                if label != "slab":
+                    os.close(fd)
+
+    def _map(
+        self, hello: HelloReply, owners: Collection[int], prefault: bool, fds: dict[str, int]
+    ) -> None:
         self.epoch = hello.epoch
         self._hello = hello
         self._owners = owners
         self._prefault = prefault
         self._arenas = bool(hello.put_arena_bytes)
         self.slab: SlabView | None = None
+        self._slab_fd = fds.get("slab")  # kept until the slab is mapped (or closed)
         self._segment: Segment | None = None
         self.filter: FilterReader | None = None
         self.journal: Journal | None = None
         self.index: ResidencyReader | None = None
         if hello.filter_name:
             try:
-                self.filter = FilterReader(hello.filter_name, hello.filter_size, owners=owners)
+                self.filter = FilterReader(
+                    hello.filter_name, hello.filter_size, owners, fds.get("filter")
+                )
             except (ShmError, ValueError, OverflowError) as exc:
                 log.warning("not using the broker's membership filter: %s", exc)
         if hello.put_arena_bytes and hello.journal_name:
             try:
-                self.journal = Journal.attach(hello.journal_name, hello.journal_size, owners)
+                self.journal = Journal.attach(
+                    hello.journal_name,
+                    hello.journal_size,
+                    owners,
+                    fds.get("journal"),
+                    fds.get("settled"),
+                )
             except (ShmError, ValueError, OverflowError) as exc:
                 # Without it, arena puts are off and the filter is not trusted.
                 log.warning("not using the broker's put arena: %s", exc)
-        self.index = index_path.map_index(hello, owners)
+        self.index = index_path.map_index(hello, owners, fds.get("index"))
 
     def map_slab(self) -> SlabView:
         """The slab, mapped (and pre-faulted) now if it is not yet; ShmError if it
@@ -71,9 +100,17 @@ class Mappings:
             from .copy import SlabView
 
             hello = self._hello
-            self._segment = Segment.attach(
-                hello.segment_name, hello.segment_size, self._prefault, self._owners
-            )
+            fd = self._slab_fd
+            if fd is None:
+                self._segment = Segment.attach(
+                    hello.segment_name, hello.segment_size, self._prefault, self._owners
+                )
+            else:
+                self._segment = Segment.attach_fd(
+                    fd, hello.segment_name, hello.segment_size, self._prefault, self._owners
+                )
+                self._slab_fd = None
+                os.close(fd)
             self.slab = SlabView(self._segment.mm, hello.segment_size)
         return self.slab
 
@@ -87,6 +124,9 @@ class Mappings:
 
     def close(self) -> None:
         """Unmap everything (the slab's CUDA registration goes first, in SlabView.close)."""
+        if self._slab_fd is not None:
+            os.close(self._slab_fd)
+            self._slab_fd = None
         if self.slab is not None:
             self.slab.close()
             self.slab = None
