@@ -20,7 +20,9 @@ scheduler saw is protected from eviction if nothing releases it earlier),
 ``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
 from a lower tier before they are encoded instead), ``model_name`` (the model field
 of the keys; default: the model path plus a fingerprint of its weights and
-configuration, see :mod:`lmcache_ec_broker.connector.model_id`).
+configuration, see :mod:`lmcache_ec_broker.connector.model_id`; after an in-place
+weight update, plus a fingerprint of the encoder's weights in memory, see
+:mod:`lmcache_ec_broker.connector.weights_identity`).
 
 Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
 

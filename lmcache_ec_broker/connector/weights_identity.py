@@ -42,6 +42,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -50,12 +51,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.lmcache_ec_broker.connector")
 
 DIGEST_HEX = 16
-# Words (16-bit) reduced per device chunk. Bounds keep every int64 sum exact:
-# |word| <= 2**15, coefficients < 2**12, CHUNK_WORDS / COLS <= 2**12 rows
-# -> every partial sum stays below 2**51.
-CHUNK_WORDS = 1 << 24
+# Exact int64 arithmetic on 16-bit words: |word| <= 2**15, coefficients < 2**12, a
+# [rows, COLS] view with rows < 2**24 keeps every partial sum below 2**63. Tensors of
+# at least BIG_WORDS words are reduced in place (no copy); smaller ones are packed
+# together up to PACK_WORDS words first (fewer kernel launches).
 COLS = 4096
 COEF_MOD = 4093
+BIG_WORDS = 1 << 20
+PACK_WORDS = 1 << 22
 _DIGEST_TAG = b"lmcache-ec-weights-v1\0"
 
 # collective_rpc methods that leave the weights alone: no fingerprint after them.
@@ -132,25 +135,45 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int16)
 
 
-def _chunk_sums(words: torch.Tensor) -> torch.Tensor:
-    """Three exact int64 sums of a chunk: plain, column-weighted, row-weighted (so a
-    permutation of words changes the result too)."""
-    n = words.numel()
-    rows = -(-n // COLS)
-    w = torch.zeros(rows * COLS, dtype=torch.int64, device=words.device)
-    w[:n] = words
-    w = w.view(rows, COLS)
+def _matrix_sums(w: torch.Tensor) -> torch.Tensor:
+    """Exact int64 sums of a [rows, COLS] int16 matrix: column-weighted and
+    row-weighted (a permutation of words changes them too), read once each. On the
+    CPU with numpy (single-threaded: a busy host's OpenMP pool makes these small
+    reductions 100x slower); the sums are exact integers, so every device and
+    library gives the same digest for the same weights."""
+    if w.device.type == "cpu":
+        a = w.numpy()
+        cols_np = (np.arange(COLS, dtype=np.int64) * 2654435761) % COEF_MOD + 1
+        rows_np = np.arange(a.shape[0], dtype=np.int64) % COEF_MOD + 1
+        by_col = int(a.sum(0, dtype=np.int64) @ cols_np)
+        by_row = int(a.sum(1, dtype=np.int64) @ rows_np)
+        return torch.tensor([by_col, by_row], dtype=torch.int64)
     cols = (torch.arange(COLS, device=w.device, dtype=torch.int64) * 2654435761) % COEF_MOD + 1
-    rowc = torch.arange(rows, device=w.device, dtype=torch.int64) % COEF_MOD + 1
-    return torch.stack([w.sum(), (w.sum(0) * cols).sum(), (w.sum(1) * rowc).sum()])
+    rowc = torch.arange(w.shape[0], device=w.device, dtype=torch.int64) % COEF_MOD + 1
+    by_col = (w.sum(0, dtype=torch.int64) * cols).sum()
+    by_row = (w.sum(1, dtype=torch.int64) * rowc).sum()
+    return torch.stack([by_col, by_row])
+
+
+def _packed_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``_matrix_sums`` of small pieces packed one after another, zero-padded."""
+    n = sum(p.numel() for p in pieces)
+    rows = -(-n // COLS)
+    if pieces[0].device.type == "cpu":  # numpy: see _matrix_sums
+        buf = np.zeros(rows * COLS, dtype=np.int16)
+        np.concatenate([p.numpy() for p in pieces], out=buf[:n])
+        return _matrix_sums(torch.from_numpy(buf).view(rows, COLS))
+    packed = pieces[0].new_zeros(rows * COLS)
+    torch.cat(pieces, out=packed[:n])
+    return _matrix_sums(packed.view(rows, COLS))
 
 
 def local_digest(model: nn.Module) -> str | None:
     """This rank's digest of the encoder parameters, or None if the model has none
-    (a pipeline stage without the encoder)."""
+    (a pipeline stage without the encoder). One device-to-host copy at the end."""
     h = hashlib.sha256(_DIGEST_TAG)
     sums: list[torch.Tensor] = []
-    group: list[torch.Tensor] = []
+    pending: list[torch.Tensor] = []
     size = 0
     found = False
     for name, param in encoder_parameters(model):
@@ -159,18 +182,24 @@ def local_digest(model: nn.Module) -> str | None:
                 continue
             found = True
             h.update(f"{tname} {t.dtype} {tuple(t.shape)}\0".encode())
-            for piece in _words(t).split(CHUNK_WORDS):
-                if group and size + piece.numel() > CHUNK_WORDS:
-                    sums.append(_chunk_sums(torch.cat(group)))
-                    group, size = [], 0
-                group.append(piece)
-                size += piece.numel()
-    if group:
-        sums.append(_chunk_sums(torch.cat(group) if len(group) > 1 else group[0]))
+            words = _words(t)
+            if words.numel() >= BIG_WORDS:
+                rows = words.numel() // COLS
+                sums.append(_matrix_sums(words[: rows * COLS].view(rows, COLS)))
+                words = words[rows * COLS :]
+                if not words.numel():
+                    continue
+            if pending and size + words.numel() > PACK_WORDS:
+                sums.append(_packed_sums(pending))
+                pending, size = [], 0
+            pending.append(words)
+            size += words.numel()
+    if pending:
+        sums.append(_packed_sums(pending))
     if not found:
         return None
-    for value in torch.stack(sums).cpu().tolist() if sums else []:  # one device sync
-        h.update(b"".join(int(v).to_bytes(8, "little", signed=True) for v in value))
+    for pair in torch.stack(sums).cpu().tolist() if sums else []:
+        h.update(b"".join(int(v).to_bytes(8, "little", signed=True) for v in pair))
     return h.hexdigest()[:DIGEST_HEX]
 
 
