@@ -179,14 +179,6 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
         # weights, so these items are never looked up nor stored.
         lora_config = getattr(vllm_config, "lora_config", None)
         self._tower_lora = bool(getattr(lora_config, "enable_tower_connector_lora", False))
-        self._watch: EngineWatch | None = None
-        if role == ECConnectorRole.SCHEDULER and self._model is not None:
-            self._watch = EngineWatch.attach(self._model, self._set_field)
-            if self._watch is None:
-                logger.warning(
-                    "EC broker: not running inside a vLLM engine core; the model field "
-                    "of the keys will not follow in-place weight updates"
-                )
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
         sched = getattr(vllm_config, "scheduler_config", None)
@@ -243,6 +235,16 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
         self._unsaved: set[str] = set()
         self._done_this_step: set[str] = set()
 
+        # Last: the watch fingerprints the workers at once and may set the field.
+        self._watch: EngineWatch | None = None
+        if role == ECConnectorRole.SCHEDULER and self._model is not None:
+            self._watch = EngineWatch.attach(self._model, self._set_field)
+            if self._watch is None:
+                logger.warning(
+                    "EC broker: not running inside a vLLM engine core; the model field "
+                    "of the keys will not follow in-place weight updates"
+                )
+
     # ------------------------------------------------------------------ helpers
 
     @property
@@ -265,12 +267,25 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
         return self._model
 
     def _set_field(self, field: str) -> None:
-        if field != self._field:
-            logger.info(
-                "EC broker: model field of the keys is now %s",
-                field or "unknown (weights changing: misses until they are fingerprinted)",
-            )
+        """Scheduler: key with ``field`` from now on ("" = unknown). Called between
+        steps (weights_identity.EngineWatch). Leases taken under the old field end
+        now: their loads, if any are still to run, are refused by the workers (other
+        weights) and encoded instead."""
+        old = self._field
+        if field == old:
+            return
+        logger.info(
+            "EC broker: model field of the keys is now %s",
+            field or "unknown (weights changing: misses until they are fingerprinted)",
+        )
+        held = self._needed()
         self._field = field
+        self._inflight.clear()
+        if old and held and self._client is not None and self._client_pid == os.getpid():
+            try:
+                self._client.unlease([make_key(old, h, self._dtype) for h in held])
+            except Exception as exc:  # leases also end on their own (lease_ms)
+                logger.warning("EC broker unlease failed: %s", exc)
 
     def _keys_agree(self) -> bool:
         """Worker: may this step load or store? Only if the scheduler's field (the
