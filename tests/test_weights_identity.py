@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_vllm_connector_unit import (  # noqa: E402,F401 - fixtures too
     Pair,
+    broker_stats,
     embedding,
     make_config,
     make_request,
@@ -184,6 +185,21 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
     p.step({}, [(make_request("r2", "h-new"), 0)], encode={"h-new": embedding(4)})
     assert p.sched.ec_misses == misses + 1, "the scheduler answered a hit with no field"
     assert p.worker.loads == 0 and p.worker.puts_stored == 0
+
+
+def test_leases_under_the_old_field_end_when_it_changes(pairs, broker):  # noqa: F811
+    """A hit leased in a step whose load is still to come, then the weights change
+    (between steps): that load will be refused, so the lease ends at once."""
+    p: Pair = pairs()
+    h = "ef" * 32
+    p.worker.save_caches({h: embedding(5)}, h)
+    req = make_request("r1", h)
+    assert p.sched.ensure_cache_available(req, 0) and p.sched.has_cache_item(h)
+    p.sched.update_state_after_alloc(req, 0)
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # shipped, not yet loaded
+    assert broker_stats(broker.socket_path, p)["pins"] == 1
+    p.sched._set_field(p.sched.model_id + "~w0123456789abcdef")
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
 
 
 # ----------------------------------------------------------------- tower LoRA
