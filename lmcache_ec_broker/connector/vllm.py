@@ -577,7 +577,9 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
 
     def _unlease(self, hashes: set[str]) -> None:
         done = hashes - self._needed()
-        if not done or not self.model_id or self._client is None or self._client_pid != os.getpid():
+        if not done or not self.model_id:  # "": nothing was leased under a field
+            return
+        if self._client is None or self._client_pid != os.getpid():
             return
         try:
             self._client.unlease([self.key(h) for h in done])
