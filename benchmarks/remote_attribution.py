@@ -99,10 +99,12 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
     the events recorded so far to ``trace_path`` (JSON) and forgets them."""
     from lmcache_ec_broker import cli
     from lmcache_ec_broker.broker import coordinator
-    from lmcache_ec_broker.broker.tiers import remote_tier, remote_value, resp
+    from lmcache_ec_broker.broker.tiers.redis import resp
+    from lmcache_ec_broker.broker.tiers.remote import tier as remote_tier
+    from lmcache_ec_broker.broker.tiers.remote import value as remote_value
 
     try:
-        from lmcache_ec_broker.broker.tiers import resp_async
+        from lmcache_ec_broker.broker.tiers.redis import resp_async
     except ImportError:  # before the loop path existed
         resp_async = None  # type: ignore[assignment]
 
@@ -177,7 +179,8 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
                 record("io:lookup", t0, time.perf_counter_ns())
 
     remote_tier.execute = traced_execute  # type: ignore[assignment]
-    from lmcache_ec_broker.broker.tiers import mooncake, redis
+    from lmcache_ec_broker.broker.tiers.mooncake import transport as mooncake
+    from lmcache_ec_broker.broker.tiers.redis import transport as redis
 
     for cls in (redis.RedisTransport, mooncake.MooncakeTransport):
         timed(cls, "read_into", "io:read")
@@ -195,11 +198,12 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
             timed(cls, "unstage", "unstage")
     timed(remote_value.Verifier, "update", "checksum")
     timed(remote_value.Verifier, "finish", "checksum")
-    from lmcache_ec_broker.broker.tiers import mooncake_io
+    from lmcache_ec_broker.broker.tiers.mooncake import data_path as mooncake_io
+    from lmcache_ec_broker.broker.tiers.redis import value_rules
 
-    for mod in (redis, mooncake_io):
+    for mod in (value_rules, mooncake_io):
         timed(mod, "parse_header", "header")
-    timed(resp.Connection, "read_bulk_len", "first byte")
+    timed(resp.RespConnection, "read_bulk_len", "first byte")
     if hasattr(resp_async, "LoopConnection"):
         timed_async(resp_async.LoopConnection, "bulk_len", "first byte")
 

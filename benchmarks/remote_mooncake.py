@@ -82,8 +82,8 @@ def _addr(m: mmap.mmap) -> int:
 async def measure(sizes: list[int], repeat: int) -> list[dict[str, float]]:
     """Per size, the medians in seconds: bare_get, tier_get1, tier_get4, bare_put, tier_put."""
     from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
-    from lmcache_ec_broker.broker.tiers.mooncake import MooncakeTier
-    from lmcache_ec_broker.broker.tiers.mooncake_config import MooncakeSettings
+    from lmcache_ec_broker.broker.tiers.mooncake.settings import MooncakeSettings
+    from lmcache_ec_broker.broker.tiers.mooncake.transport import MooncakeTier
 
     top = max(sizes)
     slab_mm = mmap.mmap(-1, 2 * top + 8 * MiB)

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from .config import (
     load_config,
     parse_size,
 )
+from .peercred import peer_cred
 
 if TYPE_CHECKING:
     from .connector.client import BrokerClient
@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most has()/lookup() leases one connection may hold (default 65536)",
     )
     start.add_argument(
+        "--max-reserved-per-connection",
+        dest="max_reserved_bytes_per_connection",
+        type=_bytes,
+        help="slab one connection's open reservations may hold, e.g. 512MiB "
+        "(default 0: a quarter of the slab)",
+    )
+    start.add_argument(
         "--put-arena-size",
         dest="put_arena_bytes",
         type=_bytes,
@@ -122,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--max-local-disk-size", type=_size, help="disk tier capacity")
     start.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: off)")
+    start.add_argument(
+        "--metrics-host",
+        help="address the Prometheus endpoint binds (default 127.0.0.1: this host only; "
+        "0.0.0.0 for a cluster's scraper)",
+    )
     start.add_argument("--log-level", help=", ".join(LOG_LEVELS) + " (default INFO)")
     start.add_argument(
         "--remote-url",
@@ -137,13 +149,24 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("stop", "ask the broker on the socket to stop and wait until its process is gone"),
         ("stats", "print the broker's counters"),
-        ("ping", "exit 0 if a broker answers on the socket, 1 otherwise"),
+        (
+            "ping",
+            "exit 0 if a broker answers on the socket, 1 otherwise; says whether its remote "
+            "tier is up",
+        ),
         ("clear", "empty the broker's slab and disk tier (owner or root only)"),
     ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--socket", dest="socket_path", help="Unix socket path")
         if name == "stats":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "ping":
+            sp.add_argument(
+                "--require-remote",
+                action="store_true",
+                help="also exit 1 when the broker's configured remote tier is down (for a "
+                "readiness probe that should keep a node out of service without it)",
+            )
         if name == "clear":
             sp.add_argument(
                 "--shared",
@@ -175,10 +198,12 @@ _START_KEYS = (
     "max_connections",
     "max_pins_per_connection",
     "max_leases_per_connection",
+    "max_reserved_bytes_per_connection",
     "put_arena_bytes",
     "local_disk",
     "max_local_disk_size",
     "metrics_port",
+    "metrics_host",
     "log_level",
     "remote_url",
 )
@@ -203,7 +228,7 @@ def _shown(name: str, value: object) -> str:
         exact = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
         return shown if float(number) * exact == value else f"{shown} ({value} bytes)"
     if name in ("remote_url", "mooncake_metadata_server") and isinstance(value, str):
-        from .broker.tiers.remote_url import mask_url
+        from .remote_url import mask_url
 
         return mask_url(value)
     return str(value)
@@ -219,16 +244,21 @@ def _metrics_missing() -> str | None:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from .broker.server import BrokerError, run_broker
+    from .broker.lifecycle import BrokerError
+    from .run import run_broker
     from .shm.segment import ShmError
 
     cli = {k: getattr(args, k) for k in _START_KEYS}
+    notes = _ConfigNotes()
     try:
-        cfg, sources = load_config(cli, args.config or os.environ.get("LMCACHE_CONFIG_FILE"))
+        with notes:
+            cfg, sources = load_config(cli, args.config or os.environ.get("LMCACHE_CONFIG_FILE"))
     except (ValueError, OSError) as exc:
+        notes.print_to_stderr()
         print(f"lmcache-ec-broker: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
+        notes.print_to_stderr()
         import msgspec
 
         values = msgspec.structs.asdict(cfg)
@@ -256,11 +286,51 @@ def _start(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    notes.replay()
     try:
         return run_broker(cfg)
     except (BrokerError, ShmError) as exc:
         print(f"lmcache-ec-broker: {exc}", file=sys.stderr)
         return 1
+
+
+class _ConfigNotes(logging.Handler):
+    """What the configuration says while it loads (LMCache keys it ignores, retired
+    keys), kept until logging is set up from it, then logged with the broker's own
+    format and level (``replay``): said before logging starts, an info line would be
+    lost and a warning printed without time or source."""
+
+    _LOGGER = "lmcache_ec_broker.config"
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._level = logging.NOTSET
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _ConfigNotes:
+        logger = logging.getLogger(self._LOGGER)
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+    def replay(self) -> None:
+        for record in self.records:
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
+
+    def print_to_stderr(self) -> None:
+        for record in self.records:
+            print(f"lmcache-ec-broker: {record.getMessage()}", file=sys.stderr)
 
 
 class _Held(logging.Handler):
@@ -363,18 +433,47 @@ def _natural(key: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
 
 
+def remote_state(stats: dict) -> tuple[str, bool | None, str]:
+    """(store as shown, up, reason) of the broker's remote tier; up is None when no
+    remote tier is configured. The reason is the one `stats` gives (auth refused,
+    connection refused, TLS, timeout...), or "not connected yet" before the first try."""
+    store = stats.get("remote_store")
+    if not store:
+        return "", None, ""
+    if stats.get("remote_up", 0):
+        return str(store), True, ""
+    return str(store), False, str(stats.get("remote_down_reason") or "not connected yet")
+
+
 def _ping(args: argparse.Namespace) -> int:
     c = _client(args)
     if c is None:
         return 1
     ok = c.ping()
     epoch = c.epoch
+    stats = c.stats() if ok else {}
     c.close()
-    if ok:
-        print(f"ok: broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})")
-        return 0
-    print(_no_broker(c.socket_path, []), file=sys.stderr)
-    return 1
+    if not ok or not stats:
+        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        return 1
+    store, up, reason = remote_state(stats)
+    where = f"broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})"
+    if up is None:
+        remote = "remote tier: none configured"
+    elif up:
+        remote = f"remote tier {store}: up"
+    else:
+        remote = f"remote tier {store}: down ({reason})"
+    if up is False and args.require_remote:
+        print(
+            f"lmcache-ec-broker: not ready: the {where} answers, but its {remote}; "
+            "`lmcache-ec-broker stats` shows remote_down_reason, the broker's log says how "
+            "to fix it (drop --require-remote to accept a broker serving without it)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"ok: {where}; {remote}")
+    return 0
 
 
 def _socket_id(path: str) -> tuple[int, int] | None:
@@ -385,9 +484,6 @@ def _socket_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-_PEERCRED = struct.Struct("3i")
-
-
 def _broker_process(path: str) -> tuple[int, str] | None:
     """(pid, start time) of the process listening on ``path`` as this pid namespace
     sees it, or None when it is not visible here (another pid namespace: the kernel
@@ -396,9 +492,7 @@ def _broker_process(path: str) -> tuple[int, str] | None:
     s.settimeout(2.0)
     try:
         s.connect(path)
-        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[
-            0
-        ]
+        pid = peer_cred(s)[0]
     except OSError:
         return None
     finally:

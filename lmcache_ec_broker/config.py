@@ -11,6 +11,8 @@ from collections.abc import Collection
 
 import msgspec
 
+from .config_lmcache import LMCACHE_KEYS, closest, did_you_mean
+
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
@@ -165,6 +167,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # keep it below the supervisor's stop timeout (systemd/Kubernetes: 30 s).
     shutdown_flush_s: float = 20.0
     metrics_port: int = 0
+    # Address the Prometheus endpoint binds: local only unless set (0.0.0.0: all, for
+    # a cluster's scraper), as events_host.
+    metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     # Remote tier (Redis/Valkey; off unless remote_url is set). See docs/scaling.md.
     remote_url: str | None = None
@@ -193,6 +198,10 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (docs/design.md "Put arenas"); all arenas together take at most a quarter of the
     # slab. 0: every put reserves (one round trip).
     put_arena_bytes: int = 8 * MiB
+    # Slab one connection's open reservations (reserved, not yet committed or aborted)
+    # may hold; a connection holding none may still reserve any entry the slab takes.
+    # 0: a quarter of the slab. Bounds what one client holding reservations evicts.
+    max_reserved_bytes_per_connection: int = 0
     # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
     # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
     events_port: int = 0  # 0: no events
@@ -250,6 +259,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+        check_bind_host("metrics_host", self.metrics_host)
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(
                 f"log_level {self.log_level!r} is not a log level; use one of "
@@ -263,9 +273,17 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"put_arena_bytes must be 0 (off) or at least block_size ({self.block_size}), "
                 f"got {self.put_arena_bytes}"
             )
+        if self.max_reserved_bytes_per_connection != 0 and not (
+            self.block_size <= self.max_reserved_bytes_per_connection <= self.shm_size
+        ):
+            raise ValueError(
+                "max_reserved_bytes_per_connection must be 0 (a quarter of the slab) or "
+                f"between block_size ({format_size(self.block_size)}) and shm_size "
+                f"({format_size(self.shm_size)}), got {self.max_reserved_bytes_per_connection}"
+            )
         self._validate_access()
         self._validate_remote()
-        from .events.settings import validate_events
+        from .config_events import validate_events
 
         validate_events(self)
         self._refuse_ignored_settings()
@@ -319,11 +337,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.remote_url:
             return
         if self.remote_url.strip().lower().startswith("mooncakestore://"):
-            from .broker.tiers.mooncake_config import validate_mooncake
+            from .config_mooncake import validate_mooncake
 
             validate_mooncake(self)  # the Mooncake backend checks its own settings
             return
-        from .broker.tiers.remote_url import parse_remote_url, read_hmac_key, resolve_password
+        from .remote_url import parse_remote_url, read_hmac_key, resolve_password
 
         _refuse_raw_slash_in_password(self.remote_url)
         target = parse_remote_url(self.remote_url)
@@ -347,6 +365,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"remote_key_prefix must be 1-256 characters without spaces, "
                 f"got {self.remote_key_prefix!r}"
             )
+
+
+def check_bind_host(name: str, host: str) -> None:
+    """An address to bind a TCP listener to: a host name or an IP literal, nothing else."""
+    if not host or any(c.isspace() or c in "/*[]" for c in host):
+        raise ValueError(
+            f"{name} must be an address to bind, e.g. 127.0.0.1 (this host only), 0.0.0.0 "
+            f"(every IPv4 address), :: (every address), got {host!r}"
+        )
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -384,7 +411,7 @@ def _refuse_raw_slash_in_password(url: str) -> None:
     if not sep or scheme.lower() == "unix" or rest.startswith("/") or "@" not in rest:
         return
     if "@" not in rest.split("/", 1)[0]:
-        from .broker.tiers.remote_url import mask_url
+        from .remote_url import mask_url
 
         raise ValueError(
             f"remote_url {mask_url(url)!r}: its password contains '/'; percent-encode it "
@@ -396,8 +423,20 @@ ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 # LMCache keys that name one of our fields differently.
 _ALIASES = {"max_local_cpu_size": "shm_size"}
-# LMCache keys accepted so an existing LMCache file works; the encoder cache has no use for them.
-_IGNORED = frozenset({"chunk_size", "local_cpu"})
+# Environment variables of this project that are not settings: read by the clients
+# (socket, broker uid), the remote tier (password) and the test harness. Any other
+# LMCACHE_EC_* variable must name a setting (unknown_env_error).
+OTHER_ENV = frozenset(
+    {
+        SOCKET_ENV,
+        "LMCACHE_EC_BROKER_UID",
+        "LMCACHE_EC_REMOTE_PASSWORD",
+        "LMCACHE_EC_VLLM_LOCK",
+        "LMCACHE_EC_FAULT_FILE",
+        "LMCACHE_EC_VLLM_NEXT_SRC",
+    }
+)
+OTHER_ENV_PREFIXES = ("LMCACHE_EC_TEST_", "LMCACHE_EC_KEEP_")
 # Keys earlier releases accepted but never used; old files and environments still
 # start, with a warning that says what to do instead.
 _RETIRED = {
@@ -413,6 +452,7 @@ _BYTE_SIZES = frozenset(
         "max_entry_size",
         "max_frame_bytes",
         "put_arena_bytes",
+        "max_reserved_bytes_per_connection",
         "mooncake_global_segment_size",
         "mooncake_local_buffer_size",
     }
@@ -520,29 +560,48 @@ def _read_yaml(path: str) -> dict[str, object]:
     return data
 
 
+def _yaml_keys(path: str) -> list[tuple[str, bool, str, object]]:
+    """(key as written, ec_-prefixed, bare name, value) for each key of the file;
+    LMCache's nested ``ec:`` map counts as ``ec_``-prefixed keys (shown ``ec.<key>``)."""
+    out: list[tuple[str, bool, str, object]] = []
+    for key, value in _read_yaml(path).items():
+        if key == "ec" and isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise ValueError(f"config file {path}: the keys under ec: must be option names")
+            out += [(f"ec.{k}", True, k, v) for k, v in value.items()]
+        elif key.startswith("ec_"):
+            out.append((key, True, key[3:], value))
+        else:
+            out.append((key, False, key, value))
+    return out
+
+
 def _yaml_layers(
     path: str, fields: dict[str, object]
-) -> tuple[dict[str, tuple[object, str]], dict[str, tuple[object, str]], list[str]]:
-    """(plain layer, ec_ layer, unknown keys); each layer maps field -> (raw value, source)."""
+) -> tuple[dict[str, tuple[object, str]], dict[str, tuple[object, str]], list[str], list[str]]:
+    """(plain layer, ec_ layer, unknown keys, LMCache keys without a use here); each
+    layer maps field -> (raw value, source)."""
     plain: dict[str, tuple[object, str]] = {}
     prefixed: dict[str, tuple[object, str]] = {}
     unknown: list[str] = []
-    for key, value in _read_yaml(path).items():
-        layer, bare = (prefixed, key[3:]) if key.startswith("ec_") else (plain, key)
+    unused: list[str] = []
+    for key, is_prefixed, bare, value in _yaml_keys(path):
+        layer = prefixed if is_prefixed else plain
         if bare in _RETIRED:
             _warn_retired(bare, f"config {path}: {key}")
             continue
-        if bare in _IGNORED:
-            if bare == "local_cpu" and value is False:
-                log.warning(
-                    "config %s: local_cpu: false is ignored; the encoder cache always keeps "
-                    "entries in the shared-memory slab",
-                    path,
-                )
-            continue
         name = _field_for(bare)
         if name not in fields:
-            unknown.append(key)
+            if bare in LMCACHE_KEYS:
+                unused.append(key)
+                if bare == "local_cpu" and value is False:
+                    log.warning(
+                        "config %s: local_cpu: false is ignored; the encoder cache always "
+                        "keeps entries in the shared-memory slab",
+                        path,
+                    )
+            else:
+                unknown.append(key)
             continue
         if name in layer:
             raise ValueError(
@@ -550,24 +609,64 @@ def _yaml_layers(
                 f"{key}); keep one of them"
             )
         layer[name] = (value, f"yaml {path}: {key}")
-    return plain, prefixed, unknown
+    return plain, prefixed, unknown, unused
 
 
 def describe_unknown(unknown: list[str], known: list[str]) -> str:
     """'unknown key X (did you mean Y?)', naming the closest known key for each
     misspelling instead of listing every key."""
-    import difflib
-
     parts = []
     for key in sorted(unknown):
-        prefix = "ec_" if key.startswith("ec_") else ""
-        close = difflib.get_close_matches(key.removeprefix(prefix), known, n=1, cutoff=0.75)
-        parts.append(f"{key} (did you mean {prefix}{close[0]}?)" if close else key)
+        prefix = "ec_" if key.startswith("ec_") else "ec." if key.startswith("ec.") else ""
+        bare = key.removeprefix(prefix)
+        match = closest(bare, known)
+        parts.append(f"{key} (did you mean {prefix}{match}?)" if match else key)
     noun = "unknown key" if len(parts) == 1 else "unknown keys"
     return (
-        f"{noun} {', '.join(parts)}; `lmcache-ec-broker start --print-config` lists the "
-        "broker's settings"
+        f"{noun} {', '.join(parts)}; fix or remove {'it' if len(parts) == 1 else 'them'} "
+        "(`lmcache-ec-broker start --print-config` lists the broker's settings)"
     )
+
+
+def _env_names(fields: dict[str, object]) -> tuple[list[str], list[str]]:
+    """(unknown, LMCache-only) LMCACHE_EC_* variables: every other one names a setting,
+    an alias or a retired key, or is one of OTHER_ENV (LMCache reads LMCACHE_EC_<its
+    key> as its own encoder-cache override, so those are LMCache's, not typos)."""
+    ours = {ENV_PREFIX + n.upper() for n in (*fields, *_ALIASES, *_RETIRED)}
+    unknown: list[str] = []
+    unused: list[str] = []
+    for var in sorted(os.environ):
+        if not var.startswith(ENV_PREFIX) or var in ours or var in OTHER_ENV:
+            continue
+        if var.startswith(OTHER_ENV_PREFIXES):
+            continue
+        if var[len(ENV_PREFIX) :].lower() in LMCACHE_KEYS:
+            unused.append(var)
+        else:
+            unknown.append(var)
+    return unknown, unused
+
+
+def unknown_env_error(unknown: list[str], fields: dict[str, object]) -> ValueError:
+    """The refusal of misspelt LMCACHE_EC_* variables, each with the closest setting's."""
+    known = [ENV_PREFIX + n.upper() for n in (*fields, *_ALIASES)] + sorted(OTHER_ENV)
+    named = ", ".join(did_you_mean(var, known) for var in unknown)
+    what = "variable" if len(unknown) == 1 else "variables"
+    return ValueError(
+        f"environment {what} {named}: not a broker setting; fix the name or unset it "
+        f"(every setting is {ENV_PREFIX}<NAME> of a name `lmcache-ec-broker start "
+        "--print-config` lists)"
+    )
+
+
+def _note_lmcache_only(parts: list[str]) -> None:
+    """One info line naming every LMCache setting given that the encoder cache does not use."""
+    if parts:
+        log.info(
+            "LMCache settings without a use in the encoder-cache broker, accepted and "
+            "ignored: %s",
+            "; ".join(parts),
+        )
 
 
 def _warn_retired(name: str, where: str) -> None:
@@ -620,14 +719,19 @@ def load_config(
     config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     plain: dict[str, tuple[object, str]] = {}
     prefixed: dict[str, tuple[object, str]] = {}
+    unused: list[str] = []
     if config_file:
-        plain, prefixed, unknown = _yaml_layers(config_file, fields)
+        plain, prefixed, unknown, unused = _yaml_layers(config_file, fields)
         if unknown:
-            log.warning(
-                "config %s: ignoring %s",
-                config_file,
-                describe_unknown(unknown, [*fields, *_ALIASES, *_IGNORED, *_RETIRED]),
-            )
+            known = [*fields, *_ALIASES, *_RETIRED, *LMCACHE_KEYS]
+            raise ValueError(f"config file {config_file}: {describe_unknown(unknown, known)}")
+    env_unknown, env_unused = _env_names(fields)
+    if env_unknown:
+        raise unknown_env_error(env_unknown, fields)
+    _note_lmcache_only(
+        ([f"{', '.join(unused)} (config {config_file})"] if unused else [])
+        + ([f"{', '.join(env_unused)} (environment)"] if env_unused else [])
+    )
     env = _env_layer(fields)
     values: dict[str, object] = {}
     sources = {name: "default" for name in fields}
@@ -668,6 +772,6 @@ def load_config(
 
 
 def _mask(raw: object) -> object:
-    from .broker.tiers.remote_url import mask_url
+    from .remote_url import mask_url
 
     return mask_url(raw) if isinstance(raw, str) else raw

@@ -76,6 +76,9 @@ class ErrorCode:
     # max_leases_per_connection leases: release some first.
     TOO_MANY_PINS = "too_many_pins"
     TOO_MANY_LEASES = "too_many_leases"
+    # A connection's open reservations already hold max_reserved_bytes_per_connection:
+    # commit or abort some first.
+    TOO_MANY_RESERVATIONS = "too_many_reservations"
     INTERNAL = "internal"
 
 

@@ -300,7 +300,7 @@ def _driver_main(settings_json: str) -> None:  # pragma: no cover - runs in a ch
         TierMiss,
         TierUnavailable,
     )
-    from lmcache_ec_broker.broker.tiers.mooncake import MooncakeSettings, MooncakeTier
+    from lmcache_ec_broker.broker.tiers.mooncake.transport import MooncakeSettings, MooncakeTier
     from lmcache_ec_broker.protocol import expected_nbytes
 
     raw = json.loads(settings_json)

@@ -192,7 +192,7 @@ def test_root_is_admitted_by_a_broker_of_another_user(sock_dir) -> None:
         f"""
         import argparse, asyncio, gettext, grp, json, logging, os, shutil, stat, sys, uuid
         import uvloop
-        import lmcache_ec_broker.broker.server, lmcache_ec_broker.cli as cli
+        import lmcache_ec_broker.run, lmcache_ec_broker.cli as cli
         os.setgroups([]); os.setgid({NOBODY.pw_gid}); os.setuid({NOBODY.pw_uid})
         sys.exit(cli.main(["start", "--socket", {path!r}, "--shm-size", "64MiB"]))
         """

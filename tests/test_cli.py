@@ -458,3 +458,63 @@ def test_clear_by_an_admitted_other_uid_is_refused(make_broker, sock_dir) -> Non
         assert c.stats()["entries"] == 1
     r = cli("clear", "--socket", b.socket_path)  # the owner (root here) may
     assert r.returncode == 0 and "cleared 1 slab entries" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- ping and the remote tier
+
+
+def _remote_broker(make_broker, tmp_path, url: str):
+    cfg = tmp_path / f"r{abs(hash(url)) % 10_000}.yaml"
+    cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 0.5\n")
+    return make_broker("--shm-size", "16MiB", "--config", str(cfg))
+
+
+def test_ping_reports_the_remote_tier_and_require_remote_makes_it_fatal(
+    make_broker, tmp_path
+) -> None:
+    """Readiness including the remote tier: a wrong password leaves the broker
+    answering (ping 0, saying the tier is down and why) but `ping --require-remote`
+    exits 1; the right password: up, 0 both ways. Real redis-server, real brokers."""
+    from conftest import wait_until
+    from redis_servers import RedisServer
+
+    srv = RedisServer(password="right-Pq73", unix=False)
+    try:
+        wrong = _remote_broker(make_broker, tmp_path, f"redis://:wrong-Zv19@{srv.host_port}/0")
+        right = _remote_broker(make_broker, tmp_path, f"redis://:right-Pq73@{srv.host_port}/0")
+        wait_until(
+            lambda: "auth refused" in cli("ping", "--socket", wrong.socket_path).stdout,
+            "ping to name the wrong password's refusal",
+            timeout=30,
+        )
+        r = cli("ping", "--socket", wrong.socket_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("ok") and ": down (auth refused)" in r.stdout, r.stdout
+        assert "wrong-Zv19" not in r.stdout  # the URL is shown masked
+        r = cli("ping", "--require-remote", "--socket", wrong.socket_path)
+        assert r.returncode == 1 and r.stdout == "", r.stdout
+        assert "not ready" in r.stderr and "down (auth refused)" in r.stderr, r.stderr
+        wait_until(
+            lambda: cli("ping", "--require-remote", "--socket", right.socket_path).returncode == 0,
+            "the right password's tier to be up",
+            timeout=30,
+        )
+        r = cli("ping", "--require-remote", "--socket", right.socket_path)
+        assert r.stdout.startswith("ok") and r.stdout.rstrip().endswith(": up"), r.stdout
+        # The store goes away: the probe turns not-ready, plain ping stays ok.
+        srv.stop()
+        wait_until(
+            lambda: cli("ping", "--require-remote", "--socket", right.socket_path).returncode == 1,
+            "the probe to notice the store is gone",
+            timeout=30,
+        )
+        assert cli("ping", "--socket", right.socket_path).returncode == 0
+    finally:
+        srv.stop()
+
+
+def test_ping_without_a_remote_tier_says_so_and_require_remote_passes(broker) -> None:
+    for args in ((), ("--require-remote",)):
+        r = cli("ping", *args, "--socket", broker.socket_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("ok") and "remote tier: none configured" in r.stdout

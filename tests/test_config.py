@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import shm_segments
 
@@ -138,15 +139,104 @@ def test_relative_local_disk_becomes_absolute(tmp_path, monkeypatch):
     assert cfg.local_disk == str(tmp_path / "cache" / "ec")
 
 
-def test_lmcache_only_keys_are_quiet_unknown_keys_warn(tmp_path, caplog):
-    # remote_url is no longer LMCache-only: it configures this broker's remote tier.
-    path = write_yaml(tmp_path, LMCACHE_YAML + "remote_serde: naive\nec_colour: blue\n")
-    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
+def test_lmcache_keys_get_one_info_line_and_change_nothing(tmp_path, monkeypatch, caplog):
+    # LMCache's own keys (its LMCacheEngineConfig) and its LMCACHE_EC_<key> overrides:
+    # accepted, named once, no warning. remote_url is not among them: it is ours too.
+    path = write_yaml(
+        tmp_path,
+        LMCACHE_YAML
+        + "remote_serde: naive\nec_use_layerwise: true\nec:\n  save_unfull_chunk: true\n",
+    )
+    monkeypatch.setenv("LMCACHE_EC_CHUNK_SIZE", "512")
+    with caplog.at_level(logging.INFO, logger="lmcache_ec_broker.config"):
+        cfg, _ = load_config({}, path)
+    assert cfg.shm_size == 2 * GiB and cfg.max_local_disk_size == 16 * GiB
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    for name in (
+        "chunk_size", "local_cpu", "remote_serde", "ec_use_layerwise", "ec.save_unfull_chunk",
+        "LMCACHE_EC_CHUNK_SIZE",
+    ):  # fmt: skip
+        assert name in line, line
+    assert "max_local_cpu_size" not in line and "local_disk" not in line  # those are used
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("local_disc: /tmp/x\nmax_local_disk_size: 1\n", "local_disc (did you mean local_disk?)"),
+        ("ec_shm_sise: 1\n", "ec_shm_sise (did you mean ec_shm_size?)"),
+        ("ec:\n  shm_sise: 1\n", "ec.shm_sise (did you mean ec.shm_size?)"),
+        ("remote_serd: naive\n", "remote_serd (did you mean remote_serde?)"),
+        ("colour: blue\n", "unknown key colour;"),
+    ],
+)
+def test_unknown_yaml_keys_refuse_the_start_with_a_suggestion(tmp_path, yaml_text, expected):
+    path = write_yaml(tmp_path, yaml_text)
+    with pytest.raises(ValueError, match="unknown key") as exc:
         load_config({}, path)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1
-    assert "ec_colour, remote_serde" in warnings[0]
-    assert "chunk_size," not in warnings[0].split("(known")[0]
+    assert expected in str(exc.value) and path in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize(
+    ("var", "expected"),
+    [
+        ("LMCACHE_EC_SHM_SIZEE", "LMCACHE_EC_SHM_SIZEE (did you mean LMCACHE_EC_SHM_SIZE?)"),
+        ("LMCACHE_EC_LOCAL_DISC", "LMCACHE_EC_LOCAL_DISC (did you mean LMCACHE_EC_LOCAL_DISK?)"),
+        ("LMCACHE_EC_BROKER_SOCKETT", "did you mean LMCACHE_EC_BROKER_SOCKET?"),
+        ("LMCACHE_EC_COLOUR", "environment variable LMCACHE_EC_COLOUR: not a broker setting"),
+    ],
+)
+def test_unknown_environment_variables_refuse_the_start(monkeypatch, var, expected):
+    monkeypatch.setenv(var, "4GiB")
+    with pytest.raises(ValueError, match="not a broker setting") as exc:
+        load_config({})
+    assert expected in str(exc.value), exc.value
+
+
+def test_the_projects_other_variables_are_not_settings_and_not_refused(monkeypatch):
+    # Read by clients, the remote tier and the test harness: never typos.
+    for var in (
+        "LMCACHE_EC_BROKER_SOCKET", "LMCACHE_EC_BROKER_UID", "LMCACHE_EC_REMOTE_PASSWORD",
+        "LMCACHE_EC_TEST_MODELS", "LMCACHE_EC_KEEP_E2E_LOGS", "LMCACHE_EC_VLLM_LOCK",
+    ):  # fmt: skip
+        monkeypatch.setenv(var, "/tmp/x")
+    load_config({})
+
+
+def test_every_lmcache_ec_variable_the_repository_names_is_known():
+    # A new variable read anywhere in the project must be a setting or in OTHER_ENV,
+    # or a broker started with it in its environment would refuse to start.
+    import re
+
+    from lmcache_ec_broker.config import (
+        _ALIASES,
+        _RETIRED,
+        OTHER_ENV,
+        OTHER_ENV_PREFIXES,
+        BrokerConfig,
+    )
+    from lmcache_ec_broker.config_lmcache import LMCACHE_KEYS
+
+    root = Path(__file__).resolve().parent.parent
+    skip = {Path(__file__).resolve(), root / "lmcache_ec_broker" / "config.py"}  # typos on purpose
+    named: set[str] = set()
+    for path in root.rglob("*"):
+        if ".venv" in path.parts or path in skip or not path.is_file():
+            continue
+        if path.suffix in (".py", ".md", ".sh", ".yaml", ".yml", ".service"):
+            text = path.read_text(errors="replace")
+            named |= set(re.findall(r"LMCACHE_EC_[A-Z0-9_]*[A-Z0-9]", text))
+    names = {f.name for f in msgspec.structs.fields(BrokerConfig)}
+    names |= set(_ALIASES) | set(_RETIRED) | LMCACHE_KEYS
+    ours = {"LMCACHE_EC_" + n.upper() for n in names}
+    docs_typo = {"LMCACHE_EC_SHM_SIZEE"}  # the misspelling docs/disk-and-config.md shows
+    stray = {
+        v
+        for v in named - ours - OTHER_ENV - docs_typo
+        if not (v + "_").startswith(OTHER_ENV_PREFIXES)  # LMCACHE_EC_TEST_* in the docs too
+    }
+    assert stray == set(), f"name them in config.OTHER_ENV or make them settings: {sorted(stray)}"
 
 
 def test_retired_keys_warn_what_to_do_and_change_nothing(tmp_path, monkeypatch, caplog):
@@ -221,7 +311,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def test_print_config_shows_each_layer(tmp_path):
-    path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\nmystery: 1\n")
+    path = write_yaml(tmp_path, LMCACHE_YAML + "ec_max_local_disk_size: 64\nremote_serde: naive\n")
     sock = str(tmp_path / "b.sock")
     r = _cli(
         "start", "--print-config", "--socket", sock, "--config", path,
@@ -236,7 +326,7 @@ def test_print_config_shows_each_layer(tmp_path):
     assert "ec_max_local_disk_size" in lines["max_local_disk_size"]
     assert f"(yaml {path}: max_local_cpu_size)" in lines["shm_size"]
     assert "(default)" in lines["block_size"]
-    assert "mystery" in r.stderr  # the unknown key is named
+    assert "remote_serde" in r.stderr and "chunk_size" in r.stderr  # the LMCache-only keys
     assert not os.path.exists(sock) and not (tmp_path / "disk").exists()
 
 
@@ -253,16 +343,38 @@ def test_invalid_configuration_refused_before_anything_is_created(tmp_path):
 # ---------------------------------------------------------------- operator mistakes
 
 
-def test_misspelt_key_gets_a_suggestion_not_the_whole_list(tmp_path, caplog):
+def test_misspelt_keys_get_a_suggestion_not_the_whole_list(tmp_path):
     path = write_yaml(tmp_path, "max_local_cpu_sise: 2\nec_remote_ur: redis://h:1\ncolour: 1\n")
-    with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.config"):
-        cfg, _ = load_config({}, path)
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "max_local_cpu_sise (did you mean max_local_cpu_size?)" in warning
-    assert "ec_remote_ur (did you mean ec_remote_url?)" in warning
-    assert "colour" in warning and "colour (did you mean" not in warning
-    assert "mooncake_admin_port" not in warning  # not every known key
-    assert cfg.shm_size == 2 * GiB and cfg.remote_url is None  # ignored, as it says
+    with pytest.raises(ValueError) as exc:
+        load_config({}, path)
+    message = str(exc.value)
+    assert "max_local_cpu_sise (did you mean max_local_cpu_size?)" in message
+    assert "ec_remote_ur (did you mean ec_remote_url?)" in message
+    assert "colour" in message and "colour (did you mean" not in message
+    assert "mooncake_admin_port" not in message  # not every known key
+
+
+def test_a_misspelt_key_stops_the_start_before_anything_exists(tmp_path):
+    # Before: a warning before logging started, and a broker without its disk tier.
+    sock = str(tmp_path / "b.sock")
+    disk = tmp_path / "disk"
+    path = write_yaml(tmp_path, f'local_disc: "{disk}"\nmax_local_disk_size: 1\n')
+    r = _cli("start", "--socket", sock, "--shm-size", "16MiB", "--config", path)
+    assert r.returncode == 2, r.stderr
+    assert "local_disc (did you mean local_disk?)" in r.stderr
+    assert not os.path.exists(sock) and not disk.exists() and not shm_segments(sock)
+    r = _cli("start", "--socket", sock, "--shm-size", "16MiB", env={"LMCACHE_EC_SHM_SIZEE": "1"})
+    assert r.returncode == 2 and "did you mean LMCACHE_EC_SHM_SIZE?" in r.stderr, r.stderr
+    assert not os.path.exists(sock)
+
+
+def test_the_lmcache_info_line_reaches_the_brokers_log(make_broker, tmp_path):
+    # Said while the configuration loads, before logging is set up: kept, then logged.
+    path = write_yaml(tmp_path, "chunk_size: 256\nremote_serde: naive\n")
+    b = make_broker("--shm-size", "16MiB", "--config", path)
+    lines = [line for line in b.read_log().splitlines() if "remote_serde" in line]
+    assert len(lines) == 1 and " INFO lmcache_ec_broker.config: " in lines[0], lines
+    assert "chunk_size" in lines[0]
 
 
 @pytest.mark.parametrize(
@@ -275,7 +387,7 @@ def test_misspelt_key_gets_a_suggestion_not_the_whole_list(tmp_path, caplog):
     ],
 )
 def test_passwords_with_slash_at_colon_are_never_printed(tmp_path, monkeypatch, url, secret):
-    from lmcache_ec_broker.broker.tiers.remote_url import mask_url
+    from lmcache_ec_broker.remote_url import mask_url
 
     assert secret not in mask_url(url) and "***" in mask_url(url)
     monkeypatch.setenv("LMCACHE_EC_REMOTE_URL", url)

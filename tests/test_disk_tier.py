@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.broker.diskfile import (
+from lmcache_ec_broker.broker.tiers.disk.file import (
     NAME_MAX,
     QUARANTINE_DIR,
     key_to_filename,
@@ -385,7 +385,7 @@ def test_one_directory_serves_one_broker(make_broker, sock_dir):
 def test_start_up_scan_logs_progress_and_rebuilds_lru_order(tmp_path, monkeypatch, caplog):
     import logging
 
-    from lmcache_ec_broker.broker.tiers import disk as disk_mod
+    from lmcache_ec_broker.broker.tiers.disk import tier as disk_mod
 
     d = str(tmp_path)
     dir_fd = os.open(d, os.O_RDONLY)

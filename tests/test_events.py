@@ -569,3 +569,85 @@ def test_remote_tier_published_only_for_what_this_broker_wrote_or_deleted(make_b
         sb.close()
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------- issue 30, item 8
+
+
+def test_heartbeats_carry_schema_version_on_the_wire(make_broker) -> None:
+    # docs/events.md lists schema_version in every Heartbeat; omit_defaults dropped it.
+    port = port_pair()
+    make_broker("--shm-size", "4MiB", env=events_env(port, "node-h", lookup=False))
+    sub = Sub(port)
+    raw: list[bytes] = []
+
+    def a_heartbeat() -> bool:
+        while sub.sub.poll(100):
+            _, _, payload = sub.sub.recv_multipart()
+            raw.append(payload)
+        return any(b"Heartbeat" in p for p in raw)
+
+    wait_until(a_heartbeat, "a heartbeat")
+    beats = [
+        e
+        for p in raw
+        for e in msgspec.msgpack.decode(p)[1]  # the plain map, as any msgpack reader sees it
+        if e["type"] == "Heartbeat"
+    ]
+    assert beats and all(e["schema_version"] == 1 and e["epoch"] for e in beats), beats
+    sub.close()
+
+
+def _raw_http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as it is; (status, headers, body) of the answer, read to EOF."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data, f"no answer at all to {request[:60]!r}"
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def _deep_json(depth: int) -> bytes:
+    return b'{"model": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def _bad_http_inputs() -> list[bytes]:
+    deep = _deep_json(200_000)  # RecursionError in json.loads, well under MAX_BODY
+    return [
+        b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(deep) + deep,
+        b"GARBAGE\r\n\r\n",  # malformed request line
+        b"GET /v1/lookup HTTP/9.9\r\n\r\n",  # unsupported version
+        b"FETCH /v1/lookup HTTP/1.1\r\nHost: x\r\n\r\n",  # unsupported method
+    ]
+
+
+def _assert_json_errors(port: int) -> None:
+    for request in _bad_http_inputs():
+        status, headers, body = _raw_http(port, request)
+        assert 400 <= status < 600, (request[:40], status)
+        assert headers.get("content-type") == "application/json", (request[:40], headers, body)
+        assert "error" in json.loads(body), body
+    # and it still answers afterwards
+    assert _raw_http(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
+
+
+def test_broker_lookup_answers_a_deep_body_and_bad_request_lines_with_json(make_broker) -> None:
+    port = port_pair()
+    make_broker("--shm-size", "4MiB", env=events_env(port, "node-j"))
+    status, _, body = _raw_http(port + 2, _bad_http_inputs()[0])
+    assert status == 400 and "nested" in json.loads(body)["error"], body
+    _assert_json_errors(port + 2)
+
+
+def test_aggregator_answers_a_deep_body_and_bad_request_lines_with_json() -> None:
+    proc, base = start_aggregator(port_pair())
+    try:
+        _assert_json_errors(int(base.rsplit(":", 1)[1]))
+    finally:
+        stop(proc)

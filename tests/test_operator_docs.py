@@ -19,7 +19,7 @@ def connector_keys() -> set[str]:
     return keys - RETIRED
 
 
-@pytest.mark.parametrize("doc", ["README.md", "examples/README.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/vllm.md", "examples/README.md"])
 def test_every_connector_key_is_documented(doc: str) -> None:
     text = (REPO / doc).read_text()
     missing = sorted(k for k in connector_keys() if f"`{k}`" not in text)

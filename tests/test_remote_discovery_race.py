@@ -21,8 +21,8 @@ from delay_proxy import DelayProxy
 from redis_servers import REDIS_SERVER, RedisServer
 
 from lmcache_ec_broker.broker.tiers.base import EntryMeta
-from lmcache_ec_broker.broker.tiers.remote_discovery import ECHO_TTL_S
-from lmcache_ec_broker.broker.tiers.remote_jobs import (
+from lmcache_ec_broker.broker.tiers.remote.discovery import ECHO_TTL_S
+from lmcache_ec_broker.broker.tiers.remote.jobs import (
     DeleteJob,
     Job,
     Limits,
@@ -30,8 +30,8 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     WriteBatch,
     WriteJob,
 )
-from lmcache_ec_broker.broker.tiers.remote_policy import RemotePolicy
-from lmcache_ec_broker.broker.tiers.remote_transport import Outcome, StoreDown
+from lmcache_ec_broker.broker.tiers.remote.policy import RemotePolicy
+from lmcache_ec_broker.broker.tiers.remote.transport import Outcome, StoreDown
 
 META = EntryMeta(64, "uint8", (64,))
 

@@ -345,7 +345,7 @@ def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
     masters keep being served (one breaker for the whole Cluster refused them all)."""
     from redis_servers import RedisCluster
 
-    from lmcache_ec_broker.broker.tiers.resp import key_slot
+    from lmcache_ec_broker.broker.tiers.redis.resp import key_slot
 
     with RedisCluster(masters=3) as cl:
         a = node(cl.url())

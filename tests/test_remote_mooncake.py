@@ -25,8 +25,8 @@ from mooncake_env import (
     unavailable_reason,
 )
 
-from lmcache_ec_broker.broker.tiers.mooncake_config import parse_mooncake_url
-from lmcache_ec_broker.broker.tiers.remote_value import encode_value
+from lmcache_ec_broker.broker.tiers.remote.value import encode_value
+from lmcache_ec_broker.config_mooncake import parse_mooncake_url
 from lmcache_ec_broker.protocol import DTYPE_ITEMSIZE, QUANTIZED_DTYPES, expected_nbytes
 
 REASON = unavailable_reason()
@@ -120,7 +120,7 @@ def test_config_layers_and_refusals(tmp_path, monkeypatch) -> None:
     assert cfg.mooncake_local_hostname == "10.0.0.7"
     assert sources["mooncake_local_hostname"] == "env LMCACHE_EC_MOONCAKE_LOCAL_HOSTNAME"
 
-    from lmcache_ec_broker.broker.tiers.mooncake_config import settings_from_config
+    from lmcache_ec_broker.broker.tiers.mooncake.settings import settings_from_config
 
     s = settings_from_config(cfg)
     assert (s.master, s.local_hostname, s.global_segment_size) == (

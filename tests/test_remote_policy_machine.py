@@ -1,4 +1,4 @@
-"""A hypothesis state machine for the remote policy (``broker/tiers/remote_policy.py``),
+"""A hypothesis state machine for the remote policy (``broker/tiers/remote/policy.py``),
 the rules both remote backends share, against an in-memory store whose every call
 the machine completes, fails, loses the reply of, or lets time out -- in any order.
 
@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_ec_broker.broker.tiers.base import EntryMeta, TierMiss, TierUnavailable
-from lmcache_ec_broker.broker.tiers.circuit import State
-from lmcache_ec_broker.broker.tiers.remote_jobs import (
+from lmcache_ec_broker.broker.tiers.remote.circuit import BreakerState
+from lmcache_ec_broker.broker.tiers.remote.jobs import (
     ClearJob,
     DeleteJob,
     Job,
@@ -46,9 +46,9 @@ from lmcache_ec_broker.broker.tiers.remote_jobs import (
     WriteJob,
     execute,
 )
-from lmcache_ec_broker.broker.tiers.remote_policy import LATE_WRITE_TIMEOUTS, RemotePolicy
-from lmcache_ec_broker.broker.tiers.remote_transport import Declined, Outcome, StoreDown
-from lmcache_ec_broker.broker.tiers.remote_value import BadValue
+from lmcache_ec_broker.broker.tiers.remote.policy import LATE_WRITE_TIMEOUTS, RemotePolicy
+from lmcache_ec_broker.broker.tiers.remote.transport import Declined, Outcome, StoreDown
+from lmcache_ec_broker.broker.tiers.remote.value import BadValue
 
 KEYS = [f"k{i}" for i in range(3)]
 NODES = ("n0", "n1")  # two store nodes (a Cluster's masters): one breaker each
@@ -327,7 +327,7 @@ class PolicyMachine(RuleBasedStateMachine):
             assert key not in self.policy.known or not isinstance(result, BadValue | TierMiss)
         if isinstance(result, StoreDown):
             cb = self.policy.breakers[node_of(key)]
-            assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
+            assert cb.failures < THRESHOLD or cb.state is not BreakerState.CLOSED
 
     # ------------------------------------------------------------ the store's side
 
@@ -387,11 +387,11 @@ class PolicyMachine(RuleBasedStateMachine):
         if isinstance(job, ScanJob) and isinstance(result, set):
             self.listing = result
         if isinstance(job, ProbeJob) and mode in ("ok", "early"):
-            assert self.policy.breakers[job.node].state is State.CLOSED
+            assert self.policy.breakers[job.node].state is BreakerState.CLOSED
         if isinstance(result, StoreDown):
             for node in result.nodes:
                 cb = self.policy.breakers[node]
-                assert cb.failures < THRESHOLD or cb.state is not State.CLOSED
+                assert cb.failures < THRESHOLD or cb.state is not BreakerState.CLOSED
 
     @precondition(lambda self: self.late)
     @rule(i=st.integers(0, 10))
@@ -540,7 +540,7 @@ test_remote_policy = PolicyMachine.TestCase
 def test_machine_finds_a_write_that_overtakes_its_delete() -> None:
     """The machine can fail: a policy that runs a delete without waiting for the write
     of its key (the old Redis tier's bug) is caught by ``deleted_keys_stay_away``."""
-    from lmcache_ec_broker.broker.tiers import remote_policy
+    from lmcache_ec_broker.broker.tiers.remote import policy as remote_policy
 
     m = PolicyMachine()
     m.put("k0", 10)  # dispatched at once

@@ -22,7 +22,7 @@ import pytest
 from conftest import wait_until
 from redis_servers import REDIS_SERVER, VALKEY_SERVER, RedisCluster, RedisServer
 
-from lmcache_ec_broker.broker.tiers import remote_value as rv
+from lmcache_ec_broker.broker.tiers.remote import value as rv
 
 torch = pytest.importorskip("torch")
 from lmcache_ec_broker import BrokerClient  # noqa: E402
@@ -500,7 +500,7 @@ def test_tls(node, tmp_path) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cluster_values_spread_across_slots(node, kind) -> None:
-    from lmcache_ec_broker.broker.tiers.resp import key_slot
+    from lmcache_ec_broker.broker.tiers.redis.resp import key_slot
 
     with RedisCluster(3, kind=kind) as cluster:
         url = cluster.url()
@@ -523,8 +523,8 @@ def test_cluster_values_spread_across_slots(node, kind) -> None:
 
 
 def test_cluster_redirect_replies_parse() -> None:
-    from lmcache_ec_broker.broker.tiers.remote_url import parse_remote_url
-    from lmcache_ec_broker.broker.tiers.resp import Endpoint, Redirect, parse_redirect
+    from lmcache_ec_broker.broker.tiers.redis.resp import Endpoint, Redirect, parse_redirect
+    from lmcache_ec_broker.remote_url import parse_remote_url
 
     here = Endpoint("127.0.0.1", 7000)
     assert parse_redirect("ASK 3999 127.0.0.1:6381") == Redirect(
@@ -564,7 +564,7 @@ def test_cluster_slot_migration_follows_ask_and_moved(node, kind) -> None:
     and both brokers follow it to the new owner."""
     import redis
 
-    from lmcache_ec_broker.broker.tiers.resp import key_slot
+    from lmcache_ec_broker.broker.tiers.redis.resp import key_slot
 
     with RedisCluster(3, kind=kind) as cluster:
         url = cluster.url()
@@ -865,7 +865,7 @@ def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
 
 def test_write_behind_threads_run_at_background_priority(redis_server, node) -> None:
     """The threads that write behind yield the CPU to the event loop (nice +10)."""
-    from lmcache_ec_broker.broker.tiers.redis import BACKGROUND_NICE
+    from lmcache_ec_broker.broker.tiers.redis.transport import BACKGROUND_NICE
 
     proc, a = node(redis_server.url("unix"))
     a.put("nice", tensor_of(torch.float32))

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_ec_broker.broker.tiers import remote_value as rv
-from lmcache_ec_broker.broker.tiers.circuit import CircuitBreaker, State
-from lmcache_ec_broker.broker.tiers.remote_url import mask_url, parse_remote_url
-from lmcache_ec_broker.broker.tiers.resp import key_slot
+from lmcache_ec_broker.broker.tiers.redis.resp import key_slot
+from lmcache_ec_broker.broker.tiers.remote import value as rv
+from lmcache_ec_broker.broker.tiers.remote.circuit import BreakerState, CircuitBreaker
+from lmcache_ec_broker.remote_url import mask_url, parse_remote_url
 
 KEY = "model@1@0@abc@bfloat16"
 LIMIT = 1 << 30
@@ -160,7 +160,7 @@ def test_fuzz_mutated_values_refused_or_identical(data: st.DataObject) -> None:
 def test_reader_without_blake3_reads_blake2b_and_refuses_blake3_cleanly() -> None:
     code = (
         "import sys; sys.modules['blake3'] = None\n"
-        "from lmcache_ec_broker.broker.tiers import remote_value as rv\n"
+        "from lmcache_ec_broker.broker.tiers.remote import value as rv\n"
         "assert rv.default_algo(b'key') == rv.ALGO_BLAKE2B\n"
         "v = rv.encode_value('k', 'uint8', [3], b'abc', algo=rv.default_algo(b'key'))\n"
         "h = rv.parse_header(v, 'k', 100, total_len=len(v)); x = rv.Verifier(h); x.update(v[h.size:]); x.finish()\n"
@@ -217,7 +217,7 @@ def test_key_slot_matches_redis() -> None:
 
 def test_circuit_opens_backs_off_and_recovers() -> None:
     now = [0.0]
-    changes: list[State] = []
+    changes: list[BreakerState] = []
     cb = CircuitBreaker(
         threshold=2,
         backoff_s=1.0,
@@ -229,19 +229,19 @@ def test_circuit_opens_backs_off_and_recovers() -> None:
     cb.failure()
     assert cb.up
     cb.failure()
-    assert cb.state is State.OPEN and not cb.allow()
+    assert cb.state is BreakerState.OPEN and not cb.allow()
     now[0] = 1.0
     assert cb.allow()  # the one probe
     assert not cb.allow()  # others wait for it
     cb.failure()  # probe failed: backoff doubles
-    assert cb.state is State.OPEN
+    assert cb.state is BreakerState.OPEN
     now[0] = 2.5
     assert not cb.allow()
     now[0] = 3.0
     assert cb.allow()
     cb.success()
     assert cb.up and cb.allow()
-    assert changes == [State.OPEN, State.HALF_OPEN, State.OPEN, State.HALF_OPEN, State.CLOSED]
+    assert changes == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED]
 
 
 def test_circuit_probe_that_never_reports_expires() -> None:

@@ -1,4 +1,4 @@
-"""The RESP client's bounds on what a server may send (``broker/tiers/resp.py``).
+"""The RESP client's bounds on what a server may send (``broker/tiers/redis/resp.py``).
 
 A real redis-server cannot be made to send these replies, so a listener on
 127.0.0.1 plays the server's side with canned bytes; the client is the real one."""
@@ -11,18 +11,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmcache_ec_broker.broker.tiers.resp import Connection, ConnParams, Endpoint, ProtocolViolation
+from lmcache_ec_broker.broker.tiers.redis.resp import (
+    ConnParams,
+    Endpoint,
+    ProtocolViolation,
+    RespConnection,
+)
 
 MAX_REPLY = 16 << 20  # resp.MAX_REPLY: the documented bound
 
 
 @pytest.fixture
 def serve() -> Iterator:
-    """serve(data) -> a Connection to a listener that sends ``data`` and then stalls."""
+    """serve(data) -> a RespConnection to a listener that sends ``data`` and then stalls."""
     listeners: list[socket.socket] = []
     conns: list[socket.socket] = []
 
-    def start(data: bytes, timeout_s: float = 2.0) -> Connection:
+    def start(data: bytes, timeout_s: float = 2.0) -> RespConnection:
         srv = socket.socket()
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
@@ -34,7 +39,7 @@ def serve() -> Iterator:
             c.sendall(data)
 
         threading.Thread(target=run, daemon=True).start()
-        return Connection(
+        return RespConnection(
             Endpoint("127.0.0.1", srv.getsockname()[1]), ConnParams(timeout_s=timeout_s)
         )
 

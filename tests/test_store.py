@@ -23,7 +23,8 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def store(clock: FakeClock) -> Store:
-    s = Store(capacity_bytes=16 * BS, block_size=BS, clock=clock)
+    # No reservation cap below the slab here (its own test is below).
+    s = Store(capacity_bytes=16 * BS, block_size=BS, clock=clock, max_reserved_bytes_per_conn=16 * BS)
     s.open_connection(1)
     s.open_connection(2)
     return s
@@ -205,4 +206,25 @@ def test_an_arena_grant_evicts_like_a_reserve_but_never_a_pinned_entry(clock: Fa
         s.get(1, [f"fill{i}"])
     g = s.grant(3, 4 * BS)
     assert g.runs == [] and all(e.pins for e in s.entries.values())
+    s.check()
+
+
+def test_open_reservations_per_connection_are_capped(clock: FakeClock) -> None:
+    s = Store(capacity_bytes=16 * BS, block_size=BS, clock=clock)  # default: a quarter
+    for c in (1, 2, -1):
+        s.open_connection(c)
+    big = s.reserve(1, "big", 6 * BS, "uint8", [6 * BS])  # a first one may be any size
+    assert isinstance(big, ReserveReply) and big.status == ReserveStatus.RESERVED
+    err = s.reserve(1, "more", BS, "uint8", [BS])
+    assert isinstance(err, ErrorReply) and err.code == ErrorCode.TOO_MANY_RESERVATIONS
+    assert s.stats()["reserve_limit_refusals"] == 1
+    assert s.commit(1, big.token) is None
+    tokens = [s.reserve(1, f"s{i}", BS, "uint8", [BS]) for i in range(4)]
+    assert all(isinstance(t, ReserveReply) and t.token for t in tokens)
+    assert isinstance(s.reserve(1, "s4", BS, "uint8", [BS]), ErrorReply)
+    assert isinstance(s.reserve(2, "other", BS, "uint8", [BS]), ReserveReply)  # its own share
+    assert isinstance(s.reserve(-1, "tier", BS, "uint8", [BS]), ReserveReply)  # not a client
+    assert isinstance(s.reserve(-1, "tier2", BS, "uint8", [BS]), ReserveReply)
+    s.check()
+    s.close_connection(1)
     s.check()

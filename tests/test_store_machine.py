@@ -49,6 +49,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.open_connection(c)
         self.arenas: dict[int, set[int]] = {c: set() for c in CONNS}  # what each was granted
         self.tokens: dict[int, tuple[int, str]] = {}  # token -> (conn, key)
+        self.blocks: dict[int, int] = {}  # token -> its blocks
         self.pins: dict[int, tuple[int, str]] = {}  # pin id -> (conn, key) from get()
         self.leases: dict[tuple[int, str], float] = {}  # (conn, key) -> expiry
         self.deleted_while_pinned: set[str] = set()
@@ -60,6 +61,10 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.store.entries.get(key)
         r = self.store.reserve(conn, key, nblocks * BS, "uint8", [nblocks * BS])
         if isinstance(r, ErrorReply):
+            if r.code == "too_many_reservations":  # the per-connection cap (invariant 4)
+                held = sum(self.blocks[t] for t, (c, _) in self.tokens.items() if c == conn)
+                assert held and held + nblocks > self.store.max_reserved_blocks_per_conn, r
+                return
             assert r.code == "no_space", r
             return
         assert isinstance(r, ReserveReply)
@@ -72,6 +77,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert r.status == ReserveStatus.RESERVED
         assert sum(n for _, n in r.extents) == nblocks * BS
         self.tokens[r.token] = (conn, key)
+        self.blocks[r.token] = nblocks
 
     @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 1000), commit=st.booleans())

@@ -21,15 +21,15 @@ from conftest import shm_segments, wait_until
 from rawproto import RawConn
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.broker.diskfile import (
+from lmcache_ec_broker.broker.lifecycle import probe_socket
+from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
+from lmcache_ec_broker.broker.tiers.disk.file import (
     QUARANTINE_DIR,
     key_to_filename,
     slab_views,
     write_file,
 )
-from lmcache_ec_broker.broker.lifecycle import probe_socket
-from lmcache_ec_broker.broker.tiers.base import EntryMeta, SlabAccess
-from lmcache_ec_broker.broker.tiers.disk import DiskTier
+from lmcache_ec_broker.broker.tiers.disk.tier import DiskTier
 from lmcache_ec_broker.config import BrokerConfig
 from lmcache_ec_broker.connector.client import BrokerRefused
 from lmcache_ec_broker.protocol import (
@@ -335,8 +335,8 @@ _HIDE_BLAKE3 = """
 import sys
 sys.modules["blake3"] = None  # as if the optional package were not installed
 import asyncio, mmap, os
-from lmcache_ec_broker.broker.diskfile import slab_views, write_file, key_to_filename
-from lmcache_ec_broker.broker.tiers.disk import DiskTier
+from lmcache_ec_broker.broker.tiers.disk.file import slab_views, write_file, key_to_filename
+from lmcache_ec_broker.broker.tiers.disk.tier import DiskTier
 d = sys.argv[1]
 dir_fd = os.open(d, os.O_RDONLY)
 mm = mmap.mmap(-1, 4096)

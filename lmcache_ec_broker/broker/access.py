@@ -11,9 +11,9 @@ from __future__ import annotations
 import socket
 import struct
 
+from ..peercred import peer_cred
 from ..protocol import ErrorCode, ErrorReply
 
-_PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 
 
@@ -43,9 +43,7 @@ class AccessPolicy:
         try:
             if sock is None:
                 raise OSError("the event loop does not expose the connection's socket")
-            _pid, uid, gid = _PEERCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
+            _pid, uid, gid = peer_cred(sock)
         except OSError as exc:
             return -1, ErrorReply(
                 ErrorCode.PERMISSION_DENIED, f"cannot read the peer's credentials: {exc}"

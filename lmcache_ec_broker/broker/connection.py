@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -50,7 +50,16 @@ from ..protocol import (
 )
 
 if TYPE_CHECKING:
-    from .server import BrokerServer
+    from collections.abc import Collection, Iterator
+
+    from ..config import BrokerConfig
+    from ..shm.filter import FilterWriter
+    from ..shm.journal import Journal
+    from ..shm.residency import ResidencyWriter
+    from ..shm.segment import Segment
+    from .access import AccessPolicy
+    from .coordinator import Coordinator
+    from .store import Store
 
 log = logging.getLogger("lmcache_ec_broker")
 
@@ -66,8 +75,34 @@ _READS_KEYS = (Has, Get, Lookup, Delete)
 _OK_FRAME = encode_frame(msgspec.msgpack.Encoder(), OkReply())
 
 
+class Host(Protocol):
+    """What a connection uses of the server that accepted it (``BrokerServer``, which
+    imports this module; this module does not import it back)."""
+
+    config: BrokerConfig
+    epoch: str
+    conn_ids: Iterator[int]
+    connections: dict[int, Connection]
+    counters: dict[str, int]
+    access: AccessPolicy
+    store: Store
+    tiers: Coordinator
+    decoder: msgspec.msgpack.Decoder
+    segment: Segment | None
+    filter: FilterWriter | None
+    journal: Journal | None
+    residency: ResidencyWriter | None
+
+    def encode_frame(self, msg: msgspec.Struct) -> bytes: ...
+    def settle_reservations(self, conn: int, keys: Collection[str]) -> None: ...
+    def dispatch(
+        self, conn: int, msg: object, peer_uid: int = -1
+    ) -> msgspec.Struct | Awaitable[msgspec.Struct] | None: ...
+    def observe(self, op: str, started: float) -> None: ...
+
+
 class Connection(asyncio.Protocol):
-    def __init__(self, server: BrokerServer) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
         self.conn_id = next(server.conn_ids)
         self.transport: asyncio.Transport | None = None

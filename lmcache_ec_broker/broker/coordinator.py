@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState
-from .promotion import TIER_CONN, Promotion, Promotions
+from .entries import MembershipFilter
+from .promotion import TIER_CONN, Promoter, Promotion
 from .remote_asks import RemoteAsks
-from .store import Entry, Membership, Store
+from .store import Entry, Store
 from .tier_leases import TierLeases
 from .tiers import all_empty_stats
-from .tiers.base import EntryMeta, LowerTier, SlabAccess, TierEvents
-from .tiers.remote_tier import OwnTierEvents
+from .tiers.base import EntryMeta, LowerTier, OwnTierEvents, SlabAccess, TierEvents
 from .writebehind import WriteBehind
 
 __all__ = ["COORDINATOR_COUNTERS", "TIER_CONN", "Coordinator", "ResidencyObserver"]
@@ -64,13 +64,13 @@ class ResidencyObserver(TierEvents, OwnTierEvents, Protocol):
     """The residency events' tracker, as the coordinator feeds it."""
 
 
-class Coordinator(Promotions):
-    def __init__(self, store: Store, tiers: Sequence[LowerTier]) -> None:
+class Coordinator(Promoter):
+    def __init__(self, store: Store, lower_tiers: Sequence[LowerTier]) -> None:
         self.store = store
-        self.tiers = list(tiers)
-        self.sync_tiers = [t for t in self.tiers if not t.remote]
-        self.remote_tiers = [t for t in self.tiers if t.remote]
-        self.membership: Membership | None = None
+        self.lower_tiers = list(lower_tiers)
+        self.sync_tiers = [t for t in self.lower_tiers if not t.remote]
+        self.remote_tiers = [t for t in self.lower_tiers if t.remote]
+        self.membership: MembershipFilter | None = None
         # Residency events (events/ package): sees every lower tier's added/removed,
         # and what this broker itself wrote to or deleted from a shared tier.
         self.observer: ResidencyObserver | None = None
@@ -81,7 +81,7 @@ class Coordinator(Promotions):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # promotions and write-behinds
-        self.writes = WriteBehind(store, self.tiers, TIER_CONN, self._tasks)
+        self.writes = WriteBehind(store, self.lower_tiers, TIER_CONN, self._tasks)
 
     # ---------------------------------------------------------------- TierEvents
 
@@ -116,7 +116,7 @@ class Coordinator(Promotions):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def attach_filter(self, membership: Membership | None) -> None:
+    def attach_filter(self, membership: MembershipFilter | None) -> None:
         """Publish (or, with None, stop publishing) every tier's keys in ``membership``."""
         self.membership = membership
         self.store.membership = membership
@@ -129,18 +129,18 @@ class Coordinator(Promotions):
         absence. Kept by checking before every removal (a tier turns partial just
         before it forgets a key it may still hold) and after additions."""
         assert self.membership is not None
-        self.membership.set_partial(any(t.filter_partial for t in self.tiers))
+        self.membership.set_partial(any(t.filter_partial for t in self.lower_tiers))
 
     def expected_keys(self) -> int:
         """Keys the membership filter must have room for (slab blocks + lower tiers)."""
         bs = self.store.block_size
-        return self.store.nblocks + sum(t.expected_keys(bs) for t in self.tiers)
+        return self.store.nblocks + sum(t.expected_keys(bs) for t in self.lower_tiers)
 
     def open(self) -> None:
         """Open every lower tier (before serving); on failure close those already open."""
         opened: list[LowerTier] = []
         try:
-            for tier in self.tiers:
+            for tier in self.lower_tiers:
                 opened.append(tier)
                 tier.open()
         except BaseException:
@@ -152,7 +152,7 @@ class Coordinator(Promotions):
         self._loop = loop
         self.store.open_connection(TIER_CONN)
         slab = SlabAccess(mm)
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             tier.start(loop, slab, self)
 
     async def shutdown(self, deadline_s: float) -> None:
@@ -163,16 +163,16 @@ class Coordinator(Promotions):
         end = loop.time() + max(deadline_s, 0.0)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(end - loop.time(), 0.0))
-        if self.tiers:
+        if self.lower_tiers:
             await asyncio.gather(
-                *(t.shutdown(max(end - loop.time(), 0.0)) for t in self.tiers),
+                *(t.shutdown(max(end - loop.time(), 0.0)) for t in self.lower_tiers),
                 return_exceptions=True,
             )
         self.leases.drop_all()
         self.store.close_connection(TIER_CONN)
 
     def close(self) -> None:
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             try:
                 tier.close()
             except Exception:
@@ -207,7 +207,7 @@ class Coordinator(Promotions):
     def has(
         self, conn: int, keys: list[str], lease_ms: int, wait_ms: int = 0
     ) -> list[bool] | Awaitable[list[bool]]:
-        if not self.tiers:  # the hot path of a slab-only broker: no per-key objects
+        if not self.lower_tiers:  # the hot path of a slab-only broker: no per-key objects
             return self.store.has(conn, keys, lease_ms)
         got = self.lookup(conn, keys, lease_ms, wait_ms)
         if isinstance(got, list):
@@ -339,7 +339,7 @@ class Coordinator(Promotions):
         return out
 
     def _touch(self, key: str) -> None:
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             tier.touch(key)
 
     # ---------------------------------------------------------------- get
@@ -449,7 +449,7 @@ class Coordinator(Promotions):
 
     def delete(self, keys: list[str]) -> list[bool]:
         deleted = self.store.delete(keys)
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             deleted = [a or b for a, b in zip(deleted, tier.delete(keys), strict=True)]
         gone = set(keys)
         self.asks.deleted(gone)
@@ -461,7 +461,7 @@ class Coordinator(Promotions):
         """Empty the slab and the local tiers; remote tiers (a store other brokers
         share) only when ``shared``."""
         self.store.clear()
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             if shared or not tier.remote:
                 tier.clear()
         if shared:  # the store's copies are gone: answers asked for before are stale
@@ -476,7 +476,7 @@ class Coordinator(Promotions):
         out.update(all_empty_stats())
         out["tier_leases"] = len(self.leases)
         out["promotions_in_flight"] = len(self._promoting)
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             out.update(tier.stats())
         return out
 

@@ -51,9 +51,10 @@ class ConnState:
     pins: set[int] = field(default_factory=set)
     leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
     arena: Arena | None = None
+    reserved_blocks: int = 0  # blocks of its open reservations (max_reserved_bytes cap)
 
 
-class Membership(Protocol):
+class MembershipFilter(Protocol):
     """What the store needs of a membership filter (shm.filter.FilterWriter)."""
 
     def add(self, key: str) -> None: ...
@@ -61,7 +62,7 @@ class Membership(Protocol):
     def set_partial(self, partial: bool) -> None: ...
 
 
-class Residency(Protocol):
+class ResidencyIndex(Protocol):
     """What the store needs of the residency index (shm.residency.ResidencyWriter)."""
 
     def publish(

@@ -9,18 +9,14 @@ refuses with a message naming the first.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
 import hashlib
 import logging
 import os
-import signal
 import socket
 import stat
-
-from ..config import BrokerConfig
 
 log = logging.getLogger("lmcache_ec_broker")
 
@@ -160,37 +156,3 @@ def resolve_group(name: str | None) -> int | None:
         return grp.getgrnam(name).gr_gid
     except KeyError as exc:
         raise BrokerError(f"socket_group {name!r} does not exist") from exc
-
-
-def run_broker(config: BrokerConfig) -> int:
-    """Start, serve until SIGTERM/SIGINT or a Shutdown request, clean up; the exit code."""
-    from .server import BrokerServer
-
-    server = BrokerServer(config)
-    prepared = False
-
-    def stop_during_startup(signum: int, frame: object) -> None:
-        if not prepared:
-            raise SystemExit(0)  # prepare() and Segment.create unlink what they made
-        # Between prepare() and the loop's own handlers: raising here would land inside
-        # the event loop's start-up and break it (exit 1, a traceback); serve() stops
-        # as soon as its handlers are in.
-        server.stop_signal = signum
-
-    # Until the loop installs its own handlers: the default SIGTERM action would
-    # leave a half-made (and pre-faulting) segment in /dev/shm.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop_during_startup)
-    try:  # a stop right after prepare() returns still cleans up (cleanup is idempotent)
-        server.prepare()
-        prepared = True
-        try:
-            import uvloop
-
-            runner = uvloop.run
-        except ImportError:
-            runner = asyncio.run
-        runner(server.serve())
-    finally:
-        server.cleanup()
-    return 0

@@ -1,4 +1,5 @@
-"""Prometheus endpoint (``--metrics-port``, off by default) and request latency histograms.
+"""Prometheus endpoint (``--metrics-port``, off by default; bound to ``--metrics-host``,
+127.0.0.1 unless set) and request latency histograms.
 
 Hot-path cost: one ``bisect`` and three integer updates per request, on the
 broker's loop (``BrokerServer.observers``). Everything else -- counters, gauges,
@@ -28,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .coordinator import COORDINATOR_COUNTERS
+from .lifecycle import BrokerError
 from .server import SERVER_COUNTERS
 from .store import STORE_COUNTERS
 from .tiers import tier_counter_names
@@ -56,6 +58,8 @@ _HELP = {
     "bytes_stored": "bytes committed into the slab",
     "bytes_loaded": "bytes handed out to readers by get()",
     "evictions": "entries evicted from the slab by LRU",
+    "reserve_limit_refusals": "reserves refused: the connection's open reservations held "
+    "max_reserved_bytes_per_connection",
     "promotions": "entries promoted from a lower tier (disk, remote) into the slab",
     "promotion_failures": "promotions that failed (no space, corrupt or vanished copy, tier down)",
     "entries": "ready entries in the slab",
@@ -199,6 +203,19 @@ class MetricsEndpoint:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+def start(server: BrokerServer) -> MetricsEndpoint:
+    """The add-on (``run.py``): ``install`` on ``metrics_host:metrics_port``, or
+    BrokerError naming the fix."""
+    host, port = server.config.metrics_host, server.config.metrics_port
+    try:
+        return install(server, port, host)
+    except OSError as exc:
+        raise BrokerError(
+            f"cannot serve metrics on {host}:{port}: {exc}; choose another "
+            "--metrics-port (0 turns metrics off) or --metrics-host (an address of this host)"
+        ) from exc
 
 
 def install(server: BrokerServer, port: int, host: str = "127.0.0.1") -> MetricsEndpoint:

@@ -16,7 +16,7 @@ Invariants:
   lower-tier leases (MISS until they end); a fetch that found no value is a miss,
   not a failure.
 
-``Promotions`` is a part of ``Coordinator`` (a mixin over its state, declared
+``Promoter`` is a part of ``Coordinator`` (a mixin over its state, declared
 below): ``benchmarks/remote_attribution.py`` times ``Coordinator._promote_from``
 and ``Coordinator._fetch_from`` by patching them on the class.
 """
@@ -50,7 +50,7 @@ class Promotion:
     missed: bool = False  # a fetch found no value: a miss, not a failed promotion
 
 
-class Promotions:
+class Promoter:
     # The coordinator's state this part uses (set by Coordinator.__init__/start).
     store: Store
     counters: dict[str, int]

@@ -11,7 +11,9 @@ stops reading its replies or pipelines requests behind a slow one is held back o
 disconnected (``connection.py``); a client that never releases what it gets or
 leases: past ``max_pins_per_connection`` pins or ``max_leases_per_connection``
 leases its gets and leasing lookups are refused (``too_many_pins``/
-``too_many_leases``, counted) until it releases some.
+``too_many_leases``, counted) until it releases some; a client that holds
+reservations: past ``max_reserved_bytes_per_connection`` its reserves are refused
+(``too_many_reservations``, counted), so it cannot evict the whole slab.
 
 How the tiers combine is the coordinator's business (``coordinator.py``), who
 may connect is ``access.py``'s, starting and stopping the process is
@@ -28,7 +30,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import msgspec
 
@@ -79,25 +81,29 @@ from .lifecycle import (
     is_socket,
     probe_socket,
     resolve_group,
-    run_broker,
     segment_prefix,
 )
 from .store import Entry, State, Store
 from .tiers import TierError, make_lower_tiers
 
-__all__ = ["BrokerError", "BrokerServer", "probe_socket", "run_broker", "segment_prefix"]
+__all__ = ["AddOn", "BrokerError", "BrokerServer", "probe_socket", "segment_prefix"]
 
 log = logging.getLogger("lmcache_ec_broker")
 
 MAX_LEASE_MS = 600_000
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
 SERVER_COUNTERS = ("queue_pauses",)
+# Started by ``prepare`` with the server, in order (``run.py`` chooses them: the
+# metrics endpoint, the residency events; the server imports neither). Each plugs into
+# the hooks below and the store's and coordinator's ``observer``, or raises BrokerError.
+AddOn = Callable[["BrokerServer"], object]
 
 
 class BrokerServer:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, add_ons: Sequence[AddOn] = ()) -> None:
         config.validate()
         self.config = config
+        self.add_ons = list(add_ons)
         self.epoch = uuid.uuid4().hex
         self.started_at = time.time()
         self.store = Store(
@@ -109,6 +115,7 @@ class BrokerServer:
             max_leases_per_conn=config.max_leases_per_connection,
             arena_bytes=config.put_arena_bytes,
             arena_slots=config.max_connections,
+            max_reserved_bytes_per_conn=config.max_reserved_bytes_per_connection,
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
@@ -140,7 +147,9 @@ class BrokerServer:
         # Each adds keys to stats() (metrics latency summaries).
         self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
-        self._settling = False  # settle_reservations is running (never nested)
+        # The connections whose request settle_reservations is settling (a stack: a
+        # request read while settling for another is settled in turn).
+        self._settling: set[int] = set()
 
     # ---------------------------------------------------------------- wiring
 
@@ -153,12 +162,22 @@ class BrokerServer:
         that returned is seen by every request made after it (read-after-put across
         processes). A key the index lacks may have been placed from another client's
         put arena: the connections whose journal slot shows a placement not handled
-        yet are read first (bounded: only those, one read_pending each). One level
-        deep: frames handled here do not settle in turn."""
-        if self._settling:
-            return
+        yet are read first (bounded: only those, one read_pending each).
+
+        Nested: a request handled while settling for another connection (read from a
+        writer's socket by read_pending) is settled in turn, before it is answered --
+        its own writers' frames may be pending too. Invariant: a connection is never
+        read while it is on this stack (``_settling``: the connections whose request
+        is being settled), so frames are handled in order, replies leave in order, and
+        the depth is at most the number of connections. Skipping one on the stack
+        loses nothing: its request being handled is one its client waits for, so it
+        sent nothing after it (an honest client's posted Commit/Place precede its next
+        request in its socket; the model in tests/test_settle_machine.py checks this)."""
+        settling = self._settling
+        if conn in settling:
+            return  # cannot happen (a connection on the stack is not read); be safe
         entries = self.store.entries
-        self._settling = True
+        settling.add(conn)
         try:
             missing = False
             for key in keys:
@@ -168,35 +187,42 @@ class BrokerServer:
                     continue
                 if entry.state is not State.RESERVED or entry.owner == conn:
                     continue
-                owner = self.connections.get(entry.owner)
-                if owner is not None:
-                    owner.read_pending()
+                if entry.owner not in settling:
+                    owner = self.connections.get(entry.owner)
+                    if owner is not None:
+                        owner.read_pending()
             if missing and self.store.arena_conns and self.journal is not None:
                 self._settle_arenas(conn)
         finally:
-            self._settling = False
+            settling.discard(conn)
 
     def _settle_arenas(self, conn: int) -> None:
         journal = self.journal
         assert journal is not None
+        settling = self._settling
         for holder, slot in list(self.store.arena_conns.items()):
-            if holder != conn and journal.unsettled(slot):
+            if holder != conn and holder not in settling and journal.unsettled(slot):
                 owner = self.connections.get(holder)
                 if owner is not None:
                     owner.read_pending()
 
     def _place(self, conn: int, msg: Place) -> msgspec.Struct:
         """Store an entry the client wrote into its arena; the journal slot is settled
-        afterwards whatever the outcome (shm/journal.py: after the filter add)."""
+        afterwards whatever the outcome, an exception included (shm/journal.py: after
+        the filter add). Invariant: a Place handled is a Place settled -- an unsettled
+        slot makes every other client ask the broker for each miss, and lets the
+        placing client keep serving the key from blocks the broker may have reused."""
         store = self.store
-        got = store.place(conn, msg.key, msg.nbytes, msg.dtype, msg.shape, msg.runs)
-        if isinstance(got, Entry):
-            self.tiers.placed(got)
-            got = PlaceReply(True)
-        slot = store.arena_slot(conn)
-        if slot >= 0 and self.journal is not None:
-            self.journal.settle(slot, msg.seq)
-        return got
+        try:
+            got = store.place(conn, msg.key, msg.nbytes, msg.dtype, msg.shape, msg.runs)
+            if isinstance(got, Entry):
+                self.tiers.placed(got)
+                got = PlaceReply(True)
+            return got
+        finally:
+            slot = store.arena_slot(conn)
+            if slot >= 0 and self.journal is not None:
+                self.journal.settle(slot, msg.seq)
 
     def _grant(self, conn: int, nbytes: int) -> msgspec.Struct:
         had = self.store.arena_slot(conn)
@@ -294,7 +320,7 @@ class BrokerServer:
         return f"{local} (the remote store is kept: {where})"
 
     def _remote_shown(self) -> str:
-        from .tiers.remote_url import mask_url
+        from ..remote_url import mask_url
 
         return mask_url(self.config.remote_url or "")
 
@@ -311,6 +337,8 @@ class BrokerServer:
         out.update(
             max_pins_per_connection=self.store.max_pins_per_conn,
             max_leases_per_connection=self.store.max_leases_per_conn,
+            max_reserved_bytes_per_connection=self.store.max_reserved_blocks_per_conn
+            * self.store.block_size,
         )
         out.update(self.counters)
         out.update(self.tiers.stats())
@@ -377,12 +405,8 @@ class BrokerServer:
             self._publish_residency(name + "-r", gid)
             if self.store.arena_cap_blocks:
                 self._publish_journal(name + "-j", gid)
-            if cfg.metrics_port:  # before the socket exists: a refusal must precede readiness
-                self._start_metrics(cfg.metrics_port)
-            if cfg.events_port or cfg.events_lookup_port:  # residency events (docs/events.md)
-                from ..events.install import install as install_events
-
-                install_events(self)  # BrokerError naming the fix if it cannot start
+            for add_on in self.add_ons:  # before the socket exists: a refusal precedes readiness
+                add_on(self)
             try:
                 self.tiers.open()
             except TierError as exc:
@@ -392,17 +416,6 @@ class BrokerServer:
         except BaseException:
             self.cleanup()
             raise
-
-    def _start_metrics(self, port: int) -> None:
-        from .metrics import install
-
-        try:
-            install(self, port)
-        except OSError as exc:
-            raise BrokerError(
-                f"cannot serve metrics on 127.0.0.1:{port}: {exc}; "
-                "choose another --metrics-port (0 turns metrics off)"
-            ) from exc
 
     def _publish_filter(self, slab_name: str, gid: int | None) -> None:
         # Every tier counts its keys in it, so it is sized for the keys of all of them.
@@ -440,8 +453,8 @@ class BrokerServer:
             self.config.socket_path,
             self.epoch[:12],
             os.getpid(),
-            "tiers: slab, " + ", ".join(t.name for t in self.tiers.tiers)
-            if self.tiers.tiers
+            "tiers: slab, " + ", ".join(t.name for t in self.tiers.lower_tiers)
+            if self.tiers.lower_tiers
             else "no disk tier: entries live in memory only and a restart starts empty",
         )
         sweeper = asyncio.ensure_future(self._sweep_leases())
@@ -472,7 +485,7 @@ class BrokerServer:
         for conn in list(self.connections.values()):
             conn.close()
         await asyncio.sleep(0)  # let connection_lost run: releases pins and reservations
-        if self.tiers.tiers:
+        if self.tiers.lower_tiers:
             log.info(
                 "flushing the lower tiers for up to %gs (shutdown_flush_s)",
                 self.config.shutdown_flush_s,

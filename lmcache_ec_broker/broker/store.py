@@ -10,7 +10,10 @@ Invariants (``check()`` asserts them; tests call it after every step):
    gone from the index and no pin refers to it.
 3. Readers never see a partial entry: only READY entries are returned by
    ``get``/``has``.
-4. Pinned (by a get or a lease) and reserved entries are never evicted.
+4. Pinned (by a get or a lease) and reserved entries are never evicted; one
+   connection's open reservations hold at most ``max_reserved_blocks_per_conn``
+   blocks, except that a connection holding none may reserve any entry the slab
+   takes (so one client cannot evict the whole slab by holding reservations).
 5. Allocation fails only if the free blocks plus the blocks of unpinned READY
    entries are not enough.
 6. Everything a connection holds (reservations, pins, leases, its put arena) is
@@ -38,6 +41,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+from ..config import format_size
 from ..protocol import (
     ErrorCode,
     ErrorReply,
@@ -52,9 +56,9 @@ from .arenas import ArenaPlacement
 from .entries import (  # re-exported: coordinator, server and tests import them from here
     ConnState,
     Entry,
-    Membership,
+    MembershipFilter,
     Pin,
-    Residency,
+    ResidencyIndex,
     State,
     StoreObserver,
 )
@@ -80,7 +84,14 @@ STORE_COUNTERS = (
     "arena_place_refused",  # placements refused (bad blocks/key/shape) or of a present key
     "pin_limit_refusals",  # requests refused: the connection held max_pins_per_connection
     "lease_limit_refusals",  # requests refused: the connection held max_leases_per_connection
+    "reserve_limit_refusals",  # reserves refused: max_reserved_bytes_per_connection reached
 )
+# has() hits a client answered from the residency index name no key, so the broker
+# cannot verify them: one Served frame counts at most this many (BrokerClient sends
+# one every 64 served items; connector/index_path.py).
+SERVED_HAS_HITS_MAX = 1024
+# What any counter shows (stats, metrics) at most: msgpack's and Prometheus' u64.
+COUNTER_MAX = (1 << 64) - 1
 
 
 class Store(ArenaPlacement):
@@ -95,6 +106,7 @@ class Store(ArenaPlacement):
         max_leases_per_conn: int = 1 << 16,
         arena_bytes: int = 0,
         arena_slots: int = 1024,
+        max_reserved_bytes_per_conn: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block size must be positive")
@@ -107,6 +119,10 @@ class Store(ArenaPlacement):
         # every pin and lease costs broker memory until released.
         self.max_pins_per_conn = max_pins_per_conn
         self.max_leases_per_conn = max_leases_per_conn
+        # Open reservations per connection, in blocks (0: a quarter of the slab).
+        self.max_reserved_blocks_per_conn = max(
+            1, self._blocks_for(max_reserved_bytes_per_conn) or self.nblocks // 4
+        )
         self.allocator = BlockAllocator(self.nblocks)
         self.lru = LRUPolicy()
         self.entries: dict[str, Entry] = {}
@@ -116,12 +132,12 @@ class Store(ArenaPlacement):
         # The published membership filter (shm/filter.py); None when not published.
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
-        self.membership: Membership | None = None
+        self.membership: MembershipFilter | None = None
         # The published residency index (shm/residency.py); None when not published.
         # Invariant: a key is in it only while its entry is READY with the published
         # extents: ``publish`` after the entry turns READY (commit, place), ``withdraw``
         # first thing in _drop_ready, before the blocks can be freed or reused.
-        self.residency: Residency | None = None
+        self.residency: ResidencyIndex | None = None
         # Residency events (events/ package): told of every entry that became READY
         # (commit) and every READY entry that left the index (evict, delete, clear).
         self.observer: StoreObserver | None = None
@@ -281,6 +297,27 @@ class Store(ArenaPlacement):
             "earlier gets (BrokerClient does after each copy) or raise the limit",
         )
 
+    def admit_reservation(self, conn: int, nblocks: int) -> ErrorReply | None:
+        """Refuse a reserve that would take ``conn``'s open reservations past
+        max_reserved_blocks_per_conn (invariant 4); a connection holding none may
+        reserve any entry the slab takes. The broker's own connections (negative ids:
+        promotion.TIER_CONN) are not clients and are not capped."""
+        state = self.conns.get(conn)
+        held = 0 if state is None or conn < 0 else state.reserved_blocks
+        if not held or held + nblocks <= self.max_reserved_blocks_per_conn:
+            return None
+        self.counters["reserve_limit_refusals"] += 1
+        bs = self.block_size
+        return ErrorReply(
+            ErrorCode.TOO_MANY_RESERVATIONS,
+            f"this connection's {len(state.reservations) if state else 0} open reservations "
+            f"hold {format_size(held * bs)} and it asked for {format_size(nblocks * bs)} more; "
+            f"the limit is {format_size(self.max_reserved_blocks_per_conn * bs)} "
+            "(max_reserved_bytes_per_connection): commit or abort open reservations first "
+            "(BrokerClient commits each put after its copy), put fewer entries at once, or "
+            "raise the limit",
+        )
+
     def admit_leases(self, conn: int, keys: list[str], extra_held: int = 0) -> ErrorReply | None:
         """Refuse a leasing has/lookup that could take ``conn`` past max_leases_per_conn
         leases (``extra_held``: leases the caller keeps elsewhere, on lower tiers)."""
@@ -314,6 +351,8 @@ class Store(ArenaPlacement):
             self.counters["put_in_progress"] += 1
             return ReserveReply(ReserveStatus.IN_PROGRESS)
         nblocks = self._blocks_for(nbytes)
+        if (refusal := self.admit_reservation(conn, nblocks)) is not None:
+            return refusal
         if not self._make_room(nblocks):
             self.counters["no_space"] += 1
             return ErrorReply(
@@ -331,7 +370,9 @@ class Store(ArenaPlacement):
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.RESERVED, token, conn)
         self.reservations[token] = entry
         self.reserved_blocks += nblocks
-        self.conns[conn].reservations.add(token)
+        state = self.conns[conn]
+        state.reservations.add(token)
+        state.reserved_blocks += nblocks
         return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
 
     def _add_entry(
@@ -403,8 +444,10 @@ class Store(ArenaPlacement):
         if isinstance(entry, ErrorReply):
             return entry
         del self.reservations[token]
-        self.conns[conn].reservations.discard(token)
+        state = self.conns[conn]
+        state.reservations.discard(token)
         n = sum(length for _, length in entry.runs)
+        state.reserved_blocks -= n
         self.reserved_blocks -= n
         self.used_blocks += n
         entry.state = State.READY
@@ -429,6 +472,9 @@ class Store(ArenaPlacement):
 
     def _abort(self, token: int) -> None:
         entry = self.reservations.pop(token)
+        owner = self.conns.get(entry.owner)  # None while close_connection aborts
+        if owner is not None:
+            owner.reserved_blocks -= sum(length for _, length in entry.runs)
         del self.entries[entry.key]
         if self.membership is not None:
             self.membership.remove(entry.key)
@@ -457,17 +503,23 @@ class Store(ArenaPlacement):
         """Count what a client answered from the residency index, as a Get or Has would
         have: a hit and its bytes per copied key, and touch the ones still present in
         the LRU (an entry read often must not be evicted because its reads were local).
-        ``nbytes`` is clamped to the largest entry: a client cannot inflate it much."""
+        Nothing a client reports is counted beyond what the broker can verify: a key
+        counts only while its entry is READY, with at most that entry's bytes; has()
+        hits (no keys named) at most SERVED_HAS_HITS_MAX per frame."""
         counters = self.counters
-        counters["has_hits"] += max(0, has_hits)
-        counters["hits"] += len(keys)
-        cap = self.max_entry_bytes
-        counters["bytes_loaded"] += sum(min(max(0, n), cap) for n in nbytes[: len(keys)])
+        counters["has_hits"] += min(max(0, has_hits), SERVED_HAS_HITS_MAX)
         entries, touch = self.entries, self.lru.touch
-        for key in keys:
+        hits = loaded = 0
+        for i, key in enumerate(keys):
             entry = entries.get(key)
-            if entry is not None and entry.state is State.READY:
-                touch(key)
+            if entry is None or entry.state is not State.READY:
+                continue
+            hits += 1
+            if i < len(nbytes):
+                loaded += min(max(0, nbytes[i]), entry.nbytes)
+            touch(key)
+        counters["hits"] += hits
+        counters["bytes_loaded"] += loaded
 
     def pin_entry(self, conn: int, entry: Entry) -> int:
         """Pin a READY entry for a broker-internal reader (a tier's write-behind)
@@ -599,7 +651,9 @@ class Store(ArenaPlacement):
             "pinned_entries": self.pinned_entries,
             "pins": len(self.pins),
             "free_runs": self.allocator.free_runs,
-            **self.counters,
+            # Saturating: a counter a client could drive (hits, bytes_loaded through
+            # Served) must never make a Stats reply unencodable for everyone.
+            **{name: min(value, COUNTER_MAX) for name, value in self.counters.items()},
         }
 
     def check(self) -> None:
@@ -616,6 +670,9 @@ class Store(ArenaPlacement):
                 assert not (blocks & owned), f"block shared by two entries ({entry.key!r})"
                 owned |= blocks
         assert len(owned) == self.used_blocks + self.reserved_blocks, "block accounting drift"
+        assert sum(c.reserved_blocks for c in self.conns.values()) == sum(
+            length for e in self.reservations.values() for _, length in e.runs
+        ), "per-connection reserved blocks drift"
         arena_total = 0
         slots: set[int] = set()
         for state in self.conns.values():

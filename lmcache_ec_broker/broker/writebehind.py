@@ -24,20 +24,24 @@ log = logging.getLogger("lmcache_ec_broker")
 
 class WriteBehind:
     def __init__(
-        self, store: Store, tiers: Sequence[LowerTier], conn: int, tasks: set[asyncio.Future[Any]]
+        self,
+        store: Store,
+        lower_tiers: Sequence[LowerTier],
+        conn: int,
+        tasks: set[asyncio.Future[Any]],
     ) -> None:
         self.store = store
-        self.tiers = tiers
+        self.lower_tiers = lower_tiers
         self.conn = conn
         self.tasks = tasks  # shared with the coordinator, whose shutdown waits for them
         self.closing = False  # set by the coordinator's shutdown: offer nothing more
 
     def offer(self, entry: Entry, skip: LowerTier | None) -> None:
         """Offer a READY slab entry to every lower tier but ``skip`` (its source)."""
-        if not self.tiers or self.closing:
+        if not self.lower_tiers or self.closing:
             return
         meta = EntryMeta(entry.nbytes, entry.dtype, tuple(entry.shape))
-        for tier in self.tiers:
+        for tier in self.lower_tiers:
             if tier is skip:
                 continue
             try:

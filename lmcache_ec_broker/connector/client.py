@@ -104,7 +104,6 @@ from .membership import Membership, _expand
 from .membership import _as_list as _as_list
 from .reads import Reads
 from .reads import _copy as _copy
-from .trust import _PEERCRED as _PEERCRED
 from .trust import BROKER_UID_ENV as BROKER_UID_ENV
 from .trust import _user_name as _user_name
 from .trust import trusted_uids

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import pwd
 import socket
-import struct
 from collections.abc import Collection
 
 from ..config import check_private_dir, private_socket_dir
+from ..peercred import peer_cred
 from .errors import BrokerImpostor
 
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def check_peer(sock: socket.socket, socket_path: str, trusted: Collection[int]) -> None:
@@ -25,8 +24,7 @@ def check_peer(sock: socket.socket, socket_path: str, trusted: Collection[int]) 
             check_private_dir(parent, trusted)
         except ValueError as exc:
             raise BrokerImpostor(str(exc)) from None
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, _gid = _PEERCRED.unpack(raw)
+    pid, uid, _gid = peer_cred(sock)
     if uid not in trusted:
         raise BrokerImpostor(
             f"refusing the process on {socket_path}: it runs as uid {uid} "

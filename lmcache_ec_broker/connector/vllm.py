@@ -78,6 +78,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from lmcache_ec_broker.connector.client import BrokerClient
+from lmcache_ec_broker.connector.extra_config import check_extra_config
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
 from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
@@ -122,6 +123,10 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
         assert ec_config is not None  # the base class already raised otherwise
+        check_extra_config(  # a misspelt key refuses, LMCache's are named once
+            ec_config.ec_connector_extra_config,
+            logger if role == ECConnectorRole.SCHEDULER else None,
+        )
         extra = ec_config.get_from_extra_config
         self._socket_path: str | None = extra("socket_path", None)
         if extra("timeout_s", None) is not None:

@@ -1,5 +1,6 @@
-"""Wiring the events into a broker (``BrokerServer.prepare`` calls ``install`` when
-``events_port`` or ``events_lookup_port`` is set): the tracker observes the store
+"""Wiring the events into a broker (an add-on: ``run.py`` hands ``install`` to the
+server when ``events_port`` or ``events_lookup_port`` is set, and ``BrokerServer.prepare``
+calls it; the server does not import this package): the tracker observes the store
 and the coordinator, the publisher thread and the lookup endpoint start, and the
 broker's stop publishes a final 'cleared' before the sockets close."""
 
@@ -10,8 +11,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..broker.lifecycle import BrokerError
+from ..config_events import node_name
 from .lookup_http import LookupServer
-from .settings import node_name
 from .tracker import ResidencyTracker
 
 if TYPE_CHECKING:

@@ -30,6 +30,7 @@ MAX_BODY = 1 << 20
 # concurrent.futures.TimeoutError is not the builtin TimeoutError).
 _UNAVAILABLE = (RuntimeError, TimeoutError, concurrent.futures.TimeoutError)
 MAX_HASHES = 4096
+_SHAPE = 'send {"model": ..., "mm_hashes": [...]}'
 
 # (model, mm_hashes) -> per hash: [{"node": N, "tiers": {tier: nbytes}}]
 Answer = Callable[[str, list[str]], list[list[dict[str, Any]]]]
@@ -88,8 +89,10 @@ class LookupServer:
                     body = json.loads(self.rfile.read(n))
                 except ValueError as exc:
                     return self._json(400, {"error": f"the body is not JSON: {exc}"})
+                except RecursionError:  # json's parser recurses per nesting level
+                    return self._json(400, {"error": f"the body is nested too deeply; {_SHAPE}"})
                 if not isinstance(body, dict):
-                    return self._json(400, {"error": 'send {"model": ..., "mm_hashes": [...]}'})
+                    return self._json(400, {"error": _SHAPE})
                 self._lookup(body.get("model"), body.get("mm_hashes"))
 
             def _lookup(self, model: object, hashes: object) -> None:
@@ -114,6 +117,19 @@ class LookupServer:
                         "nodes": known,
                     },
                 )
+
+            def send_error(
+                self, code: int, message: str | None = None, explain: str | None = None
+            ) -> None:
+                """The base class's errors (a malformed request line, an unsupported
+                method or version, oversized headers) as JSON, like every other answer."""
+                short, long = self.responses.get(code, ("error", ""))
+                self.close_connection = True
+                if self.command is None or self.request_version == "HTTP/0.9":
+                    # The request line did not parse: answer as HTTP/1.1 all the same,
+                    # so the client reads a status and a JSON body, not bare bytes.
+                    self.request_version = "HTTP/1.1"
+                self._json(code, {"error": message or explain or long or short})
 
             def _json(self, code: int, obj: object) -> None:
                 data = json.dumps(obj).encode()

@@ -61,8 +61,10 @@ class EncoderCacheCleared(ResidencyEvent):
     tier: str | None = None
 
 
-class Heartbeat(ResidencyEvent):
-    """Sent every ``events_heartbeat_s``; a new ``epoch`` means the broker restarted."""
+class Heartbeat(ResidencyEvent, omit_defaults=False):
+    """Sent every ``events_heartbeat_s``; a new ``epoch`` means the broker restarted.
+    Always encodes ``schema_version`` (the base's ``omit_defaults`` would drop it: it
+    is the default); a heartbeat without it still decodes, as version 1."""
 
     epoch: str
     schema_version: int = SCHEMA_VERSION

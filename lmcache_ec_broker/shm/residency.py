@@ -48,6 +48,7 @@ name carries the epoch) that the client maps from the new handshake.
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import platform
@@ -74,6 +75,7 @@ _FIXED_AT = 8
 KEY_AT = _FIXED_AT + _FIXED.size  # 144
 KEY_CAP = SLOT_BYTES - KEY_AT  # 112 bytes of UTF-8
 SEQ = struct.Struct("@Q")  # native: one aligned 8-byte load/store (see the module doc)
+_SEQ_MASK = (1 << 64) - 1  # the word wraps (after 2**63 rewrites of one slot); 2**64 is even
 _KEYLEN = struct.Struct("<H")
 _KEYLEN_AT = 24  # the keylen field of _FIXED, from the slot's start
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -128,6 +130,9 @@ class ResidencyWriter:
         ).ljust(HEADER_SIZE, b"\0")
         self._slot_of: dict[str, int] = {}  # indexed key -> its slot
         self._used = bytearray(self.nslots)  # 1 where a slot holds a key
+        # Each slot's seq, the broker's copy (always even here): published, never read
+        # back from the segment, which another process may have rewritten.
+        self._seq = array.array("Q", bytes(8 * self.nslots))
         self._gen = 0
         self.unindexed = 0  # entries not indexed (long key, many extents/dims, full window)
 
@@ -165,14 +170,16 @@ class ResidencyWriter:
         flat_ext += [0] * (2 * MAX_EXTENTS - len(flat_ext))
         mm = self.mm
         at = HEADER_SIZE + slot * SLOT_BYTES
-        (seq,) = SEQ.unpack_from(mm, at)
+        seq = self._seq[slot]
         SEQ.pack_into(mm, at, seq + 1)  # odd: being rewritten
         _FIXED.pack_into(
             mm, at + _FIXED_AT, self._gen, nbytes, len(kb), code, len(shape), len(extents),
             *flat_shape, *flat_ext,
         )  # fmt: skip
         mm[at + KEY_AT : at + KEY_AT + len(kb)] = kb
-        SEQ.pack_into(mm, at, seq + 2)  # even: readable
+        seq = (seq + 2) & _SEQ_MASK
+        SEQ.pack_into(mm, at, seq)  # even: readable
+        self._seq[slot] = seq
         used[slot] = 1
         self._slot_of[key] = slot
         return True
@@ -184,10 +191,12 @@ class ResidencyWriter:
             return
         mm = self.mm
         at = HEADER_SIZE + slot * SLOT_BYTES
-        (seq,) = SEQ.unpack_from(mm, at)
+        seq = self._seq[slot]
         SEQ.pack_into(mm, at, seq + 1)
         mm[at + _FIXED_AT : at + KEY_AT] = bytes(KEY_AT - _FIXED_AT)  # keylen 0: empty
-        SEQ.pack_into(mm, at, seq + 2)
+        seq = (seq + 2) & _SEQ_MASK
+        SEQ.pack_into(mm, at, seq)
+        self._seq[slot] = seq
         self._used[slot] = 0
 
     @property

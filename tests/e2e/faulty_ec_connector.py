@@ -9,12 +9,18 @@ scheduler's hit and the worker's load), once, then the file is gone:
 - ``kill PID``: SIGKILL the broker process PID;
 - ``fail-rank R``: on tensor-parallel rank R only, the load gets nothing (the other
   ranks load normally).
+
+Pacing: while the file ``$LMCACHE_EC_FAULT_FILE.pace`` exists, every worker step
+first sleeps the seconds it holds, so a long request stays in the engine for as
+many steps as it has tokens, however fast or loaded the host: a test holds a
+request decoding until what it waits for has happened, then removes the file.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -22,6 +28,7 @@ import torch
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector, ECBrokerConnectorMetadata
 
 FAULT_FILE_ENV = "LMCACHE_EC_FAULT_FILE"
+PACE_SUFFIX = ".pace"
 
 
 def _tp_rank() -> int:
@@ -30,10 +37,21 @@ def _tp_rank() -> int:
     return get_tp_group().rank_in_group
 
 
+def _pace() -> None:
+    """Sleep as long as the pace file says, if there is one (every step, see above)."""
+    try:
+        with open(os.environ.get(FAULT_FILE_ENV, "") + PACE_SUFFIX) as f:
+            seconds = float(f.read() or 0)
+    except (OSError, ValueError):
+        return
+    time.sleep(min(seconds, 5.0))
+
+
 class ECBrokerConnectorWithFaults(ECBrokerConnector):
     _fail_fetch = False
 
     def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
+        _pace()
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
         if metadata.loads:

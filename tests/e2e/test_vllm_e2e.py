@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +129,14 @@ def faulty_broker(workdir: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.stop()
+
+
+def pace(workdir: Path, server: str, seconds: float) -> Path:
+    """Make every engine step of ``server`` sleep ``seconds`` first, until the returned
+    file is removed (tests/e2e/faulty_ec_connector.py)."""
+    path = workdir / f"{server}.fault.pace"
+    path.write_text(str(seconds))
+    return path
 
 
 def arm(workdir: Path, server: str, fault: str) -> Path:
@@ -289,39 +298,57 @@ def test_vanished_entry_is_encoded_in_its_step(servers, workdir):
     assert faulty.chat_token_ids(other) == plain.chat_token_ids(other)
 
 
+def _generated_tokens(server: VllmServer) -> float:
+    """vLLM's own count of generated tokens (its Prometheus endpoint), all requests."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    )
+
+
 def test_bystander_decoding_with_the_item_completes(servers, workdir):
     """Request A decodes after using image X; meanwhile B's load of X fails. A
-    completes with its own answer (before: A was failed with B), B answers cold."""
+    completes with its own answer (before: A was failed with B), B answers cold.
+
+    A's steps are paced (faulty_ec_connector.py: every engine step first sleeps 0.25 s
+    while the pace file exists), so A's 400 tokens keep it in the engine for 400
+    steps -- over 100 s -- while B needs a few of the same steps; the pace ends once
+    B has answered. Before: A ran unpaced and a loaded host sometimes let it finish
+    first ("A finished before B's load failed, three times")."""
     faulty, plain = servers["faulty"], servers["plain"]
     image = png_data_url(seed=11)
     long_cold = plain.chat_token_ids(image, max_tokens=400)
     cold = plain.chat_token_ids(image)
     faulty.chat_token_ids(image, max_tokens=1)  # X is in the broker now
-    # A's 400 tokens (the model's length allows little more) must outlast B's request;
-    # on a loaded host B can be slower, so up to three tries (B stores X again each time).
-    for _ in range(3):
-        result: dict[str, object] = {}
+    result: dict[str, object] = {}
 
-        def run_a(result: dict[str, object] = result) -> None:
-            try:
-                result["a"] = faulty.chat_token_ids(image, max_tokens=400)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                result["a"] = exc
+    def run_a() -> None:
+        try:
+            result["a"] = faulty.chat_token_ids(image, max_tokens=400)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["a"] = exc
 
-        a = threading.Thread(target=run_a)
+    paced = pace(workdir, "faulty", 0.25)
+    a = threading.Thread(target=run_a)
+    try:
+        before = _generated_tokens(faulty)
         a.start()
-        time.sleep(1.0)  # A's prefill is done; it decodes
+        deadline = time.monotonic() + 300
+        while _generated_tokens(faulty) < before + 2:  # A's prefill is done; it decodes
+            assert a.is_alive(), f"A ended before decoding: {result}"
+            assert time.monotonic() < deadline, "A never started decoding"
+            time.sleep(0.2)
         faulty.reset_encoder_cache()
         fault = arm(workdir, "faulty", "drop")
         assert faulty.chat_token_ids(image) == cold
         assert not fault.exists(), "B did not load X"
-        overlapped = a.is_alive()
+        assert a.is_alive(), "A finished before B's load failed although its steps were paced"
+    finally:
+        paced.unlink(missing_ok=True)  # A runs at full speed from here
         a.join(300)
-        assert result["a"] == long_cold
-        if overlapped:
-            break
-    else:
-        pytest.fail("A finished before B's load failed, three times: the test proved nothing")
+    assert result["a"] == long_cold
 
 
 def test_broker_killed_between_hit_and_load(servers, faulty_broker, workdir):

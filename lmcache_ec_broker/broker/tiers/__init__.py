@@ -40,7 +40,7 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
     """
     tiers: list[LowerTier] = []
     if config.local_disk:
-        from .disk import DiskTier
+        from .disk.tier import DiskTier
 
         tiers.append(
             DiskTier(
@@ -52,7 +52,7 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
         )
     # remote tier (Redis/Valkey, Mooncake): appended here, after the disk tier.
     if config.remote_url and not config.remote_url.lower().startswith("mooncakestore://"):
-        from .redis import RedisTier
+        from .redis.transport import RedisTier
 
         tiers.append(
             RedisTier(
@@ -62,8 +62,8 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
             )
         )
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
-        from .mooncake import MooncakeTier
-        from .mooncake_config import settings_from_config
+        from .mooncake.settings import settings_from_config
+        from .mooncake.transport import MooncakeTier
 
         tiers.append(
             MooncakeTier(settings_from_config(config), max_pending_bytes=max(slab_capacity // 4, 1))
@@ -73,9 +73,9 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
 
 def _tier_classes() -> list[type[LowerTier]]:
     """Every tier implementation (configured or not): stats keys stay stable."""
-    from .disk import DiskTier
-    from .mooncake import MooncakeTier  # imports Mooncake's client only when it opens
-    from .redis import RedisTier
+    from .disk.tier import DiskTier
+    from .mooncake.transport import MooncakeTier  # imports Mooncake's client only when it opens
+    from .redis.transport import RedisTier
 
     # remote tier classes: appended here (import them lazily if they need extras).
     return [DiskTier, RedisTier, MooncakeTier]

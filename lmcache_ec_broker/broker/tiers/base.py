@@ -34,7 +34,7 @@ import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -78,6 +78,16 @@ class TierEvents(Protocol):
 
     def added(self, tier: LowerTier, key: str) -> None: ...
     def removed(self, tier: LowerTier, key: str) -> None: ...
+
+
+@runtime_checkable
+class OwnTierEvents(Protocol):
+    """Tier events that also hear what this broker itself wrote to or deleted from a
+    shared tier (the coordinator; the remote policy's promise 8, ``remote/policy.py`` says when)."""
+
+    def own_stored(self, tier: LowerTier, key: str, nbytes: int) -> None: ...
+    def own_deleted(self, tier: LowerTier, key: str) -> None: ...
+    def own_cleared(self, tier: LowerTier) -> None: ...
 
 
 class SlabAccess:

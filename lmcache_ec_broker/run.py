@@ -1,0 +1,73 @@
+"""The broker process, top-down: a ``BrokerServer`` with the add-ons its config asks for
+(the metrics endpoint, the residency events), run until SIGTERM/SIGINT or a Shutdown
+request, then cleaned up. It stands above both ``broker/`` and ``events/``.
+
+The server imports neither add-on: it hands itself to each one in ``prepare`` (after
+the slab and its indexes exist, before the tiers open and the socket is bound, so a
+refusal precedes readiness), and an add-on plugs in through the server's hooks
+(``observers``, ``stats_providers``, ``shutdown_hooks``) and the store's and the
+coordinator's ``observer``. Adding one means a branch in ``add_ons``, nothing in the
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from .broker.server import AddOn, BrokerServer
+from .config import BrokerConfig
+
+
+def add_ons(config: BrokerConfig) -> list[AddOn]:
+    """What ``config`` turns on, in start order."""
+    out: list[AddOn] = []
+    if config.metrics_port:
+        out.append(_metrics)
+    if config.events_port or config.events_lookup_port:  # residency events (docs/events.md)
+        out.append(_events)
+    return out
+
+
+def _metrics(server: BrokerServer) -> None:
+    from .broker.metrics import start  # prometheus_client: imported only when metrics are on
+
+    start(server)
+
+
+def _events(server: BrokerServer) -> None:
+    from .events.install import install
+
+    install(server)  # BrokerError naming the fix if it cannot start
+
+
+def run_broker(config: BrokerConfig) -> int:
+    """Start, serve until SIGTERM/SIGINT or a Shutdown request, clean up; the exit code."""
+    server = BrokerServer(config, add_ons(config))
+    prepared = False
+
+    def stop_during_startup(signum: int, frame: object) -> None:
+        if not prepared:
+            raise SystemExit(0)  # prepare() and Segment.create unlink what they made
+        # Between prepare() and the loop's own handlers: raising here would land inside
+        # the event loop's start-up and break it (exit 1, a traceback); serve() stops
+        # as soon as its handlers are in.
+        server.stop_signal = signum
+
+    # Until the loop installs its own handlers: the default SIGTERM action would
+    # leave a half-made (and pre-faulting) segment in /dev/shm.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_during_startup)
+    try:  # a stop right after prepare() returns still cleans up (cleanup is idempotent)
+        server.prepare()
+        prepared = True
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        runner(server.serve())
+    finally:
+        server.cleanup()
+    return 0
