@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_cli, shm_segments
-from test_readme import PENDING, cli_surface
 
 from lmcache_ec_broker.config import BrokerConfig, MiB
 
@@ -90,25 +89,6 @@ def _daemonset_start_args() -> list[str]:
     return argv[2:]
 
 
-def _known_now(args: list[str], sub: str) -> list[str]:
-    """``args`` less the PENDING flags this tree's parser does not have yet (with their
-    value), so the rest is still checked; once they exist they are kept and checked."""
-    known = cli_surface()[sub]
-    out: list[str] = []
-    skip = False
-    for i, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if (sub, flag) in PENDING and flag not in known:
-            nxt = args[i + 1] if i + 1 < len(args) else "-"
-            skip = "=" not in arg and not nxt.startswith("-") and sub != "ping"
-            continue
-        out.append(arg)
-    return out
-
-
 def test_systemd_unit_installs_the_metrics_extra_when_it_serves_metrics() -> None:
     args = _systemd_start_args()
     if any(a.startswith("--metrics-port") for a in args):
@@ -140,7 +120,6 @@ def test_stop_timeouts_leave_room_for_the_shutdown_flush() -> None:
 
 def test_the_broker_accepts_every_flag_the_examples_pass(tmp_path) -> None:
     for args in (_systemd_start_args(), _daemonset_start_args()):
-        args = _known_now(args, "start")
         # The unit's disk tier (/var/lib/...) is the StateDirectory systemd creates: here,
         # a directory this test may create.
         args = [str(tmp_path / "disk") if a.startswith("/var/lib/") else a for a in args]
@@ -446,7 +425,7 @@ def test_the_daemonsets_probes_pass_against_a_live_broker(broker) -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         argv = container[probe]["exec"]["command"]
         assert argv[:2] == ["lmcache-ec-broker", "ping"], argv
-        args = _known_now(argv[2:], "ping")
+        args = argv[2:]
         args[args.index("--socket") + 1] = broker.socket_path
         r = run_cli("ping", *args)
         assert r.returncode == 0, (probe, r.stdout, r.stderr)

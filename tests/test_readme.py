@@ -19,11 +19,6 @@ PAGES = ("docs/vllm.md", "docs/across-nodes.md", "docs/routing.md", "docs/operat
 CHECKED = ("README.md", *PAGES, "examples/README.md")
 MAX_README_LINES = 300
 
-# Names issue 30's ops work adds (the metrics bind address; a readiness probe that fails
-# while the configured remote tier is down). Tolerated only while this tree's parser lacks
-# them; once they exist they are checked like every other name.
-PENDING = {("start", "--metrics-host"), ("ping", "--require-remote"), ("config", "metrics_host")}
-
 
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in p._actions:
@@ -58,8 +53,8 @@ def config_keys() -> set[str]:
 
 
 def missing(kind: str, name: str, known: set[str]) -> bool:
-    """True when ``name`` is not there; a PENDING name counts as there until it exists."""
-    return name not in known and (kind, name) not in PENDING
+    """True when ``name`` (a flag of subcommand ``kind``, or a config key) is not there."""
+    return name not in known
 
 
 def _code(text: str) -> tuple[list[tuple[str, str]], list[str]]:

@@ -131,3 +131,76 @@ def test_connector_runs_on_0_33_ec_connector_modules(next_src: Path, broker, tmp
     lines = run.stdout.splitlines()
     assert f"loaded {next_src / BASE}" in lines
     assert {"subclass ok", "factory ok", "cycle ok"} <= set(lines)
+
+
+# The runners' EC paths (issue 31): what connector/runner_step.py and the same-step
+# re-encode rely on, in the installed vLLM and in 0.33.
+EC_WRAPPERS = (
+    ("vllm/v1/worker/ec_connector_model_runner_mixin.py", "_get_ec_connector_output", None),
+    ("vllm/v1/worker/gpu/ec_connector.py", "maybe_get_output", "ActiveECConnector"),
+)
+
+
+def function(path: Path, name: str, cls: str | None = None) -> ast.FunctionDef:
+    tree: ast.AST = ast.parse(path.read_text())
+    if cls is not None:
+        (tree,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
+    (fn,) = [n for n in ast.walk(tree) if getattr(n, "name", None) == name]
+    assert isinstance(fn, ast.FunctionDef)
+    return fn
+
+
+def ec_runner_roots(next_src: Path) -> list[Path]:
+    roots = [INSTALLED]
+    if (next_src / EC_WRAPPERS[1][0]).is_file():
+        roots.append(next_src)
+    elif os.environ.get("CI"):
+        pytest.fail(f"{next_src} lacks the V2 runner's EC sources: re-run .ci/setup.sh")
+    return roots
+
+
+def test_runners_call_start_load_caches_with_their_scheduler_output_in_the_frame(next_src):
+    """runner_step finds the runner's SchedulerOutput as the local ``scheduler_output``
+    of the frame that calls start_load_caches, whose ec_connector_metadata is bound."""
+    for root in ec_runner_roots(next_src):
+        for rel, name, cls in EC_WRAPPERS:
+            fn = function(root / rel, name, cls)
+            assert "scheduler_output" in [a.arg for a in fn.args.args], (root, rel)
+            src = ast.unparse(fn)
+            assert "start_load_caches" in src, (root, rel)
+            assert "bind_connector_metadata(scheduler_output.ec_connector_metadata)" in src
+            # start_load_caches runs before the yield: the encoder runs inside the block
+            assert src.index("start_load_caches") < src.index("yield output"), (root, rel)
+
+
+def test_runners_encode_the_step_dict_inside_the_connector_block(next_src):
+    """V1: execute_model runs _execute_mm_encoder (which reads
+    scheduler_output.scheduled_encoder_inputs) and the gather inside
+    maybe_get_ec_connector_output; V2: prepare_inputs_embeds(scheduled_encoder_inputs)
+    inside ec_connector.maybe_get_output, after set_active_mm_loras."""
+    for root in ec_runner_roots(next_src):
+        v1 = root / "vllm/v1/worker/gpu_model_runner.py"
+        batch = ast.unparse(function(v1, "_batch_mm_inputs_from_scheduler"))
+        assert "scheduler_output.scheduled_encoder_inputs" in batch
+        assert "self.requests[req_id]" in batch
+        body = ast.unparse(function(v1, "execute_model"))
+        block = body[body.index("maybe_get_ec_connector_output") :]
+        assert block.index("_execute_mm_encoder") < block.index("return"), root
+        if root == INSTALLED or (root / "vllm/v1/worker/gpu/model_runner.py").is_file():
+            v2 = ast.unparse(function(root / "vllm/v1/worker/gpu/model_runner.py", "execute_model"))
+            at = v2.index("self.ec_connector.maybe_get_output(scheduler_output)")
+            assert v2.index("set_active_mm_loras(") < at  # why V2 + LoRA loads nothing
+            assert "prepare_inputs_embeds(scheduled_encoder_inputs" in v2[at:]
+            assert "scheduled_encoder_inputs = scheduler_output.scheduled_encoder_inputs" in v2
+
+
+def test_the_metadata_travels_inside_the_scheduler_output(next_src):
+    """Both schedulers attach the connector's metadata to the SchedulerOutput they
+    pass to build_connector_meta; 0.33 adds encoder_input_updates (step_guard mirrors it)."""
+    for root in (INSTALLED, next_src):
+        sched = ast.unparse(function(root / CALLERS[0], "schedule"))
+        assert "scheduler_output.ec_connector_metadata = ec_meta" in sched, root
+        assert "self.ec_connector.build_connector_meta(scheduler_output)" in sched, root
+    output = next_src / "vllm/v1/core/sched/output.py"
+    if output.is_file():
+        assert "encoder_input_updates" in output.read_text()

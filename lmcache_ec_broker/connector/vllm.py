@@ -80,6 +80,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from lmcache_ec_broker.connector.client import BrokerClient
 from lmcache_ec_broker.connector.extra_config import check_extra_config
 from lmcache_ec_broker.connector.model_id import check_model_name, model_id
+from lmcache_ec_broker.connector.step_guard import StepGuard
 from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
     ECBrokerConnectorMetadata,
@@ -118,7 +119,7 @@ class _Waiting:
     hashes: set[str]
 
 
-class ECBrokerConnector(WorkerSide, ECConnectorBase):
+class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
@@ -235,6 +236,11 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
         # "held" after vLLM's reset_encoder_cache; has_cache_item then sees a held
         # hash (vLLM asks only about items it lacks) and drops the mirror.
         self._held: set[str] = set()
+
+        # Which loads may be promised and shipped (step_guard.py).
+        self._init_step_guard(vllm_config)
+        if self.loads_off and role == ECConnectorRole.SCHEDULER and self.is_consumer:
+            logger.warning("EC broker: no loads in this configuration (%s); saving only", self.loads_off)
 
         # Worker state.
         self._unsaved: set[str] = set()
@@ -421,7 +427,7 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
     ) -> bool:
         """vLLM >= 0.24, every step before a multimodal request is scheduled: False
         defers the request to a later step."""
-        if not self.is_consumer:
+        if not self.is_consumer or self.loads_off:
             return True
         expected: dict[str, tuple[int, int | None]] = {}
         reach = num_computed_tokens + self._reach
@@ -438,6 +444,9 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
             if feature.identifier not in expected:
                 width = self._widths.get(feature.modality)
                 expected[feature.identifier] = (_num_embeds(request, index), width)
+        for h in self._note_request(request, num_computed_tokens):
+            # inputs released on the worker: a load could not be re-encoded
+            self._step_state.setdefault(h, LookupState.MISS)
         ask = [h for h in expected if h not in self._step_state]
         if ask:
             self._lookup(ask, expected)
@@ -508,7 +517,7 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
             self._delete_invalid(bad)
 
     def has_cache_item(self, identifier: str) -> bool:
-        if not self.is_consumer:
+        if not self.is_consumer or self.loads_off:
             return False
         if identifier in self._held:
             # vLLM asks only about items its encoder cache lacks: the mirror is stale
@@ -549,6 +558,7 @@ class ECBrokerConnector(WorkerSide, ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         # Every vLLM with EC connectors passes its SchedulerOutput here.
+        self._pending_loads = self._guard_loads(scheduler_output, self._pending_loads)
         encoder_inputs = getattr(scheduler_output, "scheduled_encoder_inputs", None)
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         meta = ECBrokerConnectorMetadata(

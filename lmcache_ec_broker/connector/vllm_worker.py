@@ -21,6 +21,7 @@ import torch
 from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
+from lmcache_ec_broker.connector.runner_step import runner_step
 from lmcache_ec_broker.connector.tp_agree import union_over_tp
 from lmcache_ec_broker.connector.vllm_meta import (
     ECBrokerConnectorMetadata,
@@ -131,14 +132,40 @@ class WorkerSide:
     ) -> None:
         """Have the runner encode ``specs`` in this step: it encodes the step's
         ``scheduled_encoder_inputs`` right after this hook returns, from the request's
-        own multimodal inputs, then puts the outputs (save_caches) as for any miss."""
-        inputs = metadata.encoder_inputs
-        if inputs is None:  # never with vLLM; a caller that built the metadata by hand
-            raise RuntimeError(
-                "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
-                "vLLM's SchedulerOutput to build_connector_meta"
+        own multimodal inputs, then puts the outputs (save_caches) as for any miss.
+
+        The dict written is the runner's own (``runner_step``: the SchedulerOutput in
+        the calling frame whose metadata is the bound one), so it holds however the
+        metadata travelled; only if that cannot be found, the metadata's reference
+        (the same dict when both travel as one message, as every vLLM executor does).
+        A spec whose request is not in the runner's step is not added (the V2 runner
+        no longer holds a request preempted in its step: a KeyError in its encoder);
+        the scheduler never ships one (``StepGuard``)."""
+        step = runner_step(metadata)
+        if step is not None:
+            inputs = step.scheduled_encoder_inputs
+            scheduled = step.num_scheduled_tokens
+        else:
+            inputs = metadata.encoder_inputs
+            scheduled = None
+            if inputs is None:  # never with vLLM; a caller that built the metadata by hand
+                raise RuntimeError(
+                    "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
+                    "vLLM's SchedulerOutput to build_connector_meta"
+                )
+            logger.warning(
+                "EC load failed and the runner's SchedulerOutput was not found above "
+                "start_load_caches: re-encoding through the metadata's reference"
             )
         for mm_hash, spec in specs.items():
+            if scheduled is not None and spec.req_id not in scheduled:
+                logger.error(
+                    "EC load of mm_hash=%s failed for request %s, which is not in this step: "
+                    "not re-encoded",
+                    mm_hash,
+                    spec.req_id,
+                )
+                continue
             # A rank that did load it drops its copy: all ranks must encode the same items
             # (and vLLM's v2 runner skips items already in its cache).
             encoder_cache.pop(mm_hash, None)

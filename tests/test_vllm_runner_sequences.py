@@ -1,0 +1,295 @@
+"""The connector inside vLLM's own scheduler and the model runners' EC call sequences,
+in-process on CPU (tests/vllm_runner_harness.py says what is vLLM's code and what is
+emulated), against a real broker: V1 and V2 runners, async scheduling on and off,
+the three ways a SchedulerOutput can reach a worker, priority preemption within a
+step, 0.33's encoder_input_updates. Every case checks the two promises: a failed
+load never kills the engine (no exception out of a step) and never changes an
+answer (each request's gathered embeddings are the encoder's own output)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.config import ModelConfig
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_runner_harness import (  # noqa: E402
+    Engine,
+    make_config,
+    make_request,
+    stub_encode,
+)
+
+NEXT_SRC = Path(
+    os.environ.get("LMCACHE_EC_VLLM_NEXT_SRC")
+    or Path(__file__).resolve().parent.parent / ".venv" / "vllm-0.33.0"
+)
+
+RUNNERS = [
+    pytest.param(False, False, id="v1-sync"),
+    pytest.param(False, True, id="v1-async"),
+    pytest.param(True, False, id="v2-sync"),
+    pytest.param(True, True, id="v2-async"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    root = os.environ.get("LMCACHE_EC_TEST_MODELS") or tmp_path_factory.mktemp("models")
+    return ModelConfig(model=str(build_tiny_qwen2vl(root)), dtype="bfloat16", max_model_len=512)
+
+
+@pytest.fixture
+def engines(model_config, broker):
+    made: list[Engine] = []
+
+    def factory(
+        *,
+        executor: str = "together",
+        encoder_cache_cls=None,
+        num_blocks: int = 400,
+        tower_lora: bool = False,
+        next_src: Path | None = None,
+        **kw,
+    ) -> Engine:
+        # Generous broker budgets: a loaded CI machine must not turn a load into a miss.
+        kw = {"worker_budget_ms": 5000, "scheduler_budget_ms": 5000, **kw}
+        engine = Engine(
+            make_config(model_config, broker.socket_path, **kw),
+            executor=executor,
+            encoder_cache_cls=encoder_cache_cls,
+            num_blocks=num_blocks,
+            tower_lora=tower_lora,
+            next_src=next_src,
+        )
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:
+        engine.close()
+
+
+def store(engine: Engine, *hashes: str, num_embeds: int = 16) -> None:
+    """Put the encoder's output for ``hashes`` into the broker, as another instance did."""
+    for h in hashes:
+        engine.worker.save_caches({h: stub_encode(h, num_embeds)}, h)
+
+
+def delete_when_loaded(engine: Engine, broker, *hashes: str) -> None:
+    """The entries vanish after the scheduler counted them as hits, before the worker
+    loads them (a broker restart, an operator's clear)."""
+
+    def hook(so) -> None:
+        loads = {s.mm_hash for s in so.ec_connector_metadata.loads}
+        with BrokerClient(broker.socket_path) as c:
+            for h in set(hashes) & loads:
+                c.delete(engine.sched_connector.key(h))
+
+    engine.before_worker = hook
+
+
+def assert_answers_unchanged(engine: Engine, requests) -> None:
+    for request in requests:
+        assert engine.outputs.get(request.request_id), f"{request.request_id} produced nothing"
+        for f in request.mm_features:
+            got = engine.gathered[request.request_id][f.identifier]
+            want = stub_encode(f.identifier, f.mm_position.get_num_embeds())
+            assert torch.equal(got, want), f"{request.request_id} read something else for {f}"
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
+def test_hit_loads_and_miss_encodes(engines, v2, async_scheduling):
+    e = engines(v2=v2, async_scheduling=async_scheduling)
+    store(e, "hit" * 8)
+    requests = [make_request("a", ["hit" * 8]), make_request("b", ["miss" * 8])]
+    for r in requests:
+        e.add(r)
+    e.run()
+    assert_answers_unchanged(e, requests)
+    assert e.worker.loads == 1 and e.worker.load_failures == 0
+    assert e.sched_connector.ec_hits == 1 and e.sched_connector.ec_misses == 1
+
+
+@pytest.mark.parametrize("executor", ["together", "inprocess", "apart"])
+@pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
+def test_failed_load_is_encoded_in_the_same_step(engines, broker, v2, async_scheduling, executor):
+    """Item 1 of issue 31: with the metadata shipped apart from the SchedulerOutput
+    ("apart"), the old worker wrote the re-encode into a copy of the step's
+    scheduled_encoder_inputs: "Encoder cache miss" killed the engine."""
+    e = engines(v2=v2, async_scheduling=async_scheduling, executor=executor)
+    x, y = "x1" * 16, "y2" * 16
+    store(e, x, y)
+    delete_when_loaded(e, broker, x)
+    requests = [make_request("a", [x, y]), make_request("bystander", ["z3" * 16])]
+    for r in requests:
+        e.add(r)
+    e.run()
+    assert_answers_unchanged(e, requests)
+    assert e.worker.load_failures == 1 and e.worker.reencoded == 1 and e.worker.loads == 1
+    assert not e.errors
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["loads", "load-fails"])
+@pytest.mark.parametrize(
+    ("v2", "tower_lora"),
+    [
+        pytest.param(False, False, id="v1"),
+        pytest.param(False, True, id="v1-tower-lora"),
+        pytest.param(True, False, id="v2"),
+    ],
+)
+def test_request_preempted_in_the_step_that_loads_its_item(engines, broker, v2, tower_lora, fails):
+    """Item 4 of issue 31, with vLLM's priority scheduler: request "lo" is scheduled
+    with a hit on its image (a load), then a higher-priority request needs a KV block
+    and "lo" is preempted later in the same step. vLLM keeps the item in its encoder
+    cache (freeable), so the worker must hold it when "lo" comes back. Before: the load
+    was shipped for a request the V2 runner had just removed; if it failed, the worker
+    added "lo" to the step's encoder inputs -> KeyError in the V2 encoder runner (and in
+    V1's tower-LoRA mapping)."""
+    e = engines(
+        v2=v2,
+        priority=True,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        num_blocks=7,
+        tower_lora=tower_lora,
+    )
+    img = "i9" * 16
+    store(e, img)
+    seen = []
+
+    def hook(so) -> None:
+        if "lo" in (so.preempted_req_ids or ()):
+            seen.append(e.sched_connector.ec_hits)
+            if fails:
+                with BrokerClient(broker.socket_path) as c:
+                    c.delete(e.sched_connector.key(img))
+
+    e.before_worker = hook
+    lo = make_request("lo", [img], text=68, tail=4, priority=1, max_tokens=2)
+    hi = make_request("hi", [], text=15, priority=0, max_tokens=40)
+    e.add(lo)
+    e.step()
+    e.add(hi)
+    e.run(max_steps=80)
+    assert seen == [1], "the scenario did not happen: lo preempted in the step of its hit"
+    assert_answers_unchanged(e, [lo, hi])
+    assert not e.errors
+
+
+@pytest.fixture(scope="module")
+def next_src() -> Path:
+    if not (NEXT_SRC / "vllm/v1/worker/gpu/mm/encoder_cache.py").is_file():
+        message = f"vLLM 0.33's V2 runner sources are not at {NEXT_SRC}; `bash .ci/setup.sh`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return NEXT_SRC
+
+
+def rewind(e: Engine, request, to: int) -> None:
+    """What 0.33's KV-load rollback does to a running request: its progress goes back,
+    without reinstalling it on the worker; here its item also left vLLM's encoder
+    cache, so the step that re-reads it asks the connector again."""
+    request.num_computed_tokens = to
+    request.num_in_flight_tokens = 0
+    mgr = e.scheduler.encoder_cache_manager
+    for f in request.mm_features:
+        mgr.cached.pop(f.identifier, None)
+        if f.identifier in mgr.freeable:
+            mgr.num_freeable_slots -= mgr.freeable.pop(f.identifier)
+        mgr.num_free_slots = mgr.num_freeable_slots = mgr.cache_size
+        mgr.freed.append(f.identifier)
+
+
+def test_rewound_request_whose_inputs_the_v2_worker_released(engines, broker, next_src):
+    """Item 6 of issue 31 (0.33, V2): encoder_input_updates drop an item's inputs on
+    the worker once consumed. After a rewind the item is a hit again; its load fails;
+    before, the worker asked the runner to encode an item it no longer had inputs
+    for -> "Encoder cache miss". Now an item whose inputs are released is a miss:
+    vLLM encodes it and restores its inputs."""
+    e = engines(
+        v2=True, next_src=next_src, max_num_batched_tokens=16, long_prefill_token_threshold=16
+    )
+    img = "r7" * 16
+    store(e, img)
+    r = make_request("r", [img], text=4, tail=40, max_tokens=2)
+    e.add(r)
+    released = []
+
+    def hook(so) -> None:
+        for update in so.encoder_input_updates.get("r", {}).values():
+            released.append(update is None)
+        if any(s.mm_hash == img for s in so.ec_connector_metadata.loads):
+            with BrokerClient(broker.socket_path) as c:  # the hit's entry vanishes
+                c.delete(e.sched_connector.key(img))
+
+    for _ in range(2):  # [0,16) loads the item, [16,32) consumes it
+        e.step()
+    assert e.worker.loads == 1
+    e.before_worker = hook
+    e.step()  # [32,48): the scheduler releases the item's inputs
+    assert released == [True], "0.33's scheduler did not release the item's inputs"
+    rewind(e, r, 0)
+    hits = e.sched_connector.ec_hits
+    e.run()
+    assert_answers_unchanged(e, [r])
+    assert not e.errors
+    assert e.sched_connector.ec_hits == hits, "an item with released inputs was promised"
+
+
+def test_external_launcher_with_several_ranks_never_promises_a_load(model_config, broker):
+    """Item 3 of issue 31: with external_launcher every rank runs its own scheduler
+    (vllm/v1/executor/uniproc_executor.py, ExecutorWithExternalLauncher) and its own
+    lookups, so ranks could disagree on which items to encode: no loads (saves go on)."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from lmcache_ec_broker.connector.vllm import ECBrokerConnector
+
+    config = make_config(model_config, broker.socket_path)
+    config.parallel_config.distributed_executor_backend = "external_launcher"
+    config.parallel_config.tensor_parallel_size = 2
+    sched = ECBrokerConnector(config, ECConnectorRole.SCHEDULER)
+    worker = ECBrokerConnector(config, ECConnectorRole.WORKER)
+    try:
+        h = "e1" * 16
+        worker.save_caches({h: stub_encode(h, 16)}, h)
+        assert worker.puts_stored == 1
+        request = make_request("r", [h])
+        assert sched.ensure_cache_available(request, 0)
+        assert not sched.has_cache_item(h)
+        assert "external_launcher" in sched.loads_off
+        config.parallel_config.tensor_parallel_size = 1  # one rank: nothing to disagree on
+        assert ECBrokerConnector(config, ECConnectorRole.SCHEDULER).loads_off == ""
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_v2_runner_with_lora_never_promises_a_load():
+    """Item 5 of issue 31: the V2 runner builds the tower LoRA mapping
+    (set_active_mm_loras) before start_load_caches, so a re-encode after a failed
+    load would run without its mapping: no loads with LoRA on the V2 runner."""
+    from types import SimpleNamespace
+
+    from lmcache_ec_broker.connector.step_guard import loads_off_reason
+
+    parallel = SimpleNamespace(distributed_executor_backend="mp", tensor_parallel_size=2)
+    v2_lora = SimpleNamespace(
+        parallel_config=parallel, lora_config=object(), use_v2_model_runner=True
+    )
+    assert "LoRA" in loads_off_reason(v2_lora)
+    v1_lora = SimpleNamespace(
+        parallel_config=parallel, lora_config=object(), use_v2_model_runner=False
+    )
+    assert loads_off_reason(v1_lora) == ""  # V1 builds it inside _execute_mm_encoder
+    v2 = SimpleNamespace(parallel_config=parallel, lora_config=None, use_v2_model_runner=True)
+    assert loads_off_reason(v2) == ""
