@@ -131,13 +131,18 @@ class TimedSocket:
         return getattr(self._sock, name)
 
 
-def instrument(client: Any, timers: Timers) -> None:
-    """Time the client's socket and slab copies (benchmark-side only)."""
-    if not isinstance(client._sock, TimedSocket):
-        client._sock = TimedSocket(client._sock, timers)
-    slab = client._slab_view()
+def instrument(client: Any, timers: Timers) -> TimedSocket:
+    """Time the client's socket and slab copies (benchmark-side only); the timed socket."""
+    got: list[TimedSocket] = []
+
+    def wrap(sock: Any) -> TimedSocket:
+        got.append(sock if isinstance(sock, TimedSocket) else TimedSocket(sock, timers))
+        return got[-1]
+
+    client.instrument_socket(wrap)
+    slab = client.slab()
     if getattr(slab, "_timed", False):
-        return
+        return got[0]
     depth = [0]  # read() calls read_into(): time the outermost call only
     for name in ("write", "read", "read_into"):
         inner = getattr(slab, name)
@@ -154,6 +159,7 @@ def instrument(client: Any, timers: Timers) -> None:
 
         setattr(slab, name, timed)
     slab._timed = True
+    return got[0]
 
 
 def broker_seconds(port: int) -> dict[str, tuple[float, int]]:
@@ -258,14 +264,18 @@ def p50_us(call: Callable[[], Any], iters: int) -> float:
 def raw_has_rtt(socket_path: str, iters: int) -> tuple[float, float]:
     """(mean, p50) µs of a pre-encoded Has frame on a greeted connection: the broker's
     part of a has() hit without the client's Python (a second client, its socket used raw)."""
+    import msgspec
+
     from lmcache_ec_broker.connector.client import BrokerClient
-    from lmcache_ec_broker.protocol import Has
+    from lmcache_ec_broker.protocol import Has, encode_frame
 
     c = BrokerClient(socket_path, timeout_s=30)
     try:
         c.flush()
-        sock, frame, buf = c._sock, c._frame(Has(["has-key"], 0)), bytearray(4096)
-        assert sock is not None
+        socks: list[Any] = []
+        c.instrument_socket(lambda s: socks.append(s) or s)  # the greeted socket, used raw
+        sock, buf = socks[0], bytearray(4096)
+        frame = encode_frame(msgspec.msgpack.Encoder(), Has(["has-key"], 0))
         lat = []
         for _ in range(min(200, iters) + iters):
             t0 = time.perf_counter_ns()
@@ -297,14 +307,12 @@ def put_reserved(client: Any, key: str, tensor: Any) -> bool:
     from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
 
     dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
-    with client._lock:
-        reply = client._call(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
-        if reply.status != ReserveStatus.RESERVED:
-            return False
-        client._slab_view().write(reply.extents, tensor)
-        client._post(Commit(reply.token))
-        client._posted_keys.add(key)
-        return True
+    reply = client.request(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
+    if reply.status != ReserveStatus.RESERVED:
+        return False
+    client.slab().write(reply.extents, tensor)
+    client.post(Commit(reply.token), keys=(key,))
+    return True
 
 
 def put_commit_waited(client: Any, key: str, tensor: Any) -> bool:
@@ -313,13 +321,12 @@ def put_commit_waited(client: Any, key: str, tensor: Any) -> bool:
     from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
 
     dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
-    with client._lock:
-        reply = client._call(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
-        if reply.status != ReserveStatus.RESERVED:
-            return False
-        client._slab_view().write(reply.extents, tensor)
-        client._call(Commit(reply.token))
-        return True
+    reply = client.request(Reserve(key, expected_nbytes(dtype, shape), dtype, shape))
+    if reply.status != ReserveStatus.RESERVED:
+        return False
+    client.slab().write(reply.extents, tensor)
+    client.request(Commit(reply.token))
+    return True
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def main() -> int:
     rows = []
     with Broker(slab) as broker:
         c = BrokerClient(broker.socket_path, timeout_s=60)
-        view = c._slab_view()  # map + prefault: not part of the registration cost
+        view = c.slab()  # map + prefault: not part of the registration cost
         t_reg = timed(lambda: view._ensure_cuda(dev), sync)
         registered = view.pinned
         for size in sizes:

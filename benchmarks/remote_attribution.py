@@ -337,16 +337,16 @@ def run_backend(backend: Any, size: int, hits: int) -> list[dict[str, float]]:
                 a.put(k, t)
             _wait(lambda: a.stats()["remote_writes"] >= n0 + len(keys), 120)
             _wait(lambda: all(b.has(keys)), 60)
-            instrument(b, timers)
+            sock = instrument(b, timers)
             woke = [0]
-            recv = b._sock.recv_into
+            recv = sock.recv_into
 
             def timed_recv(*args: Any) -> int:
                 n = recv(*args)
                 woke[0] = time.perf_counter_ns()  # the reply's last bytes in hand
                 return n
 
-            b._sock.recv_into = timed_recv
+            sock.recv_into = timed_recv
             bb.events()
             for i, k in enumerate(keys):
                 timers.reset()

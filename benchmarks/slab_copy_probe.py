@@ -93,23 +93,23 @@ def floors(client: Any, size: int, region: int, copies: int, idle: float) -> lis
     finally:
         posix_ipc.unlink_shared_memory(name)
     del private
-    slab = client._slab_view()
+    slab = client.slab()
     tokens, extents = [], []
     for i in range(copies):
-        r = client._call(Reserve(f"floor-{size}-{i}", size, "uint8", [size]))
+        r = client.request(Reserve(f"floor-{size}-{i}", size, "uint8", [size]))
         tokens.append(r.token)
         extents.append(r.extents)
     put_copy = _median_us(lambda i: slab.write(extents[i], src), copies)
     for token in tokens:
-        client._call(Commit(token))
+        client.request(Commit(token))
     pins, reads = [], []
     for i in range(copies):  # the Get outside the timing, the copy inside
-        hit = client._call(Get([f"floor-{size}-{i}"])).items[0]
+        hit = client.request(Get([f"floor-{size}-{i}"])).items[0]
         pins.append(hit.pin)
         t0 = time.perf_counter()
         slab.read_into(hit.extents, dst)
         reads.append(time.perf_counter() - t0)
-    client._call(Release(pins))
+    client.request(Release(pins))
     client.delete_many([f"floor-{size}-{i}" for i in range(copies)])
     return [
         fmt_size(size),
@@ -148,7 +148,7 @@ def main() -> None:
     slab_bytes = max(2 * max(sizes), *(args.copies * (s + (64 << 10)) for s in rotate or [0]))
     with Broker(slab_bytes + (64 << 20)) as broker:
         client = BrokerClient(broker.socket_path, timeout_s=60)
-        slab = client._slab_view()  # the view put() copies through
+        slab = client.slab()  # the view put() copies through
         for size in sizes:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8)
             dst = torch.zeros_like(src)
@@ -156,7 +156,7 @@ def main() -> None:
                 t: dict[str, list[float]] = {k: [] for k in ("m1", "s1", "m2", "s2")}
                 for i in range(args.reps):
                     key = f"probe-{size}-{gap}-{i}"
-                    r = client._call(Reserve(key, size, "uint8", [size]))
+                    r = client.request(Reserve(key, size, "uint8", [size]))
                     time.sleep(gap)
                     for a, b in (("m1", "s1"), ("m2", "s2")):
                         t0 = time.perf_counter()
@@ -166,7 +166,7 @@ def main() -> None:
                         t2 = time.perf_counter()
                         t[a].append(t1 - t0)
                         t[b].append(t2 - t1)
-                    client._call(Commit(r.token))
+                    client.request(Commit(r.token))
                     client.delete(key)
                 g = {k: size / median(v) / 1e9 for k, v in t.items()}
                 rows.append([

@@ -244,6 +244,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply", tag_field="op"):
     # The residency index (shm/residency.py); "" when the broker publishes none.
     residency_name: str = ""
     residency_size: int = 0
+    # What the file descriptors that came with this reply (SCM_RIGHTS) are, in order:
+    # "slab", "filter", "journal", "settled", "index" (docs/design.md "Shared memory").
+    segment_fds: list[str] = []
 
 
 class HasReply(msgspec.Struct, tag="has_reply", tag_field="op"):

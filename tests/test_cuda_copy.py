@@ -27,7 +27,7 @@ def test_device_put_device_get_bit_identical(broker, dtype: torch.dtype) -> None
         assert torch.equal(got, src)
         cpu = c.get("gpu")  # a CPU reader sees the same bytes
         assert cpu is not None and torch.equal(cpu, src.cpu())
-        assert c._slab is not None and c._slab.pinned, "cudaHostRegister did not take"
+        assert c.mappings.slab is not None and c.mappings.slab.pinned, "cudaHostRegister did not take"
         c.delete("gpu")
 
 
@@ -103,7 +103,7 @@ def test_index_copies_onto_the_device_and_a_discarded_one_leaves_nothing(broker)
         got = c.get_many(["idx"], device="cuda")[0]
         assert got is not None and got.is_cuda and torch.equal(got.cpu(), src)
         assert c.index_hits == 2 and c.index_retries == 0
-        slab = c._slab_view()
+        slab = c.slab()
         real = slab.read_into
         deleted: list[bool] = []
 
@@ -135,7 +135,7 @@ def test_a_failed_registration_is_cleared_and_kernels_still_run(broker) -> None:
 
     with BrokerClient(broker.socket_path) as c:
         assert c.put("cpu", torch.ones(100))  # maps the slab (no CUDA yet)
-        slab = c._slab
+        slab = c.mappings.slab
         assert slab is not None and not slab.pinned
         torch.zeros(1, device="cuda")  # CUDA initialised: its runtime is now loaded
         runtime = pinning.load_runtime()
@@ -173,7 +173,7 @@ with BrokerClient(sys.argv[1]) as c:
     out["put"] = c.put("gpu", src)
     got = c.get("gpu", device="cuda")
     out["equal"] = got is not None and bool(torch.equal(got, src))
-    out["pinned"] = c._slab.pinned
+    out["pinned"] = c.mappings.slab.pinned
     x = torch.arange(1024, device="cuda", dtype=torch.float32)
     out["kernel"] = float((x * 2).sum().item())
     torch.cuda.synchronize()
@@ -246,5 +246,5 @@ def test_close_unregisters_so_the_next_client_registers_again(broker) -> None:
     for _ in range(3):
         with BrokerClient(broker.socket_path) as c:
             assert c.put("again", src) or c.get("again", device="cuda") is not None
-            assert c._slab is not None and c._slab.pinned
+            assert c.mappings.slab is not None and c.mappings.slab.pinned
         _kernels_still_run()

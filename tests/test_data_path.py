@@ -177,9 +177,9 @@ from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus
 
 sock, stop, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 c = BrokerClient(sock, timeout_s=30)
-r = c._call(Reserve("w", nbytes, "uint8", [nbytes]))
+r = c.request(Reserve("w", nbytes, "uint8", [nbytes]))
 assert r.status == ReserveStatus.RESERVED, r
-slab = c._slab_view()
+slab = c.slab()
 regions = [slab.u8[start : start + n].numpy() for start, n in r.extents]
 print(json.dumps({"ready": True}), flush=True)
 passes = mismatched = 0
@@ -192,7 +192,7 @@ while not os.path.exists(stop):
 final = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
                       generator=torch.Generator().manual_seed(7))
 slab.write(r.extents, final)
-c._call(Commit(r.token))
+c.request(Commit(r.token))
 print(json.dumps({"passes": passes, "mismatched": mismatched}), flush=True)
 """
 
@@ -206,7 +206,7 @@ from lmcache_ec_broker import BrokerClient
 
 sock, rounds = sys.argv[1], int(sys.argv[2])
 with BrokerClient(sock, timeout_s=30) as c:
-    name, size = c._hello.segment_name, c._hello.segment_size
+    name, size = c.handshake.segment_name, c.handshake.segment_size
 for _ in range(rounds):
     segment.Segment.attach(name, size, True).close()
 print(json.dumps({"attached": rounds}))
@@ -283,9 +283,10 @@ def test_put_waits_one_round_trip_and_is_read_by_the_next_request(make_broker, a
     # put arena (8MiB) put_many waited for its reservations (1 wait, now 0).
     broker = make_broker("--shm-size", "64MiB", "--put-arena-size", arena)
     with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
-        c._slab_view()  # map the slab first so the put below measures only its waits
-        counting = CountingSocket(c._sock)
-        c._sock = counting
+        c.slab()  # map the slab first so the put below measures only its waits
+        wrapped: list[CountingSocket] = []
+        c.instrument_socket(lambda s: wrapped.append(CountingSocket(s)) or wrapped[-1])
+        counting = wrapped[0]
         t = torch.arange(4096, dtype=torch.float32)
         assert c.put("posted", t)
         assert counting.waits == 1

@@ -246,7 +246,7 @@ def test_broker_publishes_filter_and_client_answers_misses_locally(broker) -> No
     assert any(s.endswith("-f") for s in segs), segs
     _put_in_other_process(broker.socket_path, "present-1", "present-2")
     with BrokerClient(broker.socket_path) as c:
-        assert c._filter is not None
+        assert c.mappings.filter is not None
         before = c.stats()
         misses = [f"absent-{i}" for i in range(200)]
         assert c.has(misses) == [False] * 200
@@ -300,7 +300,7 @@ def test_clean_stop_marks_filter_dead(make_broker, sock_dir) -> None:
     c = BrokerClient(sock, filter_trust_s=60)
     try:
         assert c.has(["k"]) == [False]
-        flt = c._filter
+        flt = c.mappings.filter
         assert flt is not None and flt.live
         b.stop()
         assert not flt.live  # every read is now "maybe", so the client reaches the broker
@@ -337,7 +337,7 @@ def test_client_refuses_a_filter_of_another_version_and_asks_the_broker(
     try:
         mm[8:12] = struct.pack("<I", 1)  # what a broker of the blake2b release publishes
         with caplog.at_level(logging.WARNING), BrokerClient(broker.socket_path) as c:
-            assert c._filter is None
+            assert c.mappings.filter is None
             assert "version 1, this client reads version" in caplog.text
             before = c.stats()["has_misses"]
             assert c.has(["present-1", "absent-1"]) == [True, False]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from counting_socket import CountingSocket
 from rawproto import RawConn
 
 from lmcache_ec_broker import BrokerClient
@@ -133,9 +134,10 @@ def test_the_arena_put_copies_into_the_slab_and_waits_for_nothing(broker) -> Non
         held = c.stats()["arena_bytes"]
         assert held == 8 << 20  # the default put_arena_bytes
         big = torch.arange(3 * BS // 4, dtype=torch.float32)  # 3 blocks
-        sent = c._owed
+        wrapped: list[CountingSocket] = []
+        c.instrument_socket(lambda s: wrapped.append(CountingSocket(s)) or wrapped[-1])
         assert c.put("big", big)
-        assert c._owed == sent + 1  # posted, not waited for
+        assert (wrapped[0].sends, wrapped[0].waits) == (1, 0)  # posted, not waited for
         got = other.get("big")
         assert got is not None and torch.equal(got, big)
         # Every block of the entry left the arena; the rest are still held.
@@ -231,8 +233,8 @@ def test_a_crashed_clients_arena_is_released_and_its_puts_stay(broker) -> None:
                 from lmcache_ec_broker import BrokerClient
                 c = BrokerClient(sys.argv[1])
                 c.put("a", torch.ones(16))
+                held = c.stats()["arena_bytes"]  # granted: the next put goes to the arena
                 ok = c.put("placed-then-exit", torch.full((4096,), 3.0))
-                held = c._arena.blocks
                 print(json.dumps({"ok": ok, "held": held}), flush=True)
                 os._exit(0)
                 """
@@ -339,14 +341,19 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker, a
 
 def test_readers_scan_only_the_slots_handed_out() -> None:
     """The journal's ``bound``: a reader scans the slots the broker handed out (a few),
-    not every connection's (1024), and still sees every placement in them; a
-    scribbled ``bound`` beyond the journal is clamped, never read past the pairs."""
+    not every connection's (1024), and still sees every placement in them. ``bound``
+    and the settled words are the broker's alone (a sealed segment): a client's
+    mapping of them is read-only, and no new writable mapping can be made."""
+    import mmap
+
     from lmcache_ec_broker.shm.journal import Journal
 
     broker_side = Journal.create(f"/lmcache-ec-test-j-{os.getpid()}", 1024)
     try:
-        reader = Journal.attach(broker_side.name, broker_side.size, None)
-        writer = Journal.attach(broker_side.name, broker_side.size, None)
+        placed_fd = broker_side.segment.share_fd()
+        settled_fd = broker_side.settled_segment.share_fd(read_only=True)
+        reader = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
+        writer = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
         try:
             assert not reader.any_unsettled()
             writer.mark_placed(5, 1)  # a slot never handed out: nobody placed there
@@ -365,8 +372,10 @@ def test_readers_scan_only_the_slots_handed_out() -> None:
             broker_side.settle(39, 1)
             writer.mark_placed(100, 1)  # beyond bound: not scanned
             assert not reader.any_unsettled(own_slot=0)
-            struct.pack_into("<I", writer.segment.mm, 1024 * 8, 0xFFFFFFFF)
-            assert reader.any_unsettled(own_slot=0)  # clamped to 1024: slot 100 is seen
+            with pytest.raises(TypeError):  # read-only: bound cannot be scribbled
+                struct.pack_into("<I", writer.settled_segment.mm, 1024 * 16, 0xFFFFFFFF)
+            with pytest.raises(PermissionError):  # sealed: no writable mapping, root's too
+                mmap.mmap(os.open(f"/proc/self/fd/{settled_fd}", os.O_RDWR), 4096)
         finally:
             reader.close()
             writer.close()

@@ -47,10 +47,10 @@ CHILD = textwrap.dedent(
         # a reservation half copied, a pin from a get never released, a lease from has
         c.put("pinned", data("pinned", 3 << 20))
         c.put("leased", data("leased", 2 << 20))
-        c._call(Get(["pinned"]))
+        c.request(Get(["pinned"]))
         assert c.has(["leased"], lease_ms=600_000) == [True]
-        r = c._call(Reserve("half", 8 << 20, "uint8", [8 << 20]))
-        slab = c._slab_view()
+        r = c.request(Reserve("half", 8 << 20, "uint8", [8 << 20]))
+        slab = c.slab()
         start, n = r.extents[0]
         slab.u8[start : start + n // 2].copy_(data("half", 8 << 20)[: n // 2])
     elif mode == "put-loop":
@@ -163,7 +163,7 @@ def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
         assert c.put("before", data("before", MiB))
         assert torch.equal(c.get("before"), data("before", MiB))
         old_epoch = c.epoch
-        old_segment = c._hello.segment_name
+        old_segment = c.handshake.segment_name
         assert _mapped(old_segment)
 
         b.kill9()
@@ -205,7 +205,7 @@ def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
         assert c.put("after", data("after", 3 * MiB))
         assert torch.equal(c.get("after"), data("after", 3 * MiB))
         assert not _mapped(old_segment), "the old mapping was kept after the restart"
-        assert _mapped(c._hello.segment_name)
+        assert _mapped(c.handshake.segment_name)
         # A second client of the new broker reads what the reconnected one wrote.
         with BrokerClient(b.socket_path) as other:
             assert torch.equal(other.get("after"), data("after", 3 * MiB))
@@ -222,7 +222,7 @@ def test_outage_releases_the_old_mapping_so_a_restart_has_room(make_broker) -> N
     c = BrokerClient(b.socket_path, max_backoff_s=0.1)
     try:
         assert c.put("k", data("k", MiB))
-        old = c._hello.segment_name
+        old = c.handshake.segment_name
         assert _mapped(old)
         b.kill9()
         for _ in range(3):  # notice the EOF, then fail to reconnect

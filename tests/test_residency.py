@@ -33,9 +33,9 @@ pytestmark = pytest.mark.skipif(not R.usable_here(), reason="the index is read o
 
 
 def _count(c: BrokerClient) -> CountingSocket:
-    counting = CountingSocket(c._sock)
-    c._sock = counting
-    return counting
+    wrapped: list[CountingSocket] = []
+    c.instrument_socket(lambda sock: wrapped.append(CountingSocket(sock)) or wrapped[-1])
+    return wrapped[0]
 
 
 def test_a_has_hit_and_a_get_make_no_round_trip_and_are_counted(broker) -> None:
@@ -44,7 +44,7 @@ def test_a_has_hit_and_a_get_make_no_round_trip_and_are_counted(broker) -> None:
     with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as c:
         assert w.put("k", t) and w.flush()
         before = c.stats()
-        c._slab_view()
+        c.slab()
         counting = _count(c)
         assert c.has(["k"]) == [True]
         got = c.get("k")
@@ -74,7 +74,7 @@ def test_a_get_of_the_clients_own_unhandled_placement_waits_for_nothing(broker) 
     t = torch.arange(16384, dtype=torch.float32)
     with BrokerClient(broker.socket_path, timeout_s=2, filter_trust_s=30) as c:
         assert c.put("warm", t) and c.flush()  # the connection now holds an arena
-        c._slab_view()
+        c.slab()
         counting = _count(c)
         for i in range(5):
             os.kill(broker.pid, signal.SIGSTOP)  # the Place stays unhandled meanwhile
@@ -90,7 +90,7 @@ def test_a_get_of_the_clients_own_unhandled_placement_waits_for_nothing(broker) 
         # Handled during the copy (here: the client reads the broker's replies inside
         # it): the own copy is discarded and the index, or the broker, answers.
         assert c.put("raced", t - 1)
-        slab = c._slab_view()
+        slab = c.slab()
         real = slab.read
         raced: list[bool] = []
 
@@ -154,7 +154,7 @@ def test_an_entry_read_only_through_the_index_survives_eviction(make_broker) -> 
     item = torch.zeros(4 * BS, dtype=torch.uint8)  # 4 blocks: 16 fit in the slab
     with BrokerClient(b.socket_path) as c:
         assert c.put("hot", item + 7) and c.flush()
-        c._slab_view()
+        c.slab()
         counting = _count(c)
         for i in range(60):  # ~4x the slab: every cold entry is evicted in turn
             got = c.get("hot")
@@ -174,7 +174,7 @@ def test_a_slot_rewritten_during_the_copy_falls_back_to_the_pinned_get(broker) -
     t = torch.arange(8192, dtype=torch.float32)
     with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as other:
         assert other.put("k", t) and other.flush()
-        slab = c._slab_view()
+        slab = c.slab()
         real_read, real_read_into = slab.read, slab.read_into
         script: list = []
 
@@ -213,7 +213,7 @@ def test_delete_clear_and_eviction_withdraw_keys_before_their_blocks_are_reused(
             c.flush()
 
         put("a", 1)
-        index = c._index
+        index = c.mappings.index
         assert index is not None and index.find("a") is not None
         assert c.delete("a")
         assert index.find("a") is None  # withdrawn before the Delete reply was sent
@@ -229,7 +229,7 @@ def test_delete_clear_and_eviction_withdraw_keys_before_their_blocks_are_reused(
                 if found is None:
                     continue  # evicted (or not indexed): the broker is asked
                 (off, n) = found.extents[0]
-                data = bytes(c._slab_view().u8[off : off + 16].numpy())
+                data = bytes(c.slab().u8[off : off + 16].numpy())
                 assert index.unchanged(found)
                 assert data == bytes([j + 10]) * 16, f"e{j} points at another entry's bytes"
         assert c.stats()["evictions"] > 0
@@ -334,7 +334,7 @@ def test_the_index_segment_goes_with_the_broker_and_a_restart_is_never_confused(
     c = BrokerClient(path, filter_trust_s=30, max_backoff_s=0.05)
     try:
         assert c.put("k", t) and c.flush()
-        old_index = c._hello.residency_name
+        old_index = c.handshake.residency_name
         assert old_index.lstrip("/") in shm_segments(path, include_filter=True)
         assert c.has(["k"]) == [True] and c.index_hits == 1
         b.kill9()  # no cleanup: the segments stay, the index still says LIVE
@@ -342,13 +342,13 @@ def test_the_index_segment_goes_with_the_broker_and_a_restart_is_never_confused(
         # Well within filter_trust_s: the socket's hang-up alone ends the index's trust
         # (and with it the dead slab's mapping), as an outage answers misses.
         assert c.has(["k"]) == [False] and c.get("k") is None
-        assert c._index is None and c._slab is None
+        assert c.mappings is None  # the index and the dead slab unmapped
         b = BrokerProcess(path, ["--shm-size", "64MiB"]).start()
         names = shm_segments(path, include_filter=True)
         assert old_index.lstrip("/") not in names  # removed as stale by the new broker
         assert len([n for n in names if n.endswith("-r")]) == 1
         wait_until(lambda: c.ping() or None, "the client reconnected")
-        assert c._hello.residency_name != old_index
+        assert c.handshake.residency_name != old_index
         assert c.has(["k"]) == [False] and c.get("k") is None  # the new broker is empty
         assert c.put("k", t) and c.flush() and c.has(["k"]) == [True]
         c.close()

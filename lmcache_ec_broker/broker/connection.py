@@ -22,10 +22,12 @@ What a request does is ``BrokerServer.dispatch``'s business (``server.py``).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol
@@ -99,6 +101,7 @@ class Host(Protocol):
         self, conn: int, msg: object, peer_uid: int = -1
     ) -> msgspec.Struct | Awaitable[msgspec.Struct] | None: ...
     def observe(self, op: str, started: float) -> None: ...
+    def handover(self) -> tuple[list[str], list[int]]: ...
 
 
 class Connection(asyncio.Protocol):
@@ -187,6 +190,25 @@ class Connection(asyncio.Protocol):
             self.data_received(data)
             if self.busy or self.closed or self.paused:
                 return
+
+    def drain_pending(self) -> bool:
+        """Read and handle everything this client sent so far (the journal's stall
+        excuse, shm/journal.py). True only if all of it was read (the socket answered
+        EAGAIN) and nothing is left queued behind a slow request."""
+        t = self.transport
+        for _ in range(64):
+            if self.busy or self.closed or self.paused or t is None or t.is_closing():
+                return False
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return not self.queued
+            except OSError:
+                return False
+            if not data:
+                return False
+            self.data_received(data)
+        return False
 
     def _drain(self) -> None:
         """Handle buffered frames; while busy, queue up to MAX_QUEUED_FRAMES of them
@@ -297,7 +319,8 @@ class Connection(asyncio.Protocol):
         self.greeted = True
         seg = srv.segment
         assert seg is not None
-        self.send(
+        labels, fds = srv.handover()
+        self.greet(
             HelloReply(
                 version=PROTOCOL_VERSION,
                 segment_name=seg.name,
@@ -317,5 +340,30 @@ class Connection(asyncio.Protocol):
                 max_entry_bytes=srv.store.max_entry_bytes,
                 residency_name=srv.residency.name if srv.residency else "",
                 residency_size=srv.residency.size if srv.residency else 0,
-            )
+                segment_fds=labels,
+            ),
+            fds,
         )
+
+    def greet(self, reply: HelloReply, fds: list[int]) -> None:
+        """Send the handshake's reply with the segments' descriptors (SCM_RIGHTS): the
+        only way a client gets them, so admission gates the data (docs/design.md
+        "Shared memory"). Nothing was written to this connection before, so the
+        frame goes first on the wire; if it cannot go now, it goes without them."""
+        t = self.transport
+        frame = self.server.encode_frame(reply)
+        if fds and t is not None and not t.is_closing() and not t.get_write_buffer_size():
+            sock = socket.socket(fileno=os.dup(self.fd))
+            try:
+                sent = sock.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                )
+            except OSError:
+                sent = 0
+            finally:
+                sock.close()
+            if sent:
+                if sent < len(frame):
+                    t.write(frame[sent:])
+                return
+        self.send(msgspec.structs.replace(reply, segment_fds=[]))

@@ -205,6 +205,8 @@ class BrokerServer:
                 owner = self.connections.get(holder)
                 if owner is not None:
                     owner.read_pending()
+                    if journal.unsettled(slot):  # a stopped client bounds only itself
+                        journal.stalled(slot, owner.drain_pending)
 
     def _place(self, conn: int, msg: Place) -> msgspec.Struct:
         """Store an entry the client wrote into its arena; the journal slot is settled
@@ -391,9 +393,9 @@ class BrokerServer:
             # The slab, its filter, the put arenas' journal, the residency index.
             self._segment_names = [name, name + "-f", name + "-j", name + "-r"]
             t0 = time.perf_counter()
-            self.segment = Segment.create(name, self.store.capacity_bytes, mode=cfg.socket_mode)
-            if gid is not None:
-                os.chown("/dev/shm" + name, -1, gid)
+            # 0600 whatever the socket's mode: admitted clients get the segments as
+            # descriptors over the socket (connection.py hello), nobody by name.
+            self.segment = Segment.create(name, self.store.capacity_bytes, mode=0o600)
             log.info(
                 "created shared-memory slab %s (%s, %s blocks, prefaulted in %.2fs)",
                 name,
@@ -401,10 +403,10 @@ class BrokerServer:
                 format_size(self.store.block_size),
                 time.perf_counter() - t0,
             )
-            self._publish_filter(name, gid)
-            self._publish_residency(name + "-r", gid)
+            self._publish_filter(name)
+            self._publish_residency(name + "-r")
             if self.store.arena_cap_blocks:
-                self._publish_journal(name + "-j", gid)
+                self.journal = Journal.create(name + "-j", self.config.max_connections)
             for add_on in self.add_ons:  # before the socket exists: a refusal precedes readiness
                 add_on(self)
             try:
@@ -417,27 +419,36 @@ class BrokerServer:
             self.cleanup()
             raise
 
-    def _publish_filter(self, slab_name: str, gid: int | None) -> None:
+    def _publish_filter(self, slab_name: str) -> None:
         # Every tier counts its keys in it, so it is sized for the keys of all of them.
         keys = self.tiers.expected_keys()
-        self.filter = FilterWriter(slab_name + "-f", slots_for(keys), mode=self.config.socket_mode)
-        if gid is not None:
-            os.chown("/dev/shm" + self.filter.name, -1, gid)
+        self.filter = FilterWriter(slab_name + "-f", slots_for(keys), mode=0o600)
         self.tiers.attach_filter(self.filter)
 
-    def _publish_residency(self, name: str, gid: int | None) -> None:
+    def _publish_residency(self, name: str) -> None:
         store = self.store
         self.residency = ResidencyWriter(
-            name, residency_slots(store.nblocks), store.capacity_bytes, self.config.socket_mode
+            name, residency_slots(store.nblocks), store.capacity_bytes, 0o600
         )
-        if gid is not None:
-            os.chown("/dev/shm" + name, -1, gid)
         store.residency = self.residency
 
-    def _publish_journal(self, name: str, gid: int | None) -> None:
-        self.journal = Journal.create(name, self.config.max_connections, self.config.socket_mode)
-        if gid is not None:
-            os.chown("/dev/shm" + name, -1, gid)
+    def handover(self) -> tuple[list[str], list[int]]:
+        """The segments an admitted client gets over the socket, as (labels, fds):
+        read-write what clients write (slab, journal placed words), read-only what
+        they only read (filter, index; the settled words are sealed)."""
+        labels: list[str] = []
+        fds: list[int] = []
+        for label, seg, read_only in (
+            ("slab", self.segment, False),
+            ("filter", self.filter.segment if self.filter else None, True),
+            ("journal", self.journal.segment if self.journal else None, False),
+            ("settled", self.journal.settled_segment if self.journal else None, True),
+            ("index", self.residency.segment if self.residency else None, True),
+        ):
+            if seg is not None:
+                labels.append(label)
+                fds.append(seg.share_fd(read_only))
+        return labels, fds
 
     async def serve(self) -> None:
         assert self._sock is not None and self.segment is not None, "prepare() first"

@@ -1,9 +1,16 @@
-"""The client's link to its broker: connecting and the handshake (after the peer
-trust check), mapping the segments the handshake names (slab, membership filter,
-placement journal, residency index), the reconnect back-off, and the circuit a
-hung broker trips (a background prober closes it). A BrokerClient mixin; its
-state is set up in BrokerClient.__init__ (the module docstring of client.py
-gives the failure model)."""
+"""The client's link to its broker, in three parts that BrokerClient composes:
+
+- ``dial``: a connection and its handshake, after the peer trust check (trust.py);
+  returns the socket and the broker's HelloReply, or raises;
+- ``Redial``: when to try again after a failure (a growing back-off), and the
+  outage's one warning;
+- ``Circuit``: what a hung broker trips (every call answers a miss at once) and the
+  background prober that closes it again.
+
+None of them holds a connection: BrokerClient keeps the Session that ``dial``'s
+socket becomes (connector/session.py). The module docstring of client.py gives the
+failure model.
+"""
 
 from __future__ import annotations
 
@@ -13,43 +20,198 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection
 
 import msgspec
 
 from ..protocol import FRAME_HEADER, PROTOCOL_VERSION, ErrorReply, Hello, HelloReply, Reply
-from ..shm.filter import FilterReader
-from ..shm.journal import Journal
-from ..shm.segment import Segment, ShmError
-from . import index_path
 from .errors import BrokerRefused, BrokerUnavailable
-from .frames import _recv_exact
+from .frames import _MAX_REPLY_BYTES
 from .trust import check_peer
-
-if TYPE_CHECKING:
-    from .copy import SlabView
 
 log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for the whole client
 
 
-class BrokerLink:
-    """Connection, trust, mappings and circuit of a BrokerClient."""
+def _hello_frame(client_id: str) -> bytes:
+    body = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, client_id, os.getpid()))
+    return FRAME_HEADER.pack(len(body)) + body
 
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
 
-    @property
-    def tripped(self) -> bool:
-        """True while a hung broker is being probed: calls answer misses at once."""
-        return self._tripped
+def _read_hello(sock: socket.socket, limit: int, fds: list[int]) -> object:
+    """The handshake's reply, and into ``fds`` the descriptors that came with it (the
+    caller closes them). Nothing else is in flight: the broker sends nothing more
+    before this client's next request."""
+    data = b""
+    need = FRAME_HEADER.size
+    while len(data) < need:
+        chunk, got, _flags, _addr = socket.recv_fds(sock, max(need - len(data), 1 << 12), 8)
+        fds += got
+        if not chunk:
+            raise BrokerUnavailable("the broker closed the connection")
+        data += chunk
+        if need == FRAME_HEADER.size and len(data) >= need:
+            (length,) = FRAME_HEADER.unpack_from(data)
+            if length > limit:
+                raise BrokerUnavailable(f"implausible handshake reply of {length} bytes")
+            need += length
+    try:
+        return msgspec.msgpack.decode(data[FRAME_HEADER.size : need], type=Reply)
+    except msgspec.MsgspecError as exc:
+        raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
-    def _trip(self) -> None:
+
+def close_fds(fds: Collection[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def dial(
+    socket_path: str,
+    trusted: Collection[int],
+    client_id: str,
+    connect_timeout_s: float,
+    timeout_s: float,
+) -> tuple[socket.socket, HelloReply, dict[str, int]]:
+    """Connect, check who listens, greet. Returns the socket, the broker's reply and
+    the segments' descriptors it sent, by label (the caller closes them). Raises
+    BrokerRefused (the broker said no, with its reason), BrokerImpostor (an
+    untrusted uid listens), BrokerUnavailable or OSError (TimeoutError: it hangs)."""
+    fds: list[int] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(connect_timeout_s)
+    try:
+        sock.connect(socket_path)
+        check_peer(sock, socket_path, trusted)
+        sock.settimeout(timeout_s)
+        try:
+            sock.sendall(_hello_frame(client_id))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a refusing broker writes why and closes at once: its reason is queued
+        reply = _read_hello(sock, _MAX_REPLY_BYTES, fds)
+    except BaseException:
+        close_fds(fds)
+        sock.close()
+        raise
+    if not isinstance(reply, HelloReply) or len(fds) != len(reply.segment_fds):
+        close_fds(fds)
+        fds = []
+    if isinstance(reply, ErrorReply):
+        sock.close()
+        raise BrokerRefused(reply.code, reply.message)
+    if not isinstance(reply, HelloReply):
+        sock.close()
+        raise BrokerUnavailable(f"unexpected handshake reply {type(reply).__name__}")
+    return sock, reply, dict(zip(reply.segment_fds, fds, strict=True)) if fds else {}
+
+
+def probe(socket_path: str, trusted: Collection[int], timeout_s: float) -> bool:
+    """A throwaway connection and handshake: does the broker answer?"""
+    try:
+        sock, _hello, fds = dial(socket_path, trusted, uuid.uuid4().hex, timeout_s, timeout_s)
+    except (OSError, BrokerUnavailable, BrokerRefused):
+        return False
+    close_fds(fds.values())
+    sock.close()
+    return True
+
+
+class Redial:
+    """The reconnect back-off: after a failure the next attempt waits, growing from
+    50 ms to ``max_backoff_s``; a warning is logged once per outage."""
+
+    __slots__ = ("socket_path", "max_backoff_s", "backoff", "next_attempt", "_logged",
+                 "_attach_error")  # fmt: skip
+
+    def __init__(self, socket_path: str, max_backoff_s: float) -> None:
+        self.socket_path = socket_path
+        self.max_backoff_s = max_backoff_s
+        self.backoff = 0.0
+        self.next_attempt = 0.0
+        self._logged = False
+        self._attach_error: str | None = None  # set while the slab cannot be mapped
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_attempt
+
+    def back_off(self) -> None:
+        self.backoff = min(max(self.backoff * 2, 0.05), self.max_backoff_s)
+        self.next_attempt = time.monotonic() + self.backoff
+
+    def reset(self) -> None:
+        self.next_attempt = 0.0
+        self.backoff = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        self.back_off()
+        if not self._logged:
+            log.warning(
+                "lmcache-ec-broker at %s is unavailable (%s); serving misses and "
+                "retrying in the background",
+                self.socket_path,
+                exc,
+            )
+            self._logged = True
+
+    def connected(self) -> None:
+        if self._logged:
+            log.info("reconnected to lmcache-ec-broker at %s", self.socket_path)
+        self._logged = False
+        if self._attach_error is None:  # else the backoff grows until a mapping works
+            self.backoff = 0.0
+
+    def attach_failed(self, exc: BaseException) -> None:
+        """The slab could not be mapped: an outage like any other."""
+        self.back_off()
+        if self._attach_error is None:
+            log.warning(
+                "cannot map the shared memory of lmcache-ec-broker at %s (%s); "
+                "serving misses and retrying in the background",
+                self.socket_path,
+                exc,
+            )
+        self._attach_error = str(exc)
+
+    def attached(self) -> None:
+        if self._attach_error is not None:
+            log.info("mapped the shared memory of lmcache-ec-broker at %s", self.socket_path)
+            self._attach_error = None
+            self.backoff = 0.0
+
+
+class Circuit:
+    """Set by a timeout, closed by the prober thread when the broker answers again.
+    Invariant (kept by BrokerClient): while tripped, no call touches a socket."""
+
+    __slots__ = ("socket_path", "timeout_s", "probe_interval_s", "tripped", "timeouts",
+                 "_probe", "_on_close", "_prober", "_prober_pid", "_closing")  # fmt: skip
+
+    def __init__(
+        self,
+        socket_path: str,
+        timeout_s: float,
+        probe_interval_s: float,
+        probe: Callable[[], bool],
+        on_close: Callable[[], None],
+    ) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.tripped = False
+        self.timeouts = 0  # outages that cost a timeout (one per outage)
+        self._probe = probe
+        self._on_close = on_close
+        self._prober: threading.Thread | None = None
+        self._prober_pid = -1
+        self._closing = threading.Event()
+
+    def trip(self) -> None:
         """A wait timed out: stop using the broker until the prober hears from it."""
-        self._drop_socket()
-        if self._tripped:
+        if self.tripped:
             return
-        self._tripped = True
+        self.tripped = True
         self.timeouts += 1
         log.warning(
             "lmcache-ec-broker at %s did not answer within %.3f s; serving misses without "
@@ -69,204 +231,11 @@ class BrokerLink:
 
     def _probe_loop(self) -> None:
         while not self._closing.wait(self.probe_interval_s):
-            if self._tripped and self._probe_once():
-                self._next_attempt = 0.0
-                self._backoff = 0.0
-                self._tripped = False
+            if self.tripped and self._probe():
+                self._on_close()
+                self.tripped = False
                 log.info("lmcache-ec-broker at %s answers again", self.socket_path)
 
-    def _probe_once(self) -> bool:
-        """A throwaway connection and handshake, never under the client's lock."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(self.timeout_s, self.connect_timeout_s))
-            sock.connect(self.socket_path)
-            self._check_peer(sock)
-            body = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, uuid.uuid4().hex, os.getpid()))
-            sock.sendall(FRAME_HEADER.pack(len(body)) + body)
-            header = _recv_exact(sock, FRAME_HEADER.size)
-            (length,) = FRAME_HEADER.unpack(header)
-            if length > 1 << 20:
-                return False
-            reply = msgspec.msgpack.decode(_recv_exact(sock, length), type=Reply)
-            return isinstance(reply, HelloReply)
-        except (OSError, BrokerUnavailable, msgspec.MsgspecError):
-            return False
-        finally:
-            sock.close()
-
-    @property
-    def epoch(self) -> str | None:
-        return self._hello.epoch if self._hello else None
-
-    def _ensure_connected(self, raise_refusal: bool = False) -> bool:
-        """Connect if needed. A refusal (permission, too many connections) raises only
-        when asked (at construction); later it is an outage like any other."""
-        if self._sock is not None:
-            return True
-        if self._tripped:
-            return False
-        now = time.monotonic()
-        if now < self._next_attempt:
-            return False
-        try:
-            self._connect()
-        except (OSError, BrokerUnavailable, BrokerRefused, ShmError) as exc:
-            if raise_refusal and isinstance(exc, BrokerRefused):
-                raise
-            if isinstance(exc, TimeoutError):  # connect or handshake hung
-                self._trip()
-            # Let go of the old mappings now: unlinked shared memory stays charged to
-            # /dev/shm while anyone maps it, and a restarting broker needs that room.
-            self._unmap()
-            if self._filter is not None:
-                self._filter.close()
-                self._filter = None
-            self._close_journal()
-            self._close_index()
-            self._back_off()
-            if not self._outage_logged:
-                log.warning(
-                    "lmcache-ec-broker at %s is unavailable (%s); serving misses and "
-                    "retrying in the background",
-                    self.socket_path,
-                    exc,
-                )
-                self._outage_logged = True
-            return False
-        if self._outage_logged:
-            log.info("reconnected to lmcache-ec-broker at %s", self.socket_path)
-        self._outage_logged = False
-        if self._attach_error is None:  # else the backoff grows until a mapping works
-            self._backoff = 0.0
-        return True
-
-    def _back_off(self) -> None:
-        self._backoff = min(max(self._backoff * 2, 0.05), self.max_backoff_s)
-        self._next_attempt = time.monotonic() + self._backoff
-
-    def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.connect_timeout_s)
-        try:
-            sock.connect(self.socket_path)
-            self._check_peer(sock)
-            sock.settimeout(self.timeout_s)
-            try:
-                sock.sendall(self._frame(Hello(PROTOCOL_VERSION, self.client_id, os.getpid())))
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # a refusing broker writes why and closes at once: its reason is queued
-            self._sock = sock
-            reply = self._read_replies(1)[0]
-        except BaseException:
-            self._drop_socket()
-            sock.close()
-            raise
-        if isinstance(reply, ErrorReply):
-            self._drop_socket()
-            raise BrokerRefused(reply.code, reply.message)
-        if not isinstance(reply, HelloReply):
-            self._drop_socket()
-            raise BrokerUnavailable(f"unexpected handshake reply {type(reply).__name__}")
-        if self._hello is not None:
-            self.reconnects += 1
-            if self._hello.epoch != reply.epoch:
-                self._unmap()  # the broker restarted: its old segment is gone
-        self._hello = reply
-        self._map_filter(reply)
-        self._map_journal(reply)
-        self._close_index()
-        self._index = index_path.map_index(reply, self.trusted_uids)
-
-    def _check_peer(self, sock: socket.socket) -> None:
-        check_peer(sock, self.socket_path, self.trusted_uids)
-
-    def _map_filter(self, hello: HelloReply) -> None:
-        if self._filter is not None:
-            self._filter.close()
-            self._filter = None
-        if hello.filter_name:
-            try:
-                self._filter = FilterReader(
-                    hello.filter_name, hello.filter_size, owners=self.trusted_uids
-                )
-            except (ShmError, ValueError, OverflowError) as exc:
-                log.warning("not using the broker's membership filter: %s", exc)
-
-    def _close_index(self) -> None:
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-
-    def _close_journal(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-
-    def _map_journal(self, hello: HelloReply) -> None:
-        self._close_journal()
-        if hello.put_arena_bytes and hello.journal_name:
-            try:
-                self._journal = Journal.attach(
-                    hello.journal_name, hello.journal_size, self.trusted_uids
-                )
-            except (ShmError, ValueError, OverflowError) as exc:
-                # Without it, arena puts are off and the filter is not trusted (_maybe_mask).
-                log.warning("not using the broker's put arena: %s", exc)
-
-    def _drop_socket(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._sock = None
-        self._rpos = self._rend = 0
-        self._owed = 0
-        self._posted_keys.clear()
-        self._served_keys, self._served_nbytes, self._served_has = [], [], 0
-        self._served_at = 0.0  # the counts die with the connection, like its pins
-        self._own.clear()
-        self._placing.clear()
-        self._arena.clear()  # the broker frees the arena with the connection
-        self._arena_slot = -1
-        self._grant_owed = False
-
-    def _unmap(self) -> None:
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-
-    def _slab_view(self) -> SlabView:
-        if self._slab is None:
-            from .copy import SlabView
-
-            hello = self._hello
-            assert hello is not None
-            try:
-                self._segment = Segment.attach(
-                    hello.segment_name, hello.segment_size, self.prefault, self.trusted_uids
-                )
-            except ShmError as exc:
-                # An outage like any other: the connection (and everything it holds)
-                # goes, misses are served, and reconnecting backs off.
-                self._drop_socket()
-                self._back_off()
-                if self._attach_error is None:
-                    log.warning(
-                        "cannot map the shared memory of lmcache-ec-broker at %s (%s); "
-                        "serving misses and retrying in the background",
-                        self.socket_path,
-                        exc,
-                    )
-                self._attach_error = str(exc)
-                raise BrokerUnavailable(str(exc)) from exc
-            self._slab = SlabView(self._segment.mm, hello.segment_size)
-            if self._attach_error is not None:
-                log.info("mapped the shared memory of lmcache-ec-broker at %s", self.socket_path)
-                self._attach_error = None
-                self._backoff = 0.0
-        return self._slab
+    def stop(self) -> None:
+        """The client closes: the prober stops at its next wake-up."""
+        self._closing.set()

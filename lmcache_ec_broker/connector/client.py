@@ -42,10 +42,11 @@ Failure model (what a serving engine can rely on):
 
 from __future__ import annotations
 
-import select
-import socket
 import threading
+import time
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -67,7 +68,6 @@ from ..protocol import (
     LookupState,
     Ping,
     PongReply,
-    Reply,
     Reserve,
     ReserveReply,
     ReserveStatus,
@@ -77,40 +77,26 @@ from ..protocol import (
     Unlease,
     expected_nbytes,
 )
-from ..shm.filter import FilterReader
-from ..shm.journal import Journal
 from ..shm.residency import ResidencyReader
-from ..shm.segment import Segment
-from . import index_path
-from .arena_blocks import ArenaBlocks
-
-# The mixins BrokerClient is made of, one concern per module; the "x as x" imports keep
-# every name this module had before the split importable from here.
-from .arena_put import ArenaPut
-from .arena_put import _pending as _pending
-from .broker_link import BrokerLink
+from ..shm.segment import ShmError
+from . import index_path, reads
+from .arena_blocks import Run
+from .broker_link import Circuit, Redial, close_fds, dial, probe
 from .errors import BrokerImpostor as BrokerImpostor
 from .errors import BrokerRefused, BrokerUnavailable
-from .frames import _HEADER_FROM as _HEADER_FROM
-from .frames import _MAX_OWED as _MAX_OWED
-from .frames import _MAX_REPLY_BYTES as _MAX_REPLY_BYTES
-from .frames import FramedTransport
-from .frames import _recv_exact as _recv_exact
-from .index_path import _HUP as _HUP
-from .index_path import _SERVED_AGE_S as _SERVED_AGE_S
-from .index_path import _SERVED_MAX as _SERVED_MAX
-from .index_path import IndexServing
-from .membership import Membership, _expand
-from .membership import _as_list as _as_list
-from .reads import Reads
-from .reads import _copy as _copy
+from .frames import _MAX_OWED
+from .mappings import Mappings
+from .membership import _as_list, _expand, split, with_posted
+from .reads import _copy
+from .session import Session
 from .trust import BROKER_UID_ENV as BROKER_UID_ENV
-from .trust import _user_name as _user_name
 from .trust import trusted_uids
 
-# Where the pieces live: broker_link.py (connect, trust, segments, circuit), frames.py
-# (framed transport, owed replies), arena_put.py (the put arena), index_path.py (the
-# zero-wait index path, Served reports), membership.py (filter misses), reads.py (gets).
+# The parts (docs/design.md "The client"): broker_link.py (dial, Redial, Circuit),
+# session.py (one connection: frames.py's Wire, arena_put.py's PutArena,
+# index_path.py's ServedBatch, posted keys), mappings.py (one broker epoch's
+# segments), membership.py and reads.py (functions over those parts). BrokerClient
+# is the only code that calls across parts.
 _INDEX_HAS_MAX = (
     32  # measured (p50, loaded VM): 32 hits 117 us from the index vs 200 asked; 64: 189 vs 167
 )
@@ -121,7 +107,7 @@ if TYPE_CHECKING:
     from .copy import SlabView
 
 
-class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, BrokerLink):
+class BrokerClient:
     def __init__(
         self,
         socket_path: str | None = None,
@@ -142,80 +128,177 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
             raise ValueError(
                 f"timeout_s and probe_interval_s must be > 0 (got {timeout_s}, {probe_interval_s})"
             )
-        self.socket_path = socket_path or default_socket_path()
-        self.trusted_uids = trusted_uids(broker_uid)
+        self.socket_path = path = socket_path or default_socket_path()
+        self.trusted_uids = trusted = trusted_uids(broker_uid)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_backoff_s = max_backoff_s
         self.prefault = prefault
+        self.probe_interval_s = probe_interval_s
+        # The membership filter and the residency index are trusted only while the
+        # connection was confirmed within filter_trust_s, so a killed broker's stale
+        # filter cannot hide a restarted broker's entries for long.
+        self.filter_trust_s = filter_trust_s
         self.client_id = uuid.uuid4().hex
         self._lock = threading.RLock()
-        self._sock: socket.socket | None = None
-        self._hello: HelloReply | None = None
-        self._segment: Segment | None = None
-        self._slab: SlabView | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Reply)
-        # Receive buffer: frames are parsed in place; [_rpos, _rend) is unread data.
-        self._rbuf = bytearray(1 << 16)
-        self._rpos = 0
-        self._rend = 0
-        # Replies still owed by the broker for requests whose reply we do not wait
-        # for (Release); they are read and discarded before the next reply.
-        self._owed = 0
-        # Keys of posted commits whose replies are still owed: the filter may not list
-        # them yet, so they are never ruled out locally (read-your-writes).
-        self._posted_keys: set[str] = set()
-        # The put arena (docs/design.md "Put arenas"): slab blocks granted to this
-        # connection ahead of time, as sorted (first block, count) runs. Invariant: a
-        # block is in _arena only while the broker has it in this connection's arena
-        # and no posted Place names it; everything resets with the connection.
-        self._journal: Journal | None = None
-        self._arena = ArenaBlocks()
-        self._arena_slot = -1  # this connection's journal slot, known from the first grant
-        self._arena_seq = 0  # placements made (journal "placed"; wraps at 2**32)
-        # Entries this connection placed whose Place the broker may not have handled
-        # yet: key -> (seq, extents, dtype, shape, nbytes). Until the broker settles
-        # that seq the blocks are still this connection's arena blocks, which nobody
-        # else can write, so a get of such a key may copy from them (index_path.py).
-        self._own: dict[str, tuple[int, list[tuple[int, int]], str, list[int], int]] = {}
-        self._placing: dict[str, tuple[int, list[tuple[int, int]], str, list[int], int]] = {}
-        self._grant_owed = False  # an ArenaGrant is posted and its reply not read yet
-        self._grant_after = 0.0  # after an empty grant: ask again no sooner than this
-        # The broker's membership filter: a local "absent" skips the round trip. It is
-        # trusted only while the connection was confirmed within filter_trust_s, so a
-        # killed broker's stale filter cannot hide a restarted broker's entries for long.
-        self.filter_trust_s = filter_trust_s
-        self._filter: FilterReader | None = None
-        self._confirmed_at = 0.0
-        self.local_misses = 0
-        # The broker's residency index (connector/index_path.py): positives answered
-        # and copied here, trusted under the same rule as the filter.
-        self._index: ResidencyReader | None = None
+        self._session: Session | None = None  # the connection (None: not connected)
+        self._maps: Mappings | None = None  # the current broker epoch's segments
+        self._hello: HelloReply | None = None  # the last handshake (kept across outages)
+        self._wrap: Callable[[Any], Any] | None = None  # instrument_socket's
+        self._redial = Redial(path, max_backoff_s)
+        probe_timeout = max(timeout_s, connect_timeout_s)
+        self._circuit = Circuit(
+            path,
+            timeout_s,
+            probe_interval_s,
+            probe=lambda: probe(path, trusted, probe_timeout),
+            on_close=self._redial.reset,
+        )
+        self.reconnects = 0
+        self.local_misses = 0  # keys the filter answered absent here
         self.index_hits = 0  # has() hits and gets served from the index
         self.index_retries = 0  # index copies discarded (slot rewritten) and asked again
-        # What the index served, not yet told to the broker (_post_served).
-        self._served_keys: list[str] = []
-        self._served_nbytes: list[int] = []
-        self._served_has = 0
-        self._served_at = 0.0  # when the oldest pending item was noted; 0: none
-        self._hup_poll: select.poll | None = None  # watches _hup_sock for the peer's end
-        self._hup_sock: object = None
-        self._backoff = 0.0
-        self._next_attempt = 0.0
-        self._outage_logged = False
-        self._attach_error: str | None = None  # set while the segment cannot be mapped
-        self.reconnects = 0
-        # Circuit: set by a timeout, cleared by the prober thread when the broker answers
-        # again. While set, no call touches the socket (invariant: _tripped => _sock is None).
-        self.probe_interval_s = probe_interval_s
-        self._tripped = False
-        self._prober: threading.Thread | None = None
-        self._prober_pid = -1
-        self._closing = threading.Event()
-        self.timeouts = 0  # outages that cost a timeout (one per outage)
         with self._lock:
-            self._ensure_connected(raise_refusal=True)
+            self._live(raise_refusal=True)
+
+    # ------------------------------------------------------------ the parts, composed
+
+    def _live(self, raise_refusal: bool = False) -> Session | None:
+        """The connection, made now if needed; None during an outage (a refusal raises
+        only when asked: at construction; later it is an outage like any other)."""
+        s = self._session
+        if s is not None:
+            return s
+        if self._circuit.tripped or not self._redial.due():
+            return None
+        try:
+            return self._connect()
+        except (OSError, BrokerUnavailable, BrokerRefused, ShmError) as exc:
+            if raise_refusal and isinstance(exc, BrokerRefused):
+                raise
+            if isinstance(exc, TimeoutError):  # connect or handshake hung
+                self._circuit.trip()
+            # Let go of the old mappings now: unlinked shared memory stays charged to
+            # /dev/shm while anyone maps it, and a restarting broker needs that room.
+            self._drop_maps()
+            self._redial.failed(exc)
+            return None
+
+    def _connect(self) -> Session:
+        sock, hello, fds = dial(
+            self.socket_path,
+            self.trusted_uids,
+            self.client_id,
+            self.connect_timeout_s,
+            self.timeout_s,
+        )
+        if self._hello is not None:
+            self.reconnects += 1
+        maps = self._maps
+        if maps is not None and maps.epoch != hello.epoch:
+            self._drop_maps()  # the broker restarted: its old segments are gone
+            maps = None
+        if maps is None:
+            maps = self._maps = Mappings(hello, self.trusted_uids, self.prefault, fds)
+        else:
+            close_fds(fds.values())  # the same epoch's segments, mapped already
+        self._hello = hello
+        self._session = s = Session(sock, hello, maps.journal, self._on_lost(), self._wrap)
+        self._redial.connected()
+        return s
+
+    def _on_lost(self) -> Callable[[bool], None]:
+        """What a session's wire calls when its connection fails (weakly bound: a
+        client nobody holds is freed at once, as before)."""
+        ref = weakref.ref(self)
+
+        def lost(timed_out: bool) -> None:
+            client = ref()
+            if client is not None:
+                client._drop_session()
+                if timed_out:
+                    client._circuit.trip()
+
+        return lost
+
+    def _drop_session(self) -> None:
+        s, self._session = self._session, None
+        if s is not None:
+            s.close()
+
+    def _drop_maps(self) -> None:
+        m, self._maps = self._maps, None
+        if m is not None:
+            m.close()
+
+    def _call(self, msg: msgspec.Struct) -> Any:
+        """One request; raises BrokerUnavailable or BrokerRefused."""
+        s = self._live()
+        if s is None:
+            raise BrokerUnavailable("not connected")
+        return s.wire.call(msg)
+
+    def _slab(self) -> SlabView:
+        """The slab mapped; a failure to map it is an outage (the connection, and
+        everything it holds, goes; misses are served; reconnecting backs off)."""
+        m = self._maps
+        if m is not None and m.slab is not None:
+            return m.slab
+        if m is None:
+            raise BrokerUnavailable("not connected")
+        try:
+            slab = m.map_slab()
+        except ShmError as exc:
+            self._drop_session()
+            self._redial.attach_failed(exc)
+            raise BrokerUnavailable(str(exc)) from exc
+        self._redial.attached()
+        return slab
+
+    def _maybe_mask(self, s: Session, keys: list[str]) -> list[bool] | None:
+        """Per key, False where the filter proves a miss; None if it is not usable."""
+        m = self._maps
+        flt = m.filter if m is not None else None
+        if flt is None or time.monotonic() - s.wire.confirmed_at > self.filter_trust_s:
+            return None
+        # An "absent" is proof only if no other connection's placement was pending when
+        # the filter was read: the journal first, then the filter (read the other way
+        # round, a placement handled in between would be missed).
+        if m.others_pending(s.arena.slot):  # type: ignore[union-attr]
+            return None
+        return with_posted(keys, flt.maybe_many(keys), s.posted)
+
+    def _ask(self, keys: list[str]) -> tuple[list[str], list[bool] | None]:
+        """The keys to ask the broker about and the filter's mask (None: ask all)."""
+        s = self._session
+        mask = self._maybe_mask(s, keys) if s is not None else None
+        ask, mask = split(keys, mask)
+        if mask is not None:
+            self.local_misses += len(keys) - len(ask)
+        return ask, mask
+
+    def _usable_index(self, s: Session | None) -> ResidencyReader | None:
+        """The residency index while it may be trusted (the filter's rule)."""
+        m = self._maps
+        if s is None or m is None or m.index is None:
+            return None
+        if time.monotonic() - s.wire.confirmed_at > self.filter_trust_s:
+            return None
+        # A killed broker cannot clear its index, and answering from it would also keep
+        # its dead slab mapped: a hang-up on the socket (one poll, ~1 us) is an outage.
+        if s.wire.peer_gone():
+            self._drop_session()
+            return None
+        return m.index
+
+    def _post_served(self, s: Session, keys: list[str], nbytes: list[int], hits: int) -> None:
+        """Note what the index served; sent ahead of the next request, or alone when
+        enough is pending (ServedBatch.note)."""
+        if s.served.note(keys, nbytes, hits):
+            try:
+                s.wire.send(b"")
+            except BrokerUnavailable:
+                pass  # uncounted, like a get whose Release could not be sent
 
     # ------------------------------------------------------------ puts
 
@@ -235,23 +318,24 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
         shape = list(tensor.shape)
         nbytes = expected_nbytes(dtype, shape)
         with self._lock:
+            s = self._live()
+            if s is None:
+                return False
             try:
-                if not self._ensure_connected():
-                    return False
-                placed = self._place_copy(key, tensor, dtype, shape, nbytes)
+                placed = self._place_copy(s, key, tensor, dtype, shape, nbytes)
                 if placed is not None:
-                    self._send_placed([placed[0]], [key])
+                    self._send_placed(s, [placed[0]], [key])
                     return True
-                self._ask_arena()
-                reply: ReserveReply = self._call(Reserve(key, nbytes, dtype, shape))
+                self._ask_arena(s)
+                reply: ReserveReply = s.wire.call(Reserve(key, nbytes, dtype, shape))
                 if reply.status != ReserveStatus.RESERVED:
                     return False
                 try:
-                    self._slab_view().write(reply.extents, tensor)
+                    self._slab().write(reply.extents, tensor)
                 except BaseException:
-                    if self._sock is not None:
+                    if s.alive:
                         try:
-                            self._call(Abort(reply.token))
+                            s.wire.call(Abort(reply.token))
                         except (BrokerUnavailable, BrokerRefused):
                             pass
                     raise
@@ -260,8 +344,8 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
                 # refused (the token is this live connection's own open reservation,
                 # which only the connection's end takes away); if the connection dies
                 # first, the reservation is freed and the entry is simply absent.
-                self._post(Commit(reply.token))
-                self._posted_keys.add(key)
+                s.wire.post(Commit(reply.token))
+                s.posted.add(key)
                 return True
             except BrokerUnavailable:
                 return False
@@ -285,28 +369,30 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
         if not items:
             return []
         with self._lock:
-            if not self._ensure_connected():
+            s = self._live()
+            if s is None:
                 return [False] * len(items)
             stored = [False] * len(items)
             try:
-                placed = self._place_many(items, descs, stored)
+                placed = self._place_many(s, items, descs, stored)
             except BrokerUnavailable:
                 return [False] * len(items)
             rest = [i for i in range(len(items)) if not stored[i]]
             if not rest:
                 try:
-                    self._send_placed(*placed)
+                    self._send_placed(s, *placed)
                 except BrokerUnavailable:
                     return [False] * len(items)
                 return stored
             reqs = [Reserve(items[i][0], descs[i][2], *descs[i][:2]) for i in rest]
+            wire, frame = s.wire, s.framer.frame
             try:
                 if placed[0]:
-                    self._send_placed(*placed)
+                    self._send_placed(s, *placed)
                 else:
-                    self._ask_arena()
-                self._send(b"".join(self._frame(r) for r in reqs))
-                replies = self._read_replies(len(reqs))
+                    self._ask_arena(s)
+                wire.send(b"".join(frame(r) for r in reqs))
+                replies = wire.read_replies(len(reqs))
             except BrokerUnavailable:
                 return [False] * len(items)
             refusal = next((r for r in replies if isinstance(r, ErrorReply)), None)
@@ -317,7 +403,7 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
             ]
             done: list[int] = []
             try:
-                slab = self._slab_view() if todo else None
+                slab = self._slab() if todo else None
                 for i, token, extents in todo:
                     assert slab is not None
                     slab.write(extents, items[i][1])
@@ -328,25 +414,122 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
                 return [False] * len(items)
             except BaseException:
                 for _, token, _ in todo:
-                    if self._sock is not None:
+                    if s.alive:
                         try:
-                            self._post(Abort(token))
+                            wire.post(Abort(token))
                         except BrokerUnavailable:
                             pass
                 raise
             if done:
                 # Posted, as in put: one send, no wait (see put for why they cannot fail).
                 try:
-                    self._send(b"".join(self._frame(Commit(t)) for t in done))
+                    wire.send_posted(b"".join(frame(Commit(t)) for t in done), len(done))
                 except BrokerUnavailable:
                     return [False] * len(items)
-                self._owed += len(done)
-                self._posted_keys.update(items[i][0] for i, _, _ in todo)
+                s.posted.update(items[i][0] for i, _, _ in todo)
                 for i, _, _ in todo:
                     stored[i] = True
             if refusal is not None:
                 raise BrokerRefused(refusal.code, refusal.message)
             return stored
+
+    def _may_place(self, s: Session, key: str, nbytes: int) -> bool:
+        """Whether ``key`` can go into the arena: the arena can take it, and the
+        trusted filter says the key is absent (a present key would be copied for
+        nothing)."""
+        m = self._maps
+        flt = m.filter if m is not None else None
+        return (
+            flt is not None
+            and s.arena.fits(key, nbytes)
+            and key not in s.posted
+            and time.monotonic() - s.wire.confirmed_at <= self.filter_trust_s
+            and not m.others_pending(s.arena.slot)  # type: ignore[union-attr]
+            and not flt.maybe(key)
+        )
+
+    def _place_copy(
+        self, s: Session, key: str, tensor: torch.Tensor, dtype: str, shape: list[int],
+        nbytes: int,
+    ) -> tuple[bytes, list[Run]] | None:  # fmt: skip
+        """Copy ``tensor`` into arena blocks and return its Place frame (not sent yet)
+        and the blocks; None: not placeable now, take the reserve path."""
+        wire, arena = s.wire, s.arena
+        if wire.owed >= _MAX_OWED:
+            wire.read_replies(0)
+        if not self._may_place(s, key, nbytes):
+            return None
+        if arena.grant_owed and not arena.holds(nbytes):
+            wire.read_replies(0)  # the refill's reply, usually in already
+            if not self._may_place(s, key, nbytes):
+                return None
+        got = arena.take(nbytes)
+        if got is None:
+            return None
+        runs, extents = got
+        try:
+            self._slab().write(extents, tensor)
+        except BrokerUnavailable:
+            raise  # the connection, and with it the arena, is gone
+        except BaseException:
+            arena.give(runs)
+            raise
+        return arena.place(key, runs, extents, dtype, shape, nbytes), runs
+
+    def _place_many(
+        self,
+        s: Session,
+        items: list[tuple[str, torch.Tensor]],
+        descs: list[tuple[str, list[int], int]],
+        stored: list[bool],
+    ) -> tuple[list[bytes], list[str]]:
+        """Copy every placeable item into the arena (marking it in ``stored``); the
+        Place frames and keys, not sent yet. A failed copy gives every block back."""
+        frames: list[bytes] = []
+        keys: list[str] = []
+        taken: list[Run] = []
+        try:
+            for i, (key, tensor) in enumerate(items):
+                if key in keys:
+                    continue  # a second item of the same key reserves (and finds it)
+                dtype, shape, nbytes = descs[i]
+                got = self._place_copy(s, key, tensor, dtype, shape, nbytes)
+                if got is None:
+                    continue
+                frames.append(got[0])
+                taken += got[1]
+                keys.append(key)
+                stored[i] = True
+        except BrokerUnavailable:
+            raise
+        except BaseException:
+            if s.alive:
+                s.arena.give(taken)  # nothing of this batch was sent
+            raise
+        return frames, keys
+
+    def _send_placed(self, s: Session, frames: list[bytes], keys: list[str]) -> None:
+        """Post the Place frames (and a refill if the arena runs low) in one send. The
+        journal says "placed" before the frames leave (PutArena.mark_placed)."""
+        arena = s.arena
+        arena.mark_placed()
+        grant = arena.grant_frame()
+        s.wire.send_posted(b"".join(frames) + grant, len(frames) + (1 if grant else 0))
+        arena.sent(keys, bool(grant))
+        s.posted.update(keys)
+        if arena.excused():
+            # This client stopped inside the window long enough for the broker to
+            # excuse it (shm/journal.py): others skip its slot, so wait until the
+            # broker has handled the placement before put returns.
+            s.wire.read_replies(0)
+
+    def _ask_arena(self, s: Session) -> None:
+        """Post a grant when the arena is low (lazily: the first put of a connection);
+        the reserve that follows reads its reply."""
+        grant = s.arena.grant_frame()
+        if grant:
+            s.wire.send_posted(grant, 1)
+            s.arena.sent([], True)
 
     def flush(self) -> bool:
         """Wait until the broker has handled every request this client posted (the
@@ -356,18 +539,138 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
         broker was not told yet is sent and confirmed with a ping (its frame has no
         reply). False while the broker is unavailable."""
         with self._lock:
-            if self._served_at and self._sock is not None:
+            s = self._session
+            if s is not None and s.served.at:
                 try:
-                    self._call(Ping())  # the pending Served frame goes first
+                    s.wire.call(Ping())  # the pending Served frame goes first
                 except BrokerUnavailable:
                     return False
-            if not self._owed:
-                return self._sock is not None
+            s = self._session
+            if s is None:
+                return False
+            if not s.wire.owed:
+                return True
             try:
-                self._read_replies(0)
+                s.wire.read_replies(0)
                 return True
             except BrokerUnavailable:
                 return False
+
+    # ------------------------------------------------------------ gets (reads.py)
+
+    def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
+        return self.get_many([key], device)[0]
+
+    def get_many(
+        self, keys: list[str], device: str | torch.device = "cpu"
+    ) -> list[torch.Tensor | None]:
+        """New tensors (same dtype and shape as put) for the hits, None for misses."""
+        cp = _copy()
+        dev = cp.torch.device(device)
+        cp.check_device(dev)
+        with self._lock:
+            # The index first (a get usually follows a has() hit), then the filter for
+            # what it lacks, then the broker for what the filter cannot rule out.
+            local = self._get_local(_as_list(keys), dev)
+            rest = (
+                keys
+                if local is None
+                else [k for k, t in zip(keys, local, strict=True) if t is None]
+            )
+            if not rest:
+                return [] if local is None else local  # no keys, or every one served here
+            ask, mask = self._ask(rest)
+            got = self._get_asked(ask, dev) if ask else []
+            if mask is not None:
+                got = _expand(mask, got, None)
+            if local is None:
+                return got
+            it = iter(got)
+            return [t if t is not None else next(it) for t in local]
+
+    def _get_local(self, keys: list[str], dev: torch.device) -> list[torch.Tensor | None] | None:
+        """The index's copies (None where the broker must be asked), or None when the
+        index served nothing. Posts the Served frame."""
+        s = self._session
+        index = self._usable_index(s)
+        if index is None or s is None:
+            return None
+        try:
+            slab = self._slab()
+        except BrokerUnavailable:
+            return None
+        own = None
+        if s.arena.own and any(k in s.arena.own for k in keys):
+            own = reads.own_reader(s.arena, s.wire.peer_gone, slab, dev)
+        local, retries = index_path.read_known(index, slab, keys, dev, _copy().torch_dtype, own)
+        self.index_retries += retries
+        served = [k for k, t in zip(keys, local, strict=True) if t is not None]
+        if not served:
+            return None
+        self.index_hits += len(served)
+        self._post_served(s, served, [t.nbytes for t in local if t is not None], 0)
+        return local
+
+    def _get_asked(self, ask: list[str], dev: torch.device) -> list[torch.Tensor | None]:
+        """get_many's round trip for ``ask``: a Get, the copies, a posted Release."""
+        try:
+            s = self._live()
+            if s is None:
+                return [None] * len(ask)
+            return reads.get_asked(s.wire, self._slab, ask, dev)
+        except BrokerUnavailable:
+            return [None] * len(ask)
+
+    def get_into(self, key: str, out: torch.Tensor) -> bool:
+        """Copy the entry into ``out`` (same dtype and shape, contiguous; CPU or CUDA).
+
+        The copy-only path: no allocation, so no first-touch page faults on the
+        destination. True on a hit; False on a miss or while the broker is away.
+        On False ``out`` is either untouched or zeroed (zeroed when an index copy
+        was discarded and the broker then had no entry): it never holds another
+        entry's bytes.
+        """
+        cp = _copy()
+        if not out.is_cpu:
+            cp.check_device(out.device)
+        with self._lock:
+            wrote = False
+            s = self._session
+            index = self._usable_index(s)  # first: a get usually follows a has() hit
+            if index is not None and s is not None:
+                try:
+                    slab = self._slab()
+                except BrokerUnavailable:
+                    return False
+                if key in s.arena.own:
+                    got, wrote = reads.own_into(s.arena, s.wire.peer_gone, slab, key, out, cp)
+                    if got:
+                        self.index_hits += 1
+                        self._post_served(s, [key], [out.nbytes], 0)
+                        return True
+                found, wrote_index = index_path.read_known_into(
+                    index, slab, key, out, cp.dtype_name
+                )
+                if found is not None:
+                    self.index_hits += 1
+                    self._post_served(s, [key], [found.nbytes], 0)
+                    return True
+                self.index_retries += wrote or wrote_index
+                wrote = wrote or wrote_index
+            s = self._session
+            mask = self._maybe_mask(s, [key]) if s is not None else None
+            if mask is not None and not mask[0]:
+                self.local_misses += 1
+                hit = False
+            else:
+                try:
+                    s = self._live()
+                    hit = s is not None and reads.get_into_asked(s.wire, self._slab, key, out, cp)
+                except BrokerUnavailable:
+                    hit = False
+            if wrote and not hit:
+                out.zero_()  # the discarded copy's bytes must not be shown
+            return hit
 
     # ------------------------------------------------------------ lookups and the rest
 
@@ -382,13 +685,16 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
                 return [False] * len(keys)
             # A lease needs the broker; past _INDEX_HAS_MAX keys one round trip costs less
             # than reading the index key by key (~1-3 us each from Python).
-            index = self._usable_index() if lease_ms <= 0 and len(ask) <= _INDEX_HAS_MAX else None
-            if index is not None:
+            s = self._session
+            index = (
+                self._usable_index(s) if lease_ms <= 0 and len(ask) <= _INDEX_HAS_MAX else None
+            )
+            if index is not None and s is not None:
                 known = index_path.has_known(index, ask)
                 n = known.count(True)
                 if n:
                     self.index_hits += n
-                    self._post_served([], [], n)
+                    self._post_served(s, [], [], n)
                     if n < len(ask):
                         rest = [k for k, kn in zip(ask, known, strict=True) if not kn]
                         try:
@@ -410,7 +716,8 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
         bounds the wait (``wait_ms``) as ``has`` does. An outage answers all MISS."""
         miss = EntryInfo(LookupState.MISS)
         with self._lock:
-            mask = self._maybe_mask(keys)
+            s = self._session
+            mask = self._maybe_mask(s, keys) if s is not None else None
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
             self.local_misses += len(keys) - len(ask)
             if not ask:
@@ -428,10 +735,11 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
         if not keys:
             return
         with self._lock:
-            if self._sock is None:
+            s = self._session
+            if s is None:
                 return  # leases died with the connection
             try:
-                self._post(Unlease(list(keys)))
+                s.wire.post(Unlease(list(keys)))
             except BrokerUnavailable:
                 pass
 
@@ -484,17 +792,80 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
             except BrokerUnavailable:
                 return False
 
-    def close(self) -> None:
-        self._closing.set()
+    # ------------------------------------------------------------ state and seams
+
+    @property
+    def connected(self) -> bool:
+        return self._session is not None
+
+    @property
+    def tripped(self) -> bool:
+        """True while a hung broker is being probed: calls answer misses at once."""
+        return self._circuit.tripped
+
+    @property
+    def timeouts(self) -> int:
+        """Outages that cost a timeout (one per outage)."""
+        return self._circuit.timeouts
+
+    @property
+    def epoch(self) -> str | None:
+        return self._hello.epoch if self._hello else None
+
+    @property
+    def handshake(self) -> HelloReply | None:
+        """The broker's answer to the last handshake (segment names, limits), or None
+        after close()."""
+        return self._hello
+
+    @property
+    def mappings(self) -> Mappings | None:
+        """The current broker epoch's mapped segments (``filter``, ``index``,
+        ``journal``, ``slab``), or None while none are mapped (an outage)."""
+        return self._maps
+
+    def slab(self) -> SlabView:
+        """The broker's slab, mapped now if it is not yet (for tools and tests that
+        write a reservation themselves). Raises BrokerUnavailable during an outage."""
         with self._lock:
-            if (self._posted_keys or self._served_at) and self._sock is not None:
+            if self._live() is None:
+                raise BrokerUnavailable("not connected")
+            return self._slab()
+
+    def request(self, msg: msgspec.Struct) -> Any:
+        """Send one protocol request and return its reply (tools and tests; the
+        methods above are the API). Raises BrokerUnavailable or BrokerRefused."""
+        with self._lock:
+            return self._call(msg)
+
+    def post(self, msg: msgspec.Struct, keys: tuple[str, ...] = ()) -> None:
+        """Send one protocol request without waiting; its reply is read before the next
+        one. ``keys``: keys it writes (never ruled out locally until it is handled)."""
+        with self._lock:
+            s = self._live()
+            if s is None:
+                raise BrokerUnavailable("not connected")
+            s.wire.post(msg)
+            s.posted.update(keys)
+
+    def instrument_socket(self, wrap: Callable[[Any], Any]) -> None:
+        """Replace this connection's socket (and every later one's) by ``wrap(sock)``,
+        an object with the socket's methods: counting round trips in tests, timing
+        syscalls in benchmarks."""
+        with self._lock:
+            self._wrap = wrap
+            s = self._session
+            if s is not None:
+                s.wire.wrap(wrap)
+
+    def close(self) -> None:
+        self._circuit.stop()
+        with self._lock:
+            s = self._session
+            if s is not None and (s.posted or s.served.at):
                 self.flush()  # this client's last puts (and hits) are in before it goes
-            self._drop_socket()
-            self._unmap()
-            if self._filter is not None:
-                self._filter.close()
-                self._filter = None
-            self._close_journal()
+            self._drop_session()
+            self._drop_maps()
             self._hello = None
 
     def __enter__(self) -> BrokerClient:
@@ -506,7 +877,7 @@ class BrokerClient(Reads, ArenaPut, IndexServing, Membership, FramedTransport, B
     def __del__(self) -> None:
         # Unmapping here (not left to the GC) keeps the order: CUDA unregistration first.
         try:
-            self._drop_socket()
-            self._unmap()
+            self._drop_session()
+            self._drop_maps()
         except Exception:
             pass

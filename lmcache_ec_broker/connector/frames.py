@@ -1,25 +1,32 @@
-"""The client's framed transport: requests framed and sent, replies read in place
-from one receive buffer, and the replies still owed for posted (reply-less to the
-caller) requests read and dropped -- or kept, for arena blocks -- before the next.
-A BrokerClient mixin; its state is set up in BrokerClient.__init__."""
+"""The wire of one connection: requests framed and sent, replies read in place from
+one receive buffer, and the replies still owed for posted (reply-less to the
+caller) requests read and handed on before the next reply.
+
+``Wire`` is a part of one ``Session`` (connector/session.py): made when the
+connection is made, dropped with it. It knows nothing of the other parts; what it
+must tell them comes through the callables it is given:
+
+- ``prefix()``: bytes to send ahead of the next request (the Served batch);
+- ``on_owed(reply)``: the reply of a posted request (arena grants, placements);
+- ``on_caught_up()``: every owed reply has been read (posted keys are handled);
+- ``on_lost(timed_out)``: the connection failed; the wire is already closed.
+
+Invariant: ``owed`` is the number of replies the broker still owes for requests
+sent without waiting; they are read, in order, before any reply waited for.
+Call everything with the client's lock held.
+"""
 
 from __future__ import annotations
 
-import logging
+import select
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from ..protocol import (
-    FRAME_HEADER,
-    ArenaReply,
-    ErrorReply,
-    PlaceReply,
-    ProtocolError,
-    frame_length,
-)
+from ..protocol import FRAME_HEADER, ErrorReply, ProtocolError, Reply, frame_length
 from .errors import BrokerRefused, BrokerUnavailable
 
 _MAX_REPLY_BYTES = 256 << 20
@@ -27,17 +34,148 @@ _HEADER_FROM = FRAME_HEADER.unpack_from
 # Posted requests whose replies may be left unread; past this a put reads them first
 # (they are usually in already), so the broker's write buffer never backs up.
 _MAX_OWED = 256
+_HUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
-log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for the whole client
+
+class Framer:
+    """Requests to frames, refused here when the broker's frame limit would drop the
+    whole connection. Shared by the parts of one session that build frames."""
+
+    __slots__ = ("_encode", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.max_frame_bytes = max_frame_bytes
+
+    def frame(self, msg: msgspec.Struct) -> bytes:
+        body = self._encode(msg)
+        limit = self.max_frame_bytes
+        if limit and len(body) > limit:
+            raise BrokerRefused(
+                "bad_request",
+                f"{type(msg).__name__.lower()} request of {len(body)} bytes exceeds the "
+                f"broker's maximum frame of {limit} bytes; split the batch or raise "
+                "max_frame_bytes",
+            )
+        return FRAME_HEADER.pack(len(body)) + body
 
 
-class FramedTransport:
-    """Sending frames and reading replies on ``self._sock``. Call with the lock held."""
+class Wire:
+    """One connection's socket (see the module docstring)."""
+
+    __slots__ = (
+        "sock",
+        "owed",
+        "confirmed_at",
+        "frame",
+        "_rbuf",
+        "_rpos",
+        "_rend",
+        "_decode",
+        "_prefix",
+        "_on_owed",
+        "_on_caught_up",
+        "_on_lost",
+        "_hup",
+    )
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        framer: Framer,
+        prefix: Callable[[], bytes],
+        on_owed: Callable[[Any], None],
+        on_caught_up: Callable[[], None],
+        on_lost: Callable[[bool], None],
+    ) -> None:
+        self.sock: Any = sock  # None once closed
+        self.owed = 0
+        self.confirmed_at = time.monotonic()  # the handshake was just answered
+        self.frame = framer.frame
+        # Receive buffer: frames are parsed in place; [_rpos, _rend) is unread data.
+        self._rbuf = bytearray(1 << 16)
+        self._rpos = 0
+        self._rend = 0
+        self._decode = msgspec.msgpack.Decoder(Reply).decode
+        self._prefix = prefix
+        self._on_owed = on_owed
+        self._on_caught_up = on_caught_up
+        self._on_lost = on_lost
+        self._hup: select.poll | None = None
+
+    # ---------------------------------------------------------------- life
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        self._rpos = self._rend = 0
+        self.owed = 0
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _fail(self, exc: BaseException) -> BrokerUnavailable:
+        """Close, tell the session's owner, and return the exception to raise."""
+        self.close()
+        self._on_lost(isinstance(exc, TimeoutError))
+        if isinstance(exc, BrokerUnavailable):
+            return exc
+        return BrokerUnavailable(f"{type(exc).__name__}: {exc}")
+
+    def wrap(self, wrap: Callable[[Any], Any]) -> None:
+        """Replace the socket by ``wrap(socket)`` (instrumentation: tests, benchmarks)."""
+        if self.sock is not None:
+            self.sock = wrap(self.sock)
+
+    def peer_gone(self) -> bool:
+        """True once the broker's end of the connection is closed (one poll(0))."""
+        sock = self.sock
+        if sock is None:
+            return True
+        if self._hup is None:
+            self._hup = select.poll()
+            self._hup.register(sock.fileno(), _HUP)
+        return bool(self._hup.poll(0))
+
+    # ---------------------------------------------------------------- sending
+
+    def send(self, data: bytes) -> None:
+        sock = self.sock
+        if sock is None:
+            raise BrokerUnavailable("not connected")
+        pre = self._prefix()
+        if pre:
+            data = pre + data  # in order, before this request
+        try:
+            sock.sendall(data)
+        except OSError as exc:
+            raise self._fail(exc) from exc
+
+    def send_posted(self, data: bytes, n: int) -> None:
+        """Send ``n`` framed requests without waiting for their replies."""
+        self.send(data)
+        self.owed += n
+
+    def post(self, msg: msgspec.Struct) -> None:
+        """Send without waiting: the reply is read (and handed on) before the next one."""
+        self.send(self.frame(msg))
+        self.owed += 1
+
+    def call(self, msg: msgspec.Struct) -> Any:
+        """One request and its reply; raises BrokerUnavailable or BrokerRefused."""
+        reply = self.roundtrip(msg)
+        if isinstance(reply, ErrorReply):
+            raise BrokerRefused(reply.code, reply.message)
+        return reply
+
+    # ---------------------------------------------------------------- reading
 
     def _read_reply(self) -> Any:
         """Decode the next reply frame; usually one recv_into per reply."""
-        sock = self._sock
-        assert sock is not None
+        sock = self.sock
+        if sock is None:
+            raise BrokerUnavailable("not connected")
         buf = self._rbuf
         while True:
             avail = self._rend - self._rpos
@@ -54,7 +192,7 @@ class FramedTransport:
                     if self._rpos == self._rend:
                         self._rpos = self._rend = 0
                     with memoryview(buf) as view:
-                        return self._decoder.decode(view[start : start + length])
+                        return self._decode(view[start : start + length])
             if self._rpos:  # keep the unread tail at the front
                 buf[:avail] = buf[self._rpos : self._rend]
                 self._rpos, self._rend = 0, avail
@@ -66,126 +204,66 @@ class FramedTransport:
                 raise BrokerUnavailable("the broker closed the connection")
             self._rend += k
 
-    def _send(self, data: bytes) -> None:
-        sock = self._sock
-        if sock is None:
-            raise BrokerUnavailable("not connected")
-        if self._served_at:
-            data = self._served_frame() + data  # in order, before this request
+    def read_replies(self, n: int) -> list[Any]:
+        """Read the owed replies (handed to on_owed), then ``n`` replies."""
         try:
-            sock.sendall(data)
-        except OSError as exc:
-            self._drop_socket()
-            if isinstance(exc, TimeoutError):
-                self._trip()
-            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-
-    def _frame(self, msg: msgspec.Struct) -> bytes:
-        body = self._encoder.encode(msg)
-        hello = self._hello
-        limit = hello.max_frame_bytes if hello is not None else 0
-        if limit and len(body) > limit:
-            # Refused here: sent, it would make the broker drop the whole connection.
-            raise BrokerRefused(
-                "bad_request",
-                f"{type(msg).__name__.lower()} request of {len(body)} bytes exceeds the "
-                f"broker's maximum frame of {limit} bytes; split the batch or raise "
-                "max_frame_bytes",
-            )
-        return FRAME_HEADER.pack(len(body)) + body
-
-    def _read_replies(self, n: int) -> list[Any]:
-        """Skip the owed replies, then read ``n`` replies."""
-        try:
-            while self._owed:
-                owed = self._read_reply()
-                self._owed -= 1
-                self._owed_reply(owed)
-            self._posted_keys.clear()
-            self._grant_owed = False  # its reply, if one was owed, was just read
+            if self.owed:
+                while self.owed:
+                    owed = self._read_reply()
+                    self.owed -= 1
+                    self._on_owed(owed)
+                self._on_caught_up()
             out = [self._read_reply() for _ in range(n)]
-        except (OSError, msgspec.MsgspecError) as exc:
+        except (OSError, msgspec.MsgspecError, BrokerUnavailable) as exc:
             # The stream position is unknown, so start over; a timeout also trips.
-            self._drop_socket()
-            if isinstance(exc, TimeoutError):
-                self._trip()
-            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        except BrokerUnavailable:
-            self._drop_socket()
-            raise
-        self._confirmed_at = time.monotonic()
+            raise self._fail(exc) from exc
+        self.confirmed_at = time.monotonic()
         return out
 
-    def _owed_reply(self, owed: Any) -> None:
-        """The reply of a posted request: arena grants and returned placements are kept
-        (they carry blocks), refusals logged, the rest dropped."""
-        if isinstance(owed, (ArenaReply, PlaceReply)):
-            self._arena_reply(owed)
-        elif isinstance(owed, ErrorReply):
-            log.debug("deferred request refused: %s: %s", owed.code, owed.message)
-
-    def _roundtrip(self, msg: msgspec.Struct) -> Any:
-        sock = self._sock
+    def roundtrip(self, msg: msgspec.Struct) -> Any:
+        sock = self.sock
         if sock is None or self._rend:
-            self._send(self._frame(msg))
-            return self._read_replies(1)[0]
+            self.send(self.frame(msg))
+            return self.read_replies(1)[0]
         # Fast path (nothing buffered): one send, usually one recv holding the owed
         # replies (a get's posted Release, a put's posted Commit) and then this reply.
         # Whatever is not exactly that is left to the general reader, from where this
-        # stopped; the owed replies are decoded, checked and dropped as it would.
+        # stopped; the owed replies are decoded, checked and handed on as it would.
         buf = self._rbuf
-        decode = self._decoder.decode
+        decode = self._decode
         pos = 0
         try:
-            sock.sendall(self._served_frame() + self._frame(msg))
+            sock.sendall(self._prefix() + self.frame(msg))
             n = sock.recv_into(buf)
             while n - pos >= 4:
                 (length,) = _HEADER_FROM(buf, pos)
                 end = pos + 4 + length
                 if end > n:
                     break
-                if not self._owed:
+                if not self.owed:
                     if end != n:
                         break
-                    self._posted_keys.clear()  # as _read_replies does once nothing is owed
-                    self._grant_owed = False
                     with memoryview(buf) as view:
                         reply = decode(view[pos + 4 : end])
-                    self._confirmed_at = time.monotonic()
+                    self.confirmed_at = time.monotonic()
                     return reply
                 with memoryview(buf) as view:
                     owed = decode(view[pos + 4 : end])
                 pos = end
-                self._owed -= 1
-                self._owed_reply(owed)
+                self.owed -= 1
+                self._on_owed(owed)
+                if not self.owed:
+                    self._on_caught_up()
         except (OSError, msgspec.MsgspecError) as exc:
-            self._drop_socket()
-            if isinstance(exc, TimeoutError):
-                self._trip()
-            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise self._fail(exc) from exc
         if n == 0:
-            self._drop_socket()
-            raise BrokerUnavailable("the broker closed the connection")
+            raise self._fail(BrokerUnavailable("the broker closed the connection"))
         # A partial (or longer) reply: the general reader takes over from ``pos``.
         self._rpos, self._rend = (pos, n) if pos < n else (0, 0)
-        return self._read_replies(1)[0]
-
-    def _post(self, msg: msgspec.Struct) -> None:
-        """Send without waiting: the reply is read (and dropped) before the next one."""
-        self._send(self._frame(msg))
-        self._owed += 1
-
-    def _call(self, msg: msgspec.Struct) -> Any:
-        """One request; raises BrokerUnavailable or BrokerRefused."""
-        if not self._ensure_connected():
-            raise BrokerUnavailable("not connected")
-        reply = self._roundtrip(msg)
-        if isinstance(reply, ErrorReply):
-            raise BrokerRefused(reply.code, reply.message)
-        return reply
+        return self.read_replies(1)[0]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))

@@ -1,52 +1,32 @@
-"""Local misses: the keys the broker's membership filter proves absent are answered
-without a round trip, and the broker's answers for the rest merged back. A
-BrokerClient mixin (the filter is mapped by broker_link.py); call with the lock held."""
+"""Local misses: which keys to ask the broker about, given the membership filter's
+mask (False where the filter proves a key absent), and the broker's answers for the
+asked keys merged back. Plain functions: BrokerClient decides when the filter may
+be trusted (connector/client.py ``_maybe_mask``) and passes the mask in."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 
-class Membership:
-    """Asking the broker only about the keys the filter cannot rule out."""
+def split(keys: list[str], mask: list[bool] | None) -> tuple[list[str], list[bool] | None]:
+    """The keys to ask the broker about, and the mask when it ruled some out (None when
+    every key is asked, the usual case of a hit)."""
+    if mask is None:
+        return _as_list(keys), None
+    maybe = mask.count(True)  # one C pass; the common answers need no list built
+    if maybe == len(mask):
+        return _as_list(keys), None
+    if not maybe:
+        return [], mask
+    return [k for k, m in zip(keys, mask, strict=True) if m], mask
 
-    def _ask(self, keys: list[str]) -> tuple[list[str], list[bool] | None]:
-        """The keys to ask the broker about, and the filter's mask when it ruled some out
-        (None when every key is asked, the usual case of a hit). Call with the lock held."""
-        mask = self._maybe_mask(keys)
-        if mask is None:
-            return _as_list(keys), None
-        maybe = mask.count(True)  # one C pass; the common answers need no list built
-        if maybe == len(mask):
-            return _as_list(keys), None
-        if not maybe:
-            self.local_misses += len(keys)
-            return [], mask
-        ask = [k for k, m in zip(keys, mask, strict=True) if m]
-        self.local_misses += len(keys) - len(ask)
-        return ask, mask
 
-    def _maybe_mask(self, keys: list[str]) -> list[bool] | None:
-        """Per key, False where the filter proves a miss; None if the filter is not usable.
-        Call with the lock held."""
-        flt = self._filter
-        if (
-            flt is None
-            or self._sock is None
-            or time.monotonic() - self._confirmed_at > self.filter_trust_s
-        ):
-            return None
-        # An "absent" is proof only if no other connection's placement was pending when
-        # the filter was read: the journal first, then the filter (read the other way
-        # round, a placement handled in between would be missed). The journal check
-        # scans only the slots in use (~1 us), less than a second filter pass.
-        if self._arena_hidden():
-            return None
-        mask = flt.maybe_many(keys)
-        if self._posted_keys:
-            mask = [m or k in self._posted_keys for k, m in zip(keys, mask, strict=True)]
+def with_posted(keys: list[str], mask: list[bool], posted: set[str]) -> list[bool]:
+    """Keys of posted requests whose replies are still owed are never ruled out: the
+    filter may not list them yet (read-your-writes)."""
+    if not posted:
         return mask
+    return [m or k in posted for k, m in zip(keys, mask, strict=True)]
 
 
 def _as_list(keys: list[str]) -> list[str]:

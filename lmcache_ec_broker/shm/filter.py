@@ -53,15 +53,13 @@ connection has been confirmed recently (see BrokerClient).
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from collections.abc import Collection
 
-import posix_ipc
 import xxhash
 
-from .segment import Segment, ShmError, check_owner
+from .segment import Segment, ShmError, map_readonly
 
 MAGIC = b"LMECFLT1"
 VERSION = 2  # 2: xxh3-64 with a u64 seed (1: blake2b keyed with a 16-byte salt)
@@ -178,20 +176,12 @@ class FilterWriter:
 class FilterReader:
     """A client's read-only view. ``maybe`` never blocks and never talks to the broker."""
 
-    def __init__(self, name: str, size: int, owners: Collection[int] | None = None) -> None:
-        # Mapped read-only: a buggy client cannot corrupt what every other client reads.
-        try:
-            shm = posix_ipc.SharedMemory(name, read_only=True)
-        except (OSError, ValueError, posix_ipc.Error) as exc:
-            raise ShmError(f"cannot open membership filter {name}: {exc}") from exc
-        try:
-            if owners is not None:  # before mapping: another user's filter could hide hits
-                check_owner(shm.fd, name, owners)
-            if shm.size < size:
-                raise ShmError(f"filter {name} has {shm.size} bytes, the broker announced {size}")
-            self.mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)
-        finally:
-            shm.close_fd()
+    def __init__(
+        self, name: str, size: int, owners: Collection[int] | None = None, fd: int | None = None
+    ) -> None:
+        # Mapped read-only (from the read-only descriptor the broker handed over, else
+        # by name): a buggy client cannot corrupt what every other client reads.
+        self.mm = map_readonly(name, size, owners, fd, "membership filter")
         try:
             self.mm.madvise(_MADV_POPULATE_READ)  # no first-touch faults on the hot path
         except (OSError, ValueError, AttributeError):

@@ -49,17 +49,15 @@ name carries the epoch) that the client maps from the new handshake.
 from __future__ import annotations
 
 import array
-import mmap
 import os
 import platform
 import struct
 from collections.abc import Collection
 
-import posix_ipc
 import xxhash
 
 from ..protocol import DTYPE_ITEMSIZE, Extent
-from .segment import Segment, ShmError, check_owner
+from .segment import Segment, ShmError, map_readonly
 
 MAGIC = b"LMECRES1"
 VERSION = 1
@@ -236,20 +234,18 @@ class ResidencyReader:
     """A client's read-only view; never blocks, never talks to the broker."""
 
     def __init__(
-        self, name: str, size: int, slab_size: int, owners: Collection[int] | None = None
+        self,
+        name: str,
+        size: int,
+        slab_size: int,
+        owners: Collection[int] | None = None,
+        fd: int | None = None,
     ) -> None:
-        try:
-            shm = posix_ipc.SharedMemory(name, read_only=True)
-        except (OSError, ValueError, posix_ipc.Error) as exc:
-            raise ShmError(f"cannot open residency index {name}: {exc}") from exc
-        try:
-            if owners is not None:  # another user's index could point anywhere in the slab
-                check_owner(shm.fd, name, owners)
-            if not isinstance(size, int) or size < HEADER_SIZE or shm.size < size:
-                raise ShmError(f"index {name} has {shm.size} bytes, the broker announced {size}")
-            self.mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)
-        finally:
-            shm.close_fd()
+        if not isinstance(size, int) or size < HEADER_SIZE:
+            raise ShmError(f"index {name} announced with {size!r} bytes")
+        # Read-only, from the broker's read-only descriptor (else by name); the owner
+        # is checked first: another user's index could point anywhere in the slab.
+        self.mm = map_readonly(name, size, owners, fd, "residency index")
         try:
             self.mm.madvise(_MADV_POPULATE_READ)
         except (OSError, ValueError, AttributeError):

@@ -19,6 +19,11 @@ Invariants kept here:
   into its own reservation at that moment; a read-modify-write of any byte here
   could put a stale value back over that copy.
 - A client maps a segment only after checking (fstat) that a trusted uid owns it.
+- The broker creates every segment 0600 and hands it to admitted clients over the
+  socket as a file descriptor (SCM_RIGHTS, broker/connection.py): who may map it is
+  decided by the broker's admission, not by the file's mode. What only the broker
+  writes is a sealed memfd (``create_sealed``): no path reaches it, and no mapping
+  but the one made before sealing can write it (root's included).
 - ``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13
   its resource tracker unlinks segments that a process merely attached.
 """
@@ -42,6 +47,7 @@ _MADV_POPULATE_WRITE = 23
 # The madvise calls tried, in order, before falling back to touching pages. Both
 # only fault page-table entries in; neither reads nor writes the memory's contents.
 _POPULATE_ADVICE: tuple[int, ...] = (_MADV_POPULATE_WRITE, _MADV_POPULATE_READ)
+_F_SEAL_FUTURE_WRITE = 0x0010  # Linux >= 5.1; not exported by Python 3.11's fcntl module
 
 
 class ShmError(RuntimeError):
@@ -122,6 +128,75 @@ class Segment:
         self.owner = owner
         self._lock_fd = lock_fd  # the creator's flock (see the invariants); closed last
         self._unlinked = False
+        self._shared: dict[bool, int] = {}  # read_only -> descriptor to hand over (share_fd)
+        self._memfd: int | None = None  # a sealed segment's descriptor (create_sealed)
+
+    @classmethod
+    def create_sealed(cls, name: str, size: int) -> Segment:
+        """A segment only the broker writes: a memfd (no path in /dev/shm), mapped
+        writable here, then sealed (F_SEAL_FUTURE_WRITE, no shrinking or growing) so
+        that every other mapping of it, by any process, is read-only. ``name`` is a
+        label (logs, the handshake)."""
+        if size <= 0:
+            raise ShmError(f"segment size must be positive, got {size} bytes")
+        try:
+            fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise ShmError(f"cannot create sealed segment {name}: {exc}") from exc
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise ShmError(f"cannot create sealed segment {name}: {exc}") from exc
+            raise
+        seg = cls(name, size, mm, owner=True)
+        seg._memfd = fd
+        seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
+        return seg
+
+    def share_fd(self, read_only: bool = False) -> int:
+        """The descriptor to hand to an admitted client (the broker keeps it open):
+        a sealed segment's memfd, else one opened once for the purpose, read-only
+        when ``read_only`` (the client can then map it read-only only). Never the
+        creator's own descriptor: it carries the flock, and a client's mapping keeps
+        its open file alive, so a dead broker's segment would look live to the next
+        broker's ``remove_stale`` for as long as a client maps it."""
+        if self._memfd is not None:
+            return self._memfd
+        if self._lock_fd is None:
+            raise ShmError(f"segment {self.name} was not created by this process")
+        fd = self._shared.get(read_only)
+        if fd is None:
+            flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
+            fd = self._shared[read_only] = os.open(f"/proc/self/fd/{self._lock_fd}", flags)
+        return fd
+
+    @classmethod
+    def attach_fd(
+        cls, fd: int, name: str, size: int, prefault: bool = True,
+        owners: Collection[int] | None = None, writable: bool = True,
+    ) -> Segment:  # fmt: skip
+        """Map a segment from a descriptor the broker handed over (the caller keeps and
+        closes ``fd``); read-only unless ``writable``. Checks as ``attach``."""
+        if not isinstance(size, int) or size <= 0:
+            raise ShmError(f"segment {name} announced with an invalid size {size!r}")
+        try:
+            if owners is not None:
+                check_owner(fd, name, owners)
+            have = os.fstat(fd).st_size
+            if have < size:
+                raise ShmError(f"segment {name} has {have} bytes, the broker announced {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, prot=prot)
+        except (OSError, ValueError, OverflowError) as exc:
+            raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
+        if prefault and writable:
+            _populate_shared(mm, size)
+        return cls(name, size, mm, owner=False)
 
     @classmethod
     def create(cls, name: str, size: int, mode: int = 0o600, prefault: bool = True) -> Segment:
@@ -199,17 +274,50 @@ class Segment:
             self.mm.close()
         except BufferError:
             log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
+        if self._memfd is not None:
+            os.close(self._memfd)
+            self._memfd = None
 
     def unlink(self) -> None:
         if self._unlinked:
             return
         self._unlinked = True
         unlink_segment(self.name)
+        for fd in self._shared.values():
+            os.close(fd)
+        self._shared = {}
         # The flock goes only with the name: a closed but still-named segment keeps
         # looking live until its owner removes it (the owner always unlinks on exit).
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def map_readonly(
+    name: str, size: int, owners: Collection[int] | None, fd: int | None, what: str
+) -> mmap.mmap:
+    """``size`` bytes of a broker-written segment, mapped read-only: from ``fd`` (handed
+    over the socket; the caller closes it) or, without one, opened by name. Checked to
+    belong to one of ``owners`` before mapping. ShmError says what failed."""
+    own = fd is None
+    if fd is None:
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except (OSError, ValueError, posix_ipc.Error) as exc:
+            raise ShmError(f"cannot open {what} {name}: {exc}") from exc
+        fd = shm.fd
+    try:
+        if owners is not None:  # before mapping: another user's segment could lie
+            check_owner(fd, name, owners)
+        have = os.fstat(fd).st_size
+        if not isinstance(size, int) or size <= 0 or have < size:
+            raise ShmError(f"{what} {name} has {have} bytes, the broker announced {size}")
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ShmError(f"cannot map {what} {name}: {exc}") from exc
+    finally:
+        if own:
+            os.close(fd)
 
 
 def unlink_segment(name: str) -> None:

@@ -1,0 +1,144 @@
+"""The shared-memory segments of one broker epoch, mapped by a client.
+
+A ``Mappings`` is made from the handshake of the first connection to a broker
+epoch and kept across reconnects to the same epoch; it is dropped whole when the
+broker restarted (another epoch: its segments are other segments) and during an
+outage (unlinked shared memory stays charged to /dev/shm while anyone maps it, and
+a restarting broker needs that room). Its parts:
+
+- ``filter`` (shm/filter.py): the membership filter, read-only, or None;
+- ``journal`` (shm/journal.py): the put arenas' placement journal, or None;
+- ``index`` (shm/residency.py): the residency index, read-only, or None;
+- the slab (``slab``), mapped on first use (``map_slab``): most has() calls never
+  need it, and mapping and pre-faulting a large slab takes a while.
+
+Every segment is checked to belong to a trusted uid before it is mapped (fstat).
+A segment that cannot be mapped is left out with a warning (the path it serves
+then asks the broker), except the slab, whose failure is an outage (ShmError).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from ..protocol import HelloReply
+from ..shm.filter import FilterReader
+from ..shm.journal import Journal
+from ..shm.residency import ResidencyReader
+from ..shm.segment import Segment, ShmError
+from . import index_path
+
+if TYPE_CHECKING:
+    from .copy import SlabView
+
+log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for the whole client
+
+
+class Mappings:
+    __slots__ = ("epoch", "filter", "journal", "index", "slab", "_segment", "_hello", "_arenas",
+                 "_owners", "_prefault", "_slab_fd")  # fmt: skip
+
+    def __init__(
+        self,
+        hello: HelloReply,
+        owners: Collection[int],
+        prefault: bool,
+        fds: dict[str, int] | None = None,
+    ) -> None:
+        """``fds``: the descriptors the handshake brought, by label (taken over: closed
+        here once mapped); without one a segment is opened by name, where it has one."""
+        fds = dict(fds or {})
+        try:
+            self._map(hello, owners, prefault, fds)
+        finally:
+            for label, fd in fds.items():
+                if label != "slab":
+                    os.close(fd)
+
+    def _map(
+        self, hello: HelloReply, owners: Collection[int], prefault: bool, fds: dict[str, int]
+    ) -> None:
+        self.epoch = hello.epoch
+        self._hello = hello
+        self._owners = owners
+        self._prefault = prefault
+        self._arenas = bool(hello.put_arena_bytes)
+        self.slab: SlabView | None = None
+        self._slab_fd = fds.get("slab")  # kept until the slab is mapped (or closed)
+        self._segment: Segment | None = None
+        self.filter: FilterReader | None = None
+        self.journal: Journal | None = None
+        self.index: ResidencyReader | None = None
+        if hello.filter_name:
+            try:
+                self.filter = FilterReader(
+                    hello.filter_name, hello.filter_size, owners, fds.get("filter")
+                )
+            except (ShmError, ValueError, OverflowError) as exc:
+                log.warning("not using the broker's membership filter: %s", exc)
+        if hello.put_arena_bytes and hello.journal_name:
+            try:
+                self.journal = Journal.attach(
+                    hello.journal_name,
+                    hello.journal_size,
+                    owners,
+                    fds.get("journal"),
+                    fds.get("settled"),
+                )
+            except (ShmError, ValueError, OverflowError) as exc:
+                # Without it, arena puts are off and the filter is not trusted.
+                log.warning("not using the broker's put arena: %s", exc)
+        self.index = index_path.map_index(hello, owners, fds.get("index"))
+
+    def map_slab(self) -> SlabView:
+        """The slab, mapped (and pre-faulted) now if it is not yet; ShmError if it
+        cannot be."""
+        if self.slab is None:
+            from .copy import SlabView
+
+            hello = self._hello
+            fd = self._slab_fd
+            if fd is None:
+                self._segment = Segment.attach(
+                    hello.segment_name, hello.segment_size, self._prefault, self._owners
+                )
+            else:
+                self._segment = Segment.attach_fd(
+                    fd, hello.segment_name, hello.segment_size, self._prefault, self._owners
+                )
+                self._slab_fd = None
+                os.close(fd)
+            self.slab = SlabView(self._segment.mm, hello.segment_size)
+        return self.slab
+
+    def others_pending(self, own_slot: int) -> bool:
+        """True while another connection may have placed an entry the broker has not
+        handled yet: a local filter "absent" is then no proof (shm/journal.py)."""
+        if not self._arenas:
+            return False
+        journal = self.journal
+        return journal is None or journal.any_unsettled(own_slot)
+
+    def close(self) -> None:
+        """Unmap everything (the slab's CUDA registration goes first, in SlabView.close)."""
+        if self._slab_fd is not None:
+            os.close(self._slab_fd)
+            self._slab_fd = None
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if self.filter is not None:
+            self.filter.close()
+            self.filter = None
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        if self.index is not None:
+            self.index.close()
+            self.index = None

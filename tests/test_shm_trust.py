@@ -1,0 +1,217 @@
+"""Shared memory between processes that do not trust each other (issue 29, items 2,
+4 and 6; docs/design.md "Shared memory"): what one client writes never makes
+another read foreign bytes, a client stopped mid-placement bounds only itself, and
+the segments reach admitted clients only (over the socket, as descriptors).
+
+Real brokers (the CLI), real client processes; the misbehaving parties are real
+processes too: one that rewinds every journal word it can write, one stopped with
+SIGSTOP inside the journal window, one of another uid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import shm_segments, wait_until
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.shm import residency as R
+
+HERE = Path(__file__).resolve().parent
+BS = 64 * 1024
+
+# Snapshots every journal segment of the broker it can open for writing ("snap"),
+# and writes the snapshot back ("restore"): a same-uid client rewinding the words
+# other clients read (the journal's settled words, before issue 29).
+REWINDER = textwrap.dedent(
+    """
+    import mmap, os, sys
+    prefix = sys.argv[1]
+    segs = {}
+    for line in sys.stdin:
+        if line.strip() == "snap":
+            for n in os.listdir("/dev/shm"):
+                if n.startswith(prefix) and n.endswith("-j"):
+                    try:
+                        fd = os.open("/dev/shm/" + n, os.O_RDWR)
+                    except OSError:
+                        continue
+                    size = os.fstat(fd).st_size
+                    mm = mmap.mmap(fd, size)
+                    os.close(fd)
+                    segs[n] = (mm, bytes(mm))
+            print("snapped", sorted(segs), flush=True)
+        elif line.strip() == "restore":
+            for mm, data in segs.values():
+                mm[:] = data
+            print("restored", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not R.usable_here(), reason="the index path is used on x86-64 only")
+def test_a_client_rewinding_the_journal_never_makes_another_read_foreign_bytes(
+    make_broker,
+) -> None:
+    # Fails on the old code: the victim trusted the journal's settled word, which any
+    # same-uid process can rewrite; rewound, its get(K) copied K's old blocks, which
+    # another client's entry had reused (foreign bytes).
+    from lmcache_ec_broker.broker.server import segment_prefix
+
+    b = make_broker("--shm-size", "4MiB", "--put-arena-size", "256KiB")
+    rewinder = subprocess.Popen(
+        [sys.executable, "-c", REWINDER, segment_prefix(b.socket_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert rewinder.stdin is not None and rewinder.stdout is not None
+
+    def tell(cmd: str) -> str:
+        rewinder.stdin.write(cmd + "\n")
+        rewinder.stdin.flush()
+        return rewinder.stdout.readline()
+
+    try:
+        with BrokerClient(b.socket_path, filter_trust_s=60) as v, BrokerClient(
+            b.socket_path
+        ) as other:
+            assert v.put("warm", torch.ones(16)) and v.flush()  # v holds an arena now
+            assert tell("snap").startswith("snapped")
+            mine = torch.full((BS,), 7, dtype=torch.uint8)
+            assert v.put("K", mine) and v.flush()  # placed in v's arena, handled
+            assert v.stats()["arena_places"] >= 1
+            assert other.delete("K")
+            theirs = torch.full((BS,), 9, dtype=torch.uint8)
+            for i in range(80):  # through the whole slab: K's blocks are reused
+                other.put(f"L{i}", theirs)
+            assert other.flush()
+            assert tell("restore").startswith("restored")
+            got = v.get("K")
+            assert got is None or torch.equal(got, mine), "read another entry's bytes"
+            out = torch.empty_like(mine)
+            if v.get_into("K", out):
+                assert torch.equal(out, mine), "get_into copied another entry's bytes"
+    finally:
+        rewinder.stdin.close()
+        rewinder.wait(30)
+
+
+STALLER = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from lmcache_ec_broker import BrokerClient
+    from lmcache_ec_broker.shm import journal
+    c = BrokerClient(sys.argv[1])
+    assert c.put("warm", torch.ones(16)) and c.flush()
+    mark = journal.Journal.mark_placed
+
+    def mark_then_stop(self, slot, seq):
+        mark(self, slot, seq)
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped inside the journal window
+
+    journal.Journal.mark_placed = mark_then_stop
+    print("placing", flush=True)
+    ok = c.put("stalled", torch.full((1024,), 5.0))
+    print("returned", ok, flush=True)
+    sys.stdin.readline()
+    c.close()
+    """
+)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_client_stopped_inside_the_journal_window_costs_others_a_short_bound(
+    broker,
+) -> None:
+    # Fails on the old code: while the stopped client's slot showed a placement, every
+    # other process asked the broker for every miss (0 local misses) for as long as it
+    # stayed stopped. Now its window is excused after a short bound, and its put, once
+    # it resumes and returns, is still seen by everyone (read-after-put).
+    staller = subprocess.Popen(
+        [sys.executable, "-c", STALLER, broker.socket_path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(HERE.parent),
+    )  # fmt: skip
+    assert staller.stdin is not None and staller.stdout is not None
+    try:
+        assert staller.stdout.readline().strip() == "placing"
+        wait_until(lambda: _stopped(staller.pid) or None, "the client stopped mid-placement")
+        with BrokerClient(broker.socket_path) as a:
+            misses = [f"absent-{i}" for i in range(300)]
+            t0 = time.monotonic()
+
+            def local() -> bool:
+                before = a.local_misses
+                a.has(misses)
+                return a.local_misses > before
+
+            wait_until(lambda: local() or None, "local misses came back", timeout=5)
+            took = time.monotonic() - t0
+            assert a.has(misses) == [False] * 300 and a.local_misses >= 600 - 10
+            print(f"local misses back after {took * 1e3:.0f} ms")
+            # Its arena puts are back too: copied and posted, nothing waited for.
+            assert a.put("a-first", torch.ones(8)) and a.flush()
+            before = a.stats()["arena_places"]
+            assert a.put("a-placed", torch.ones(8)) and a.flush()
+            assert a.stats()["arena_places"] == before + 1
+            os.kill(staller.pid, signal.SIGCONT)
+            line = staller.stdout.readline().split()
+            assert line == ["returned", "True"], line
+            # Returned: every process sees it now, the excused window notwithstanding.
+            assert a.has(["stalled"]) == [True]
+            got = a.get("stalled")
+            assert got is not None and torch.equal(got, torch.full((1024,), 5.0))
+    finally:
+        if staller.poll() is None:
+            os.kill(staller.pid, signal.SIGCONT)
+            staller.stdin.close()
+            staller.wait(30)
+
+
+NOBODY = pwd.getpwnam("nobody")
+
+OPENER = textwrap.dedent(
+    """
+    import json, os, sys
+    paths = sys.argv[3:]
+    os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
+    opened = []
+    for p in paths:
+        for flags in (os.O_RDONLY, os.O_RDWR):
+            try:
+                os.close(os.open(p, flags))
+                opened.append([p, flags])
+            except OSError:
+                pass
+    print(json.dumps(opened))
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_allowed_uids_gate_the_segments_not_only_the_socket(make_broker) -> None:
+    # Fails on the old code: allowed_uids needs a 0666 socket, and every segment was
+    # created with the socket's mode, so a uid the broker refuses opened them all.
+    b = make_broker("--shm-size", "64MiB", "--socket-mode", "0666", "--allowed-uids", "0")
+    with BrokerClient(b.socket_path) as c:
+        assert c.put("k", torch.ones(8)) and c.flush()
+    paths = ["/dev/shm/" + n for n in shm_segments(b.socket_path, include_filter=True)]
+    assert paths
+    out = subprocess.run(
+        [sys.executable, "-c", OPENER, str(NOBODY.pw_uid), str(NOBODY.pw_gid), *paths],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [], "a refused uid opened the broker's shared memory"
