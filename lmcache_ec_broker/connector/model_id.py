@@ -22,8 +22,10 @@ has to agree, whatever is downloaded yet):
     - other formats: 16 evenly spaced samples of 4 KiB.
 
   So a fingerprint reads a few bytes per tensor, never the whole multi-GB weights
-  (milliseconds per shard). Paths, mtimes and owners are not hashed: copies of one
-  model on several hosts agree.
+  (milliseconds per shard). Mtimes and owners are not hashed, nor is the path into
+  the fingerprint; but the field starts with the ``--model`` string, which vLLM also
+  hashes into every mm_hash: the same weights share under the same path (or hub id)
+  on every host, never across two paths.
 
 - a hub model id found in the local Hugging Face cache: ``<model>#<commit>``, the
   first 16 hex digits of the snapshot's commit (``--revision`` or ``refs/main``
@@ -41,6 +43,10 @@ has to agree, whatever is downloaded yet):
 
 ``model_name`` in the connector's extra config replaces all of this: the string is
 used verbatim (a fleet that names its model versions itself).
+
+This is the field at start. After an in-place weight update (``reload_weights``, an
+RL weight sync) it becomes ``<field>~w<fingerprint of the encoder's weights in
+memory>`` (:mod:`.weights_identity`).
 
 Which process computes it matters as much as what is hashed: vLLM builds a
 worker's connector before ``load_model`` downloads the weights and the

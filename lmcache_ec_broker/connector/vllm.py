@@ -20,7 +20,9 @@ scheduler saw is protected from eviction if nothing releases it earlier),
 ``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
 from a lower tier before they are encoded instead), ``model_name`` (the model field
 of the keys; default: the model path plus a fingerprint of its weights and
-configuration, see :mod:`lmcache_ec_broker.connector.model_id`).
+configuration, see :mod:`lmcache_ec_broker.connector.model_id`; after an in-place
+weight update, plus a fingerprint of the encoder's weights in memory, see
+:mod:`lmcache_ec_broker.connector.weights_identity`).
 
 Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
 
@@ -90,6 +92,7 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     make_key,
 )
 from lmcache_ec_broker.connector.vllm_worker import WorkerSide, logger
+from lmcache_ec_broker.connector.weights_identity import EngineWatch
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -171,6 +174,17 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
             if role == ECConnectorRole.SCHEDULER
             else None
         )
+        # The field follows the weights in memory (weights_identity.py). Scheduler:
+        # the field it keys with now, "" while unknown (misses, no loads, no stores).
+        # Worker: the field its last fingerprint gave (None until the scheduler asked).
+        self._field = self._model or ""
+        self._identity: str | None = None
+        self._weights_baseline: str | None = None
+        # Tower/connector LoRA: vLLM prefixes such items' identifiers with the
+        # adapter's *name* ("name:mm_hash"); a name says nothing about the adapter's
+        # weights, so these items are never looked up nor stored.
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self._tower_lora = bool(getattr(lora_config, "enable_tower_connector_lora", False))
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
         sched = getattr(vllm_config, "scheduler_config", None)
@@ -232,20 +246,70 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
         self._unsaved: set[str] = set()
         self._done_this_step: set[str] = set()
 
+        # Last: the watch fingerprints the workers at once and may set the field.
+        self._watch: EngineWatch | None = None
+        if role == ECConnectorRole.SCHEDULER and self._model is not None:
+            self._watch = EngineWatch.attach(self._model, self._set_field)
+            if self._watch is None:
+                logger.warning(
+                    "EC broker: not running inside a vLLM engine core; the model field "
+                    "of the keys will not follow in-place weight updates"
+                )
+
     # ------------------------------------------------------------------ helpers
 
     @property
     def model_id(self) -> str:
-        """The model field of this instance's keys. On a worker: the scheduler's, from
-        the step's metadata, kept for later; computed here (lazily, after load_model)
-        only if vLLM calls a hook before any step told it (encoder-decoder models save
-        outside the step's metadata)."""
+        """The model field of this instance's keys. On the scheduler: the field it
+        adopted from the workers' fingerprint ("" while unknown). On a worker: the
+        field of its own last fingerprint; before the scheduler asked for one, the
+        scheduler's, from the step's metadata, kept for later; computed here (lazily,
+        after load_model) only if vLLM calls a hook before any step told it
+        (encoder-decoder models save outside the step's metadata)."""
+        if self._role == ECConnectorRole.SCHEDULER:
+            return self._field
+        if self._identity is not None:
+            return self._identity
         meta = self._connector_metadata
         if isinstance(meta, ECBrokerConnectorMetadata) and meta.model:
             self._model = meta.model
         elif self._model is None:
             self._model = model_id(*self._model_source)
         return self._model
+
+    def _set_field(self, field: str) -> None:
+        """Scheduler: key with ``field`` from now on ("" = unknown). Called between
+        steps (weights_identity.EngineWatch). Leases taken under the old field end
+        now: their loads, if any are still to run, are refused by the workers (other
+        weights) and encoded instead."""
+        old = self._field
+        if field == old:
+            return
+        logger.info(
+            "EC broker: model field of the keys is now %s",
+            field or "unknown (weights changing: misses until they are fingerprinted)",
+        )
+        held = self._needed()
+        self._field = field
+        self._inflight.clear()
+        if old and held and self._client is not None and self._client_pid == os.getpid():
+            try:
+                self._client.unlease([make_key(old, h, self._dtype) for h in held])
+            except Exception as exc:  # leases also end on their own (lease_ms)
+                logger.warning("EC broker unlease failed: %s", exc)
+
+    def _keys_agree(self) -> bool:
+        """Worker: may this step load or store? Only if the scheduler's field (the
+        bound metadata's) is known and is this worker's own: entries are keyed by the
+        weights that computed them, never by weights another process believes in."""
+        meta = self._connector_metadata
+        if not isinstance(meta, ECBrokerConnectorMetadata):
+            return True  # a hook outside a step (encoder-decoder saves)
+        return bool(meta.model) and (self._identity is None or meta.model == self._identity)
+
+    def _private(self, identifier: str) -> bool:
+        """An item whose embedding depends on a tower LoRA adapter (never shared)."""
+        return self._tower_lora and ":" in identifier
 
     def key(self, mm_hash: str) -> str:
         return make_key(self.model_id, mm_hash, self._dtype)
@@ -375,6 +439,8 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
                 continue  # not in this step's reach
             if feature.identifier in self._held:
                 continue  # vLLM's own encoder cache has it: never looked up nor leased
+            if self._private(feature.identifier):
+                continue  # a tower LoRA adapter's item: never looked up
             if feature.identifier not in expected:
                 width = self._widths.get(feature.modality)
                 expected[feature.identifier] = (_num_embeds(request, index), width)
@@ -422,6 +488,10 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
 
     def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
         """One batched lookup with a lease; memoises a state per hash for the step."""
+        if not self._field:  # weights changing: no field to key with yet
+            for mm_hash in hashes:
+                self._step_state[mm_hash] = LookupState.MISS
+            return
         keys = [self.key(h) for h in hashes]
         try:
             infos = self._on_live_connection(
@@ -453,6 +523,8 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
             # vLLM asks only about items its encoder cache lacks: the mirror is stale
             # (reset_encoder_cache), so forget it; it refills from the allocations.
             self._held.clear()
+        if self._private(identifier):
+            self._step_state[identifier] = LookupState.MISS
         if identifier not in self._step_state:
             # vLLM did not call ensure_cache_available (older than 0.24) for this item:
             # without a way to defer, an entry still on a lower tier is encoded instead.
@@ -520,7 +592,9 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
 
     def _unlease(self, hashes: set[str]) -> None:
         done = hashes - self._needed()
-        if not done or self._client is None or self._client_pid != os.getpid():
+        if not done or not self.model_id:  # "": nothing was leased under a field
+            return
+        if self._client is None or self._client_pid != os.getpid():
             return
         try:
             self._client.unlease([self.key(h) for h in done])

@@ -53,7 +53,9 @@ class ECBrokerConnectorMetadata(ECConnectorMetadata):
     # (req_id -> item indices the runner encodes). It travels in the same pickled
     # message as the SchedulerOutput, so the worker's copy is the runner's copy too.
     encoder_inputs: dict[str, list[int]] | None = None
-    # The scheduler's model field: every worker keys with it (see ECBrokerConnector.model_id).
+    # The scheduler's model field (see ECBrokerConnector.model_id). A worker loads and
+    # stores in this step only if it is its own field too; "" (unknown: weights
+    # changing) means neither (weights_identity.py).
     model: str = ""
 
 

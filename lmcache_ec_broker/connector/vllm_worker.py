@@ -60,6 +60,8 @@ class WorkerSide:
             self, dtype: str, shape: list[int], num_embeds: int | None, width: int | None
         ) -> str: ...
         def _delete_invalid(self, bad: list[tuple[str, str]]) -> None: ...
+        def _keys_agree(self) -> bool: ...
+        def _private(self, identifier: str) -> bool: ...
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -73,7 +75,12 @@ class WorkerSide:
         missing = [h for h in todo if h not in encoder_cache]
         here: set[str] = set()
         if missing:
-            here = self._load(encoder_cache, {h: todo[h][0] for h in missing})
+            # Weights changed under the scheduler's field (weights_identity.py): encode.
+            here = (
+                set(missing)
+                if not self._keys_agree()
+                else self._load(encoder_cache, {h: todo[h][0] for h in missing})
+            )
         # Every rank, even one with nothing to load: the metadata, hence the call, is
         # the same on all ranks of the TP group.
         failed = union_over_tp(list(todo), here)
@@ -175,7 +182,7 @@ class WorkerSide:
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        if not self.is_producer:
+        if not self.is_producer or not self._keys_agree() or self._private(mm_hash):
             return
         if self._put(encoder_cache, mm_hash) is None:
             # Broker away: publish it from start_save_caches once it is back,
@@ -188,6 +195,9 @@ class WorkerSide:
         broker was away (a no-op in microseconds while it still is)."""
         encoder_cache = kwargs.get("encoder_cache")
         if not self._unsaved or not self.is_producer or encoder_cache is None:
+            return
+        if not self._keys_agree():  # weights changed since: never stored under this field
+            self._unsaved.clear()
             return
         for mm_hash in list(self._unsaved):
             if mm_hash not in encoder_cache or self._put(encoder_cache, mm_hash) is not None:

@@ -1,0 +1,240 @@
+"""The key's model field follows the weights in memory (issue 28).
+
+- ``test_weight_events_in_a_real_engine``: a real in-process vLLM engine
+  (tests/weights_events_probe.py, its own process) goes through every weight event
+  the CPU build can run; each row of docs/design.md's "Keys" table is checked here.
+- The fingerprint itself: equal weights agree, any change to the encoder's weights
+  changes it, the language model's weights do not.
+- The worker never loads nor stores under a field it does not hold.
+- Tower/connector LoRA items (identifiers vLLM prefixes with the adapter's name) are
+  never looked up nor stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import LoRAConfig
+from vllm.lora.request import LoRARequest
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine.input_processor import InputProcessor
+
+from lmcache_ec_broker import BrokerClient
+from lmcache_ec_broker.connector.model_id import model_id
+from lmcache_ec_broker.connector.vllm import make_key
+from lmcache_ec_broker.connector.weights_identity import field_for, local_digest
+from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_vllm_connector_unit import (  # noqa: E402,F401 - fixtures too
+    Pair,
+    broker_stats,
+    embedding,
+    make_config,
+    make_request,
+    model_config,
+    pairs,
+    run_worker_step,
+)
+
+# ----------------------------------------------------------------- real engine
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_weight_events_in_a_real_engine(broker, tmp_path):
+    root = Path(os.environ.get("LMCACHE_EC_TEST_MODELS") or tmp_path / "models")
+    m1 = build_tiny_qwen2vl(root, TinyQwen2VLSpec())
+    m2 = build_tiny_qwen2vl(root, TinyQwen2VLSpec(seed=1))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "weights_events_probe.py"),
+            str(m1),
+            str(m2),
+            broker.socket_path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    static = model_id(str(m1))
+    assert r["static"] == static
+
+    # Start: scheduler and worker agree on the file-based field.
+    assert r["start"] == [static, static]
+    assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1}
+    assert r["again"] == {"ec_hits": 1, "w_loads": 1}
+    # reset_encoder_cache alone, an update of the language model only: unchanged.
+    assert r["after_reset_encoder_cache"] == [static, static]
+    assert r["after_lm_only_update"] == [static, static]
+    assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1}
+    # collective_rpc + model.load_weights of a vision tensor: a new field, misses.
+    (changed, worker_changed) = r["after_visual_load_weights"]
+    assert changed == worker_changed and changed.startswith(static + "~w")
+    assert r["visual_request"] == {"ec_misses": 1, "w_puts_stored": 1}
+    # The weight-transfer session: unknown (misses, no store) until it finishes.
+    assert r["after_start_weight_update"][0] == ""
+    assert r["session_request"] == {"ec_misses": 1}
+    assert r["after_finish_weight_update"] == [changed, changed]
+    # reload_weights: other weights, a new field; the original ones, the original field.
+    (m2_field, _) = r["after_reload_m2"]
+    assert m2_field.startswith(static + "~w") and m2_field != changed
+    assert r["after_reload_m2"] == [m2_field, m2_field]
+    assert r["m2_request"] == {"ec_misses": 1, "w_puts_stored": 1}
+    assert r["after_reload_m1"] == [static, static]
+    assert r["m1_request"] == {"ec_hits": 1, "w_loads": 1}
+    # Sleep and wake-up with the same weights: unchanged.
+    assert r["after_sleep_wake"] == [static, static]
+    # Cost (docs/design.md, "Keys"): the fingerprint after a reload is a small part of it.
+    assert r["refresh_s"] < r["reload_s"] / 10, (r["refresh_s"], r["reload_s"])
+    print(
+        f"reload {r['reload_s'] * 1e3:.1f} ms, fingerprint {r['refresh_s'] * 1e3:.2f} ms, "
+        f"encoder {r['encoder_params']} of {r['all_params']} parameters"
+    )
+
+
+# ----------------------------------------------------------------- fingerprint
+
+
+class TinyVLM(torch.nn.Module):
+    """A vision tower, a projector and a language model, like vLLM's VLMs."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.visual = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 64))
+        self.language_model = torch.nn.Sequential(torch.nn.Embedding(100, 64))
+        self.to(torch.bfloat16)
+
+    def get_language_model(self) -> torch.nn.Module:
+        return self.language_model
+
+
+def test_equal_weights_agree_and_any_encoder_change_does_not():
+    a, b = TinyVLM(), TinyVLM()
+    assert local_digest(a) == local_digest(b)
+    base = local_digest(a)
+
+    with torch.no_grad():
+        b.language_model[0].weight.add_(1)  # language model only: the encoder's output is the same
+    assert local_digest(b) == base
+
+    with torch.no_grad():
+        b.visual[1].weight[3, 7] += 0.25  # one element of the tower
+    assert local_digest(b) != base
+
+    c = TinyVLM()
+    with torch.no_grad():  # the same words, permuted: another tensor
+        w = c.visual[0].weight
+        w.copy_(w.flip(0))
+    assert local_digest(c) != base
+    assert local_digest(TinyVLM(seed=1)) != base
+
+    # A large tensor is reduced in place (no packing); its changes count too.
+    big = torch.nn.Module()
+    big.visual = torch.nn.Linear(2048, 1024, bias=False).to(torch.bfloat16)
+    before = local_digest(big)
+    with torch.no_grad():
+        big.visual.weight[1000, 5] += 1
+    assert local_digest(big) != before
+
+
+def test_field_is_the_file_based_one_while_the_weights_are_the_loaded_ones():
+    assert field_for("m#f", "aa", "aa") == "m#f"
+    assert field_for("m#f", "aa", "bb") == "m#f~wbb"
+    assert field_for("m#f", "aa", None) == "m#f"
+
+
+# ----------------------------------------------------------------- worker guard
+
+
+def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, broker):  # noqa: F811
+    p: Pair = pairs()
+    stored = embedding(1)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put(make_key(p.sched.model_id, "h-stale", torch.bfloat16), stored)
+    # The worker was told (by a fingerprint) that its weights changed; the scheduler
+    # still keys with the old field: the hit is encoded instead, the output not stored.
+    p.worker._identity = p.sched.model_id + "~wdeadbeefdeadbeef"
+    req = make_request("r1", "h-stale")
+    cache: dict[str, torch.Tensor] = {}
+    fresh = embedding(2)
+    p.step(cache, [(req, 0)], encode={"h-stale": fresh})
+    assert p.worker.loads == 0 and p.worker.reencoded == 1
+    assert torch.equal(cache["h-stale"], fresh)
+    assert p.worker.puts_stored == 0
+
+    # Unknown field (a weight-transfer session): misses without asking, no stores.
+    p.worker._identity = None
+    p.sched._set_field("")
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put(make_key(p.worker.model_id, "h-new", torch.bfloat16), embedding(3))
+    misses = p.sched.ec_misses
+    p.step({}, [(make_request("r2", "h-new"), 0)], encode={"h-new": embedding(4)})
+    assert p.sched.ec_misses == misses + 1, "the scheduler answered a hit with no field"
+    assert p.worker.loads == 0 and p.worker.puts_stored == 0
+
+
+def test_leases_under_the_old_field_end_when_it_changes(pairs, broker):  # noqa: F811
+    """A hit leased in a step whose load is still to come, then the weights change
+    (between steps): that load will be refused, so the lease ends at once."""
+    p: Pair = pairs()
+    h = "ef" * 32
+    p.worker.save_caches({h: embedding(5)}, h)
+    req = make_request("r1", h)
+    assert p.sched.ensure_cache_available(req, 0) and p.sched.has_cache_item(h)
+    p.sched.update_state_after_alloc(req, 0)
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # shipped, not yet loaded
+    assert broker_stats(broker.socket_path, p)["pins"] == 1
+    p.sched._set_field(p.sched.model_id + "~w0123456789abcdef")
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
+
+
+# ----------------------------------------------------------------- tower LoRA
+
+
+def test_tower_lora_identifier_is_the_adapters_name_and_the_hash():
+    """What the connector relies on: with tower/connector LoRA vLLM keys an item by
+    ``<adapter name>:<mm_hash>``, a name, not the adapter's weights."""
+    processor = SimpleNamespace(lora_config=LoRAConfig(enable_tower_connector_lora=True))
+    lora = LoRARequest("adapter", 1, "/adapters/a")
+    assert InputProcessor._get_mm_identifier(processor, "h", lora) == "adapter:h"
+    assert InputProcessor._get_mm_identifier(processor, "h", None) == "h"
+
+
+def test_tower_lora_items_are_never_looked_up_nor_stored(model_config, broker):  # noqa: F811
+    config = make_config(model_config, "ec_both", broker.socket_path)
+    config.lora_config = LoRAConfig(enable_tower_connector_lora=True)
+    p = Pair(config)
+    try:
+        private = "adapter:h1"
+        with BrokerClient(broker.socket_path) as c:  # what another adapter of that name stored
+            assert c.put(make_key(p.sched.model_id, private, torch.bfloat16), embedding(1))
+        req = make_request("r1", private)
+        assert p.sched.ensure_cache_available(req, 0)
+        assert not p.sched.has_cache_item(private)
+        so = SchedulerOutput.make_empty()
+        so.scheduled_encoder_inputs["r1"] = [0]
+        p.sched.update_state_after_alloc(req, 0)
+        cache: dict[str, torch.Tensor] = {}
+        run_worker_step(p.sched, p.worker, so, cache, [(req, 0)], {private: embedding(2)})
+        assert p.worker.loads == 0 and p.worker.puts_stored == 0
+
+        # Items without an adapter are shared as always.
+        req2 = make_request("r2", "h2")
+        p.step({}, [(req2, 0)], encode={"h2": embedding(3)})
+        assert p.worker.puts_stored == 1
+    finally:
+        p.close()
