@@ -146,7 +146,11 @@ def main() -> None:
     gaps = [float(g) for g in args.gaps.split(",")]
     rows, floor_rows = [], []
     slab_bytes = max(2 * max(sizes), *(args.copies * (s + (64 << 10)) for s in rotate or [0]))
-    with Broker(slab_bytes + (64 << 20)) as broker:
+    shm_mib = -(-(slab_bytes + (64 << 20)) // (1 << 20))
+    # The floors hold --copies reservations open at once across most of the slab, on
+    # purpose: lift the per-connection reservation cap (a quarter of the slab by default).
+    cap = ("--max-reserved-per-connection", f"{shm_mib}MiB")
+    with Broker(shm_mib << 20, extra=cap) as broker:
         client = BrokerClient(broker.socket_path, timeout_s=60)
         slab = client.slab()  # the view put() copies through
         for size in sizes:
