@@ -52,9 +52,10 @@ def broker_stats(socket_path: str) -> dict:
 
 
 def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
-    """The broker's slab segments; with include_filter also its membership-filter
-    segments (name ends in -f), put-arena journals (-j) and residency indexes (-r),
-    which leak checks must count too."""
+    """The broker's slab segments; with include_filter also its put-arena journals
+    (-j), which leak checks must count too, and any named membership filter (-f) or
+    residency index (-r): brokers before the sealed memfds (shm/segment.py
+    create_sealed) named them, so a test of stale cleanup may meet them."""
     prefix = segment_prefix(socket_path)
     return [
         n

@@ -176,8 +176,8 @@ def test_a_membership_filter_of_an_untrusted_owner_is_not_mapped() -> None:
     try:
         owner = os.getuid()
         with pytest.raises(ShmError, match=f"belongs to uid {owner}"):
-            FilterReader(w.name, w.size, owners={owner + 1})
-        FilterReader(w.name, w.size, owners={owner}).close()
+            FilterReader(w.name, w.size, owners={owner + 1}, fd=w.segment.share_fd(True))
+        FilterReader(w.name, w.size, owners={owner}, fd=w.segment.share_fd(True)).close()
     finally:
         w.close()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import random
 import struct
@@ -13,7 +12,6 @@ import sys
 import time
 import uuid
 
-import posix_ipc
 import pytest
 import torch
 import xxhash
@@ -42,7 +40,7 @@ def writer():
 
 
 def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size)
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
     try:
         assert not reader.maybe("a")
         writer.add("a")
@@ -57,7 +55,7 @@ def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
 
 
 def test_reader_maps_read_only(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size)
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
     try:
         with pytest.raises(TypeError):
             reader.mm[100] = 1  # a client cannot corrupt what every other client reads
@@ -66,7 +64,7 @@ def test_reader_maps_read_only(writer: FilterWriter) -> None:
 
 
 def test_closed_filter_says_maybe_for_everything(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size)
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
     try:
         assert not reader.maybe("never-added")
         writer.mm[20:24] = b"\0\0\0\0"  # what close() does before unlinking
@@ -92,7 +90,7 @@ def test_saturated_slots_stay_maybe(writer: FilterWriter) -> None:
 )
 def test_maybe_many_answers_like_maybe(present: list[str], probe: list[str]) -> None:
     w = FilterWriter(f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}-f", 16)
-    reader = FilterReader(w.name, w.size)
+    reader = FilterReader(w.name, w.size, fd=w.segment.share_fd(True))
     try:
         for k in present:
             w.add(k)
@@ -189,7 +187,7 @@ def test_broker_and_client_agree_on_every_key_shape(writer: FilterWriter) -> Non
     # The writer touched exactly the specified slots, as often as specified.
     assert {s: writer.mm[s] for s in count} == count
     assert sum(writer.mm[HEADER_SIZE:]) == 2 * len(present)
-    reader = FilterReader(writer.name, writer.size)
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
     try:
         expect = [
             all(writer.mm[s] for s in _reference_slots(k, seed, log2_slots))
@@ -215,11 +213,11 @@ def test_reader_refuses_a_filter_of_another_version(writer: FilterWriter, other:
     present keys absent, so a mismatched reader must refuse, naming the fix."""
     writer.mm[8:12] = struct.pack("<I", other)
     with pytest.raises(ShmError, match=f"version {other}, this client reads version {VERSION}"):
-        FilterReader(writer.name, writer.size)
+        FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
 
 
 def test_close_with_batched_reads_done(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size)
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
     assert reader.maybe_many([f"k{i}" for i in range(64)]) == [False] * 64
     reader.close()  # the numpy view of the counters must not keep the mapping exported
     assert reader.mm.closed
@@ -242,8 +240,9 @@ def _put_in_other_process(sock: str, *keys: str) -> None:
 
 
 def test_broker_publishes_filter_and_client_answers_misses_locally(broker) -> None:
+    # A sealed memfd handed over the socket: no name in /dev/shm to open (or forge).
     segs = shm_segments(broker.socket_path, include_filter=True)
-    assert any(s.endswith("-f") for s in segs), segs
+    assert not any(s.endswith("-f") for s in segs), segs
     _put_in_other_process(broker.socket_path, "present-1", "present-2")
     with BrokerClient(broker.socket_path) as c:
         assert c.mappings.filter is not None
@@ -288,7 +287,7 @@ def test_filter_is_trusted_only_while_the_broker_is_confirmed(make_broker, sock_
         while time.monotonic() < deadline and c.has(["k"]) != [True]:
             time.sleep(0.05)
         assert c.has(["k"]) == [True]
-        assert len([s for s in shm_segments(sock, include_filter=True) if s.endswith("-f")]) == 1  # stale one gone
+        assert len(shm_segments(sock)) == 1  # the dead broker's slab removed as stale
         b2.stop()
     finally:
         c.close()
@@ -322,27 +321,28 @@ def test_cross_process_put_then_has(broker) -> None:
         torch.testing.assert_close(out[0], torch.arange(1024, dtype=torch.float32))
 
 
+# Makes the broker started with this directory on PYTHONPATH publish version 1 (what
+# a broker of the blake2b release publishes): the filter is the broker's sealed memfd,
+# which nothing outside the broker can rewrite.
+_OLD_RELEASE = """
+import lmcache_ec_broker.shm.filter as f
+f.VERSION = 1
+"""
+
+
 def test_client_refuses_a_filter_of_another_version_and_asks_the_broker(
-    broker, caplog: pytest.LogCaptureFixture
+    make_broker, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client that finds another version's filter logs why and answers every lookup
     through the broker: no filter, never a wrong answer."""
+    (tmp_path / "sitecustomize.py").write_text(_OLD_RELEASE)
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    broker = make_broker("--shm-size", "64MiB", env={"PYTHONPATH": pythonpath})
     _put_in_other_process(broker.socket_path, "present-1")
-    (name,) = [s for s in shm_segments(broker.socket_path, include_filter=True) if s.endswith("-f")]
-    shm = posix_ipc.SharedMemory("/" + name)
-    try:
-        mm = mmap.mmap(shm.fd, HEADER_SIZE)
-    finally:
-        shm.close_fd()
-    try:
-        mm[8:12] = struct.pack("<I", 1)  # what a broker of the blake2b release publishes
-        with caplog.at_level(logging.WARNING), BrokerClient(broker.socket_path) as c:
-            assert c.mappings.filter is None
-            assert "version 1, this client reads version" in caplog.text
-            before = c.stats()["has_misses"]
-            assert c.has(["present-1", "absent-1"]) == [True, False]
-            assert c.stats()["has_misses"] == before + 1  # the miss was the broker's answer
-            assert c.local_misses == 0
-    finally:
-        mm[8:12] = struct.pack("<I", VERSION)
-        mm.close()
+    with caplog.at_level(logging.WARNING), BrokerClient(broker.socket_path) as c:
+        assert c.mappings.filter is None
+        assert "version 1, this client reads version" in caplog.text
+        before = c.stats()["has_misses"]
+        assert c.has(["present-1", "absent-1"]) == [True, False]
+        assert c.stats()["has_misses"] == before + 1  # the miss was the broker's answer
+        assert c.local_misses == 0

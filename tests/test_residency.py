@@ -335,25 +335,28 @@ def test_the_index_segment_goes_with_the_broker_and_a_restart_is_never_confused(
     try:
         assert c.put("k", t) and c.flush()
         old_index = c.handshake.residency_name
-        assert old_index.lstrip("/") in shm_segments(path, include_filter=True)
+        # A sealed memfd, never a name in /dev/shm: it lives while someone maps it.
+        memfd = f"/memfd:{old_index.lstrip('/')} (deleted)"
+        assert old_index.lstrip("/") not in shm_segments(path, include_filter=True)
+        assert memfd in Path("/proc/self/maps").read_text()
         assert c.has(["k"]) == [True] and c.index_hits == 1
-        b.kill9()  # no cleanup: the segments stay, the index still says LIVE
-        assert old_index.lstrip("/") in shm_segments(path, include_filter=True)
+        b.kill9()  # no cleanup: the index still says LIVE, mapped by this client
+        assert memfd in Path("/proc/self/maps").read_text()
         # Well within filter_trust_s: the socket's hang-up alone ends the index's trust
         # (and with it the dead slab's mapping), as an outage answers misses.
         assert c.has(["k"]) == [False] and c.get("k") is None
         assert c.mappings is None  # the index and the dead slab unmapped
+        assert memfd not in Path("/proc/self/maps").read_text()  # gone with the mapping
         b = BrokerProcess(path, ["--shm-size", "64MiB"]).start()
         names = shm_segments(path, include_filter=True)
-        assert old_index.lstrip("/") not in names  # removed as stale by the new broker
-        assert len([n for n in names if n.endswith("-r")]) == 1
+        assert not [n for n in names if n.endswith(("-f", "-r"))], names  # no names
         wait_until(lambda: c.ping() or None, "the client reconnected")
         assert c.handshake.residency_name != old_index
         assert c.has(["k"]) == [False] and c.get("k") is None  # the new broker is empty
         assert c.put("k", t) and c.flush() and c.has(["k"]) == [True]
         c.close()
         assert b.stop() == 0
-        assert shm_segments(path, include_filter=True) == []  # -r removed with the rest
+        assert shm_segments(path, include_filter=True) == []  # nothing named left
     finally:
         c.close()
         if b.proc is not None and b.proc.poll() is None:
@@ -367,7 +370,7 @@ def test_a_corrupt_index_is_never_followed_outside_the_slab(tmp_path) -> None:
     w = R.ResidencyWriter(name, R.MIN_LOG2_SLOTS, slab)
     try:
         assert w.publish("k", 16, "float32", [4], [(4096, 16)])
-        r = R.ResidencyReader(name, w.size, slab)
+        r = R.ResidencyReader(name, w.size, slab, fd=w.segment.share_fd(True))
         found = r.find("k")
         assert found is not None and found.extents == [(4096, 16)] and found.shape == [4]
         at = found.at
@@ -407,3 +410,29 @@ def test_a_corrupt_index_is_never_followed_outside_the_slab(tmp_path) -> None:
         w.close()
     with pytest.raises(Exception, match="cannot open residency index"):
         R.ResidencyReader(name, 4096, slab)
+
+
+def test_the_writer_never_reads_back_its_seq_words() -> None:
+    # Issue 29 item 3, kept at the writer's level now that nothing outside the broker
+    # can write its index (a sealed memfd): were its seq words read back, a scribbled
+    # word would stop every later publish (seq + 2 -> struct.error) or publish a slot
+    # odd (never readable). Scribbled here through the writer's own mapping.
+    slab = 1 << 20
+    w = R.ResidencyWriter(f"/ecb-test-{os.getpid()}-seq-r", R.MIN_LOG2_SLOTS, slab)
+    r = R.ResidencyReader(w.name, w.size, slab, fd=w.segment.share_fd(True))
+    try:
+        assert w.publish("k", 16, "float32", [4], [(0, 16)])
+        at = r.find("k").at
+        for value in (b"\xff" * 8, b"\xfe" + b"\xff" * 7):
+            for slot in range(w.nslots):
+                at_slot = R.HEADER_SIZE + slot * R.SLOT_BYTES
+                w.mm[at_slot : at_slot + 8] = value
+            assert w.publish("k", 16, "float32", [4], [(4096, 16)])  # no struct.error
+            found = r.find("k")
+            assert found is not None and found.at == at and found.extents == [(4096, 16)]
+            w.withdraw("k")
+            assert r.find("k") is None
+            assert w.publish("k", 16, "float32", [4], [(0, 16)])
+    finally:
+        r.close()
+        w.close()

@@ -215,3 +215,102 @@ def test_allowed_uids_gate_the_segments_not_only_the_socket(make_broker) -> None
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [], "a refused uid opened the broker's shared memory"
+
+
+# A process of the broker's own uid that is not a client at all: it looks for the
+# membership filter (-f) and the residency index (-r) by name in /dev/shm and through
+# the broker's open descriptors (/proc/<pid>/fd/N reopened O_RDWR), maps what it can
+# writable, and forges them: key A's index slot takes B's extents (same-length keys,
+# same shape: every bound the reader checks still holds), C's slot is cleared and
+# every filter counter zeroed (C then looks absent). It prints, as JSON, what it
+# could open and map writable, and the errno of every refusal.
+FORGER = textwrap.dedent(
+    """
+    import errno, json, mmap, os, struct, sys
+    prefix, pid = sys.argv[1], sys.argv[2]
+    out = {"by_name": [], "proc": {}, "forged": []}
+    maps = {}  # "-f"/"-r" -> writable mapping
+    for n in sorted(os.listdir("/dev/shm")):
+        if n.startswith(prefix) and n.endswith(("-f", "-r")):
+            fd = os.open("/dev/shm/" + n, os.O_RDWR)
+            maps[n[-2:]] = mmap.mmap(fd, os.fstat(fd).st_size)
+            os.close(fd)
+            out["by_name"].append(n)
+    fd_dir = f"/proc/{pid}/fd"
+    for fdn in sorted(os.listdir(fd_dir), key=int):
+        try:
+            link = os.readlink(f"{fd_dir}/{fdn}").removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if prefix not in link or not link.endswith(("-f", "-r")):
+            continue
+        try:
+            fd = os.open(f"{fd_dir}/{fdn}", os.O_RDWR)
+        except OSError as exc:
+            out["proc"][link] = "open " + errno.errorcode[exc.errno]
+            continue
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)  # MAP_SHARED, PROT_READ|PROT_WRITE
+        except OSError as exc:
+            out["proc"][link] = "mmap " + errno.errorcode[exc.errno]
+            continue
+        finally:
+            os.close(fd)
+        out["proc"][link] = "mapped"
+        maps.setdefault(link[-2:], mm)
+    index = maps.get("-r")
+    if index is not None:
+        slot_of = {}
+        for at in range(64, len(index), 256):
+            n = struct.unpack_from("<H", index, at + 24)[0]
+            if n:
+                slot_of[bytes(index[at + 144 : at + 144 + n])] = at
+        a, b, c = slot_of[b"A1"], slot_of[b"B1"], slot_of[b"C1"]
+        index[a + 8 : a + 144] = index[b + 8 : b + 144]  # A's key, B's bytes; seq even
+        index[c + 24 : c + 26] = bytes(2)  # C unindexed
+        out["forged"].append("index")
+    filt = maps.get("-f")
+    if filt is not None:
+        filt[64:] = bytes(len(filt) - 64)
+        out["forged"].append("filter")
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not R.usable_here(), reason="the index path is used on x86-64 only")
+def test_a_same_uid_process_cannot_forge_the_index_or_the_filter(make_broker) -> None:
+    # Fails on the old code: the filter and the index were named 0600 segments, so a
+    # process of the broker's uid opened them by name (or through /proc/<broker>/fd)
+    # for writing; with A's slot forged an honest client's get("A1") returned B1's
+    # bytes, and with the filter zeroed its has("C1") answered a present key absent.
+    # Now they are sealed memfds: no name, and no mapping but the broker's writes them.
+    from lmcache_ec_broker.broker.server import segment_prefix
+
+    b = make_broker("--shm-size", "4MiB")
+    assert b.proc is not None
+    a_bytes = torch.full((BS,), 7, dtype=torch.uint8)
+    b_bytes = torch.full((BS,), 9, dtype=torch.uint8)
+    with BrokerClient(b.socket_path) as writer:
+        for key, value in (("A1", a_bytes), ("B1", b_bytes), ("C1", a_bytes)):
+            assert writer.put(key, value)
+        assert writer.flush()
+    out = subprocess.run(
+        [sys.executable, "-c", FORGER, segment_prefix(b.socket_path), str(b.proc.pid)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    with BrokerClient(b.socket_path, filter_trust_s=60) as victim:
+        assert victim.has(["C1"]) == [True], f"a forged filter hid a present key: {got}"
+        a = victim.get("A1")
+        assert a is not None and torch.equal(a, a_bytes), f"read another entry's bytes: {got}"
+        out_t = torch.empty_like(a_bytes)
+        assert victim.get_into("A1", out_t) and torch.equal(out_t, a_bytes)
+        assert victim.index_hits >= 1  # the index was read (not only the broker asked)
+    assert got["forged"] == [] and got["by_name"] == [], got
+    # No name to open: the broker holds them as memfds, and a writable mapping of its
+    # descriptors is refused by the seal (EPERM), not by a mode a root could bypass.
+    assert sorted(link[-2:] for link in got["proc"]) == ["-f", "-r"], got
+    assert all(link.startswith("/memfd:") for link in got["proc"]), got
+    assert set(got["proc"].values()) == {"mmap EPERM"}, got

@@ -390,8 +390,10 @@ class BrokerServer:
                 )
             self.access.group_gid = gid
             name = "/" + segment_prefix(path) + self.epoch[:12]
-            # The slab, its filter, the put arenas' journal, the residency index.
-            self._segment_names = [name, name + "-f", name + "-j", name + "-r"]
+            # The named ones: the slab and the put arenas' journal. The filter and the
+            # residency index are sealed memfds (no name; shm/segment.py create_sealed).
+            # remove_stale above still takes an older broker's named -f and -r.
+            self._segment_names = [name, name + "-j"]
             t0 = time.perf_counter()
             # 0600 whatever the socket's mode: admitted clients get the segments as
             # descriptors over the socket (connection.py hello), nobody by name.
@@ -422,20 +424,19 @@ class BrokerServer:
     def _publish_filter(self, slab_name: str) -> None:
         # Every tier counts its keys in it, so it is sized for the keys of all of them.
         keys = self.tiers.expected_keys()
-        self.filter = FilterWriter(slab_name + "-f", slots_for(keys), mode=0o600)
+        self.filter = FilterWriter(slab_name + "-f", slots_for(keys))
         self.tiers.attach_filter(self.filter)
 
     def _publish_residency(self, name: str) -> None:
         store = self.store
-        self.residency = ResidencyWriter(
-            name, residency_slots(store.nblocks), store.capacity_bytes, 0o600
-        )
+        self.residency = ResidencyWriter(name, residency_slots(store.nblocks), store.capacity_bytes)
         store.residency = self.residency
 
     def handover(self) -> tuple[list[str], list[int]]:
         """The segments an admitted client gets over the socket, as (labels, fds):
-        read-write what clients write (slab, journal placed words), read-only what
-        they only read (filter, index; the settled words are sealed)."""
+        read-write what clients write (slab, journal placed words), sealed memfds what
+        they only read (filter, index, the settled words: no writable mapping can be
+        made of them, whatever the descriptor's mode)."""
         labels: list[str] = []
         fds: list[int] = []
         for label, seg, read_only in (

@@ -120,13 +120,15 @@ class _Hasher:
 class FilterWriter:
     """The broker's side. Not thread-safe: the broker's loop is the only writer."""
 
-    def __init__(self, name: str, log2_slots: int, mode: int = 0o600) -> None:
+    def __init__(self, name: str, log2_slots: int) -> None:
         if not MIN_LOG2_SLOTS <= log2_slots <= MAX_LOG2_SLOTS:
             raise ValueError(f"log2_slots must be in [{MIN_LOG2_SLOTS}, {MAX_LOG2_SLOTS}]")
         self.name = name
         self.nslots = 1 << log2_slots
         self.size = HEADER_SIZE + self.nslots
-        self.segment = Segment.create(name, self.size, mode=mode)
+        # A sealed memfd (no name in /dev/shm): no other process, of any uid, can map
+        # it writable; clients get it read-only over the socket (server.handover).
+        self.segment = Segment.create_sealed(name, self.size, prefault=True)
         self.mm = self.segment.mm
         seed = int.from_bytes(os.urandom(8), "little")
         self._hasher = _Hasher(seed, log2_slots)
@@ -164,7 +166,8 @@ class FilterWriter:
         return all(mm[s] for s in self._hasher.slots(key))
 
     def close(self) -> None:
-        """Mark the filter dead (readers then say "maybe"), unlink and unmap it."""
+        """Mark the filter dead (readers then say "maybe") and unmap it (the memfd goes
+        with the last client's mapping)."""
         try:
             self.mm[_FLAGS_OFFSET : _FLAGS_OFFSET + 4] = struct.pack("<I", 0)
         except (ValueError, OSError):
@@ -179,8 +182,9 @@ class FilterReader:
     def __init__(
         self, name: str, size: int, owners: Collection[int] | None = None, fd: int | None = None
     ) -> None:
-        # Mapped read-only (from the read-only descriptor the broker handed over, else
-        # by name): a buggy client cannot corrupt what every other client reads.
+        # Mapped read-only, from the sealed descriptor the broker handed over (by name
+        # only from an older broker that still named it): nothing a client maps can
+        # change what every other client reads.
         self.mm = map_readonly(name, size, owners, fd, "membership filter")
         try:
             self.mm.madvise(_MADV_POPULATE_READ)  # no first-touch faults on the hot path

@@ -42,8 +42,8 @@ index only on x86-64 (``usable_here``).
 
 Liveness: a broker that stops cleanly clears FLAG_LIVE; a killed one cannot, so
 the client trusts the index only while its connection was confirmed recently, as
-it does the membership filter. A restarted broker publishes a new segment (its
-name carries the epoch) that the client maps from the new handshake.
+it does the membership filter. A restarted broker publishes a new index (a
+new sealed memfd) that the client maps from the new handshake.
 """
 
 from __future__ import annotations
@@ -112,15 +112,18 @@ def encode_key(key: str) -> bytes:
 class ResidencyWriter:
     """The broker's side. Not thread-safe: the broker's loop is the only writer."""
 
-    def __init__(self, name: str, log2_slots: int, slab_size: int, mode: int = 0o600) -> None:
+    def __init__(self, name: str, log2_slots: int, slab_size: int) -> None:
         if not MIN_LOG2_SLOTS <= log2_slots <= MAX_LOG2_SLOTS:
             raise ValueError(f"log2_slots must be in [{MIN_LOG2_SLOTS}, {MAX_LOG2_SLOTS}]")
         self.name = name
         self.nslots = 1 << log2_slots
         self._mask = self.nslots - 1
         self.size = index_size(log2_slots)
-        # Not prefaulted: pages are charged as slots are first written.
-        self.segment = Segment.create(name, self.size, mode=mode, prefault=False)
+        # A sealed memfd (no name in /dev/shm): no other process, of any uid, can map
+        # it writable, so no one but this writer can forge a slot; clients get it
+        # read-only over the socket (server.handover). Not prefaulted: pages are
+        # charged as slots are first written.
+        self.segment = Segment.create_sealed(name, self.size)
         self.mm = self.segment.mm
         self.seed = int.from_bytes(os.urandom(8), "little")
         self.mm[:HEADER_SIZE] = HEADER.pack(
@@ -202,7 +205,8 @@ class ResidencyWriter:
         return len(self._slot_of)
 
     def close(self) -> None:
-        """Mark the index dead (readers then ask the broker), unlink and unmap it."""
+        """Mark the index dead (readers then ask the broker) and unmap it (the memfd
+        goes with the last client's mapping)."""
         try:
             struct.pack_into("<I", self.mm, _FLAGS_OFFSET, 0)
         except (ValueError, OSError):
@@ -243,8 +247,9 @@ class ResidencyReader:
     ) -> None:
         if not isinstance(size, int) or size < HEADER_SIZE:
             raise ShmError(f"index {name} announced with {size!r} bytes")
-        # Read-only, from the broker's read-only descriptor (else by name); the owner
-        # is checked first: another user's index could point anywhere in the slab.
+        # Read-only, from the broker's sealed descriptor (by name only from an older
+        # broker); the owner is checked first: another user's index could point
+        # anywhere in the slab.
         self.mm = map_readonly(name, size, owners, fd, "residency index")
         try:
             self.mm.madvise(_MADV_POPULATE_READ)

@@ -22,8 +22,10 @@ Invariants kept here:
 - The broker creates every segment 0600 and hands it to admitted clients over the
   socket as a file descriptor (SCM_RIGHTS, broker/connection.py): who may map it is
   decided by the broker's admission, not by the file's mode. What only the broker
-  writes is a sealed memfd (``create_sealed``): no path reaches it, and no mapping
-  but the one made before sealing can write it (root's included).
+  writes (the membership filter, the residency index, the journal's settled words)
+  is a sealed memfd (``create_sealed``): no path reaches it, and no mapping but the
+  one made before sealing can write it (root's included; a reopen through
+  /proc/<pid>/fd maps PROT_WRITE only to EPERM).
 - ``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13
   its resource tracker unlinks segments that a process merely attached.
 """
@@ -132,11 +134,12 @@ class Segment:
         self._memfd: int | None = None  # a sealed segment's descriptor (create_sealed)
 
     @classmethod
-    def create_sealed(cls, name: str, size: int) -> Segment:
+    def create_sealed(cls, name: str, size: int, prefault: bool = False) -> Segment:
         """A segment only the broker writes: a memfd (no path in /dev/shm), mapped
         writable here, then sealed (F_SEAL_FUTURE_WRITE, no shrinking or growing) so
         that every other mapping of it, by any process, is read-only. ``name`` is a
-        label (logs, the handshake)."""
+        label (logs, the handshake, /proc/<pid>/fd's "/memfd:<name>"). ``prefault``:
+        fault the pages in before sealing (as ``create`` does)."""
         if size <= 0:
             raise ShmError(f"segment size must be positive, got {size} bytes")
         try:
@@ -146,6 +149,8 @@ class Segment:
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
+            if prefault:
+                _populate_new(mm, size)
             seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
         except BaseException as exc:
