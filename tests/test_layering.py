@@ -202,3 +202,47 @@ def test_every_class_name_means_one_thing() -> None:
     twice = {name: places for name, places in where.items() if len(places) > 1}
     assert not twice, f"class names defined more than once: {twice}"
     assert structs == [f"{PKG}.peercred"], structs
+
+
+# The vLLM connector's parts (docs/design.md, "The vLLM connector's parts"): each
+# reads only what it defines itself (its own state, methods, and what its
+# constructor was given); the connector composes them instead of inheriting them.
+CONNECTOR_PARTS = {
+    "connector/vllm_worker.py": "ECBrokerWorker",
+    "connector/step_guard.py": "StepGuard",
+}
+
+
+def _class(path: Path, name: str) -> ast.ClassDef:
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"{path}: no class {name}")
+
+
+@pytest.mark.parametrize("rel", sorted(CONNECTOR_PARTS))
+def test_each_part_of_the_vllm_connector_reads_only_its_own_attributes(rel: str) -> None:
+    path = ROOT / PKG / rel
+    cls = _class(path, CONNECTOR_PARTS[rel])
+    assert not cls.bases, f"{rel}: {cls.name} inherits; a part is a plain object"
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    read: dict[str, int] = {}
+    for node in ast.walk(cls):
+        if not (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            continue
+        if isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        else:
+            read.setdefault(node.attr, node.lineno)
+    foreign = {a: line for a, line in read.items() if a not in defined}
+    assert not foreign, f"{rel}: {cls.name} reads attributes it does not define: {foreign}"
+
+
+def test_the_vllm_connector_composes_its_parts() -> None:
+    cls = _class(ROOT / PKG / "connector/vllm.py", "ECBrokerConnector")
+    bases = [ast.unparse(b) for b in cls.bases]
+    assert bases == ["ECConnectorBase"], f"ECBrokerConnector inherits {bases}: compose parts"

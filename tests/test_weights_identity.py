@@ -167,7 +167,7 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
         assert c.put(make_key(p.sched.model_id, "h-stale", torch.bfloat16), stored)
     # The worker was told (by a fingerprint) that its weights changed; the scheduler
     # still keys with the old field: the hit is encoded instead, the output not stored.
-    p.worker._identity = p.sched.model_id + "~wdeadbeefdeadbeef"
+    p.worker.connector_worker.adopt_identity(p.sched.model_id + "~wdeadbeefdeadbeef")
     req = make_request("r1", "h-stale")
     cache: dict[str, torch.Tensor] = {}
     fresh = embedding(2)
@@ -177,7 +177,7 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
     assert p.worker.puts_stored == 0
 
     # Unknown field (a weight-transfer session): misses without asking, no stores.
-    p.worker._identity = None
+    p.worker.connector_worker.adopt_identity(None)
     p.sched._set_field("")
     with BrokerClient(broker.socket_path) as c:
         assert c.put(make_key(p.worker.model_id, "h-new", torch.bfloat16), embedding(3))

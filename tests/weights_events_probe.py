@@ -70,7 +70,7 @@ def main() -> None:
     report: dict[str, object] = {"static": model_id(M1)}
 
     def fields() -> list[object]:
-        return [sched.model_id, worker._identity]
+        return [sched.model_id, worker.connector_worker.identity]
 
     def ask(image_seed: int) -> dict[str, int]:
         """One chat request; the connector counters it moved."""

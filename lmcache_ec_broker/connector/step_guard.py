@@ -2,8 +2,8 @@
 
 A load the scheduler ships (``has_cache_item`` True) is re-encoded by the runner in
 the same step if it fails (``vllm_worker._encode_instead``). That needs the request
-in the runner's step and its multimodal inputs on the worker. ``StepGuard`` (a mixin
-of ``ECBrokerConnector``) keeps these invariants:
+in the runner's step and its multimodal inputs on the worker. ``StepGuard`` (a part
+the scheduler's ``ECBrokerConnector`` holds) keeps these invariants:
 
 - **A load is shipped only for a request scheduled in its step.** vLLM's priority
   scheduler can preempt a request later in the same step it was scheduled in (after
@@ -29,6 +29,7 @@ of ``ECBrokerConnector``) keeps these invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lmcache_ec_broker.connector.vllm_meta import LoadSpec
@@ -63,11 +64,13 @@ def loads_off_reason(vllm_config: Any) -> str:
 
 
 class StepGuard:
-    # The connector's (vllm.py).
-    _widths: dict[str, int]
+    """A part of the scheduler's connector (created by it, given the vLLM config and
+    the encoder output width per modality); owns the requests of the step, the owed
+    loads and the released inputs."""
 
-    def _init_step_guard(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: Any, width: Callable[[str], int | None]) -> None:
         self.loads_off = loads_off_reason(vllm_config)
+        self._width = width
         # req_id -> (request, computed tokens) for requests vLLM asked about this step
         self._step_requests: dict[str, tuple[Request, int]] = {}
         self._owed: set[str] = set()  # items vLLM holds that the worker may lack
@@ -75,7 +78,7 @@ class StepGuard:
         self._released: dict[str, set[int]] = {}
         self.owed_loads = 0  # loads shipped to settle a debt (a counter, for tests)
 
-    def _note_request(self, request: Request, num_computed_tokens: int) -> set[str]:
+    def note_request(self, request: Request, num_computed_tokens: int) -> set[str]:
         """ensure_cache_available's request; returns the hashes that must be a miss
         this step (their inputs are released on the worker)."""
         self._step_requests[request.request_id] = (request, num_computed_tokens)
@@ -84,7 +87,7 @@ class StepGuard:
             return set()
         return {request.mm_features[i].identifier for i in released}
 
-    def _guard_loads(self, scheduler_output: Any, loads: list[LoadSpec]) -> list[LoadSpec]:
+    def guard_loads(self, scheduler_output: Any, loads: list[LoadSpec]) -> list[LoadSpec]:
         """The loads to ship with this step's metadata (see the module's invariants)."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
         self._track_inputs(scheduler_output)
@@ -138,7 +141,7 @@ class StepGuard:
                         int(request.get_num_encoder_embeds(index))
                         if hasattr(request, "get_num_encoder_embeds")
                         else pos.length,
-                        self._widths.get(feature.modality),
+                        self._width(feature.modality),
                         index,
                     )
                 )

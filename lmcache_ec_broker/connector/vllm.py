@@ -57,8 +57,10 @@ group) so that every rank runs the encoder on the same items. Nothing is ever
 inserted that the model did not compute; no request is failed; see
 docs/design.md, "A load that fails".
 
-The worker's hooks (loads, puts, the re-encode of a failed load) are in
-``vllm_worker.py``; the messages between the two sides and the key format in
+The worker side (loads, puts, the re-encode of a failed load) is a part this
+connector holds for the worker role, ``vllm_worker.ECBrokerWorker``; which loads
+ship with a step, another, ``step_guard.StepGuard`` (docs/design.md, "The vLLM
+connector's parts"); the messages between the two sides and the key format are in
 ``vllm_meta.py``.
 """
 
@@ -71,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -91,7 +94,7 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     dtype_short_name,
     make_key,
 )
-from lmcache_ec_broker.connector.vllm_worker import WorkerSide, logger
+from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker, logger
 from lmcache_ec_broker.connector.weights_identity import EngineWatch
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
@@ -119,7 +122,30 @@ class _Waiting:
     hashes: set[str]
 
 
-class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
+def _worker_count(name: str) -> property:
+    """A worker counter, read from the worker part (0 on the scheduler)."""
+
+    def get(self: ECBrokerConnector) -> int:
+        worker = self.connector_worker
+        return getattr(worker, name) if worker is not None else 0
+
+    return property(get)
+
+
+class ECBrokerConnector(ECConnectorBase):
+    """The scheduler side is this class; the worker side is a part it holds for the
+    worker role (``connector_worker``, vllm_worker.py), the step's load rules another
+    (``step_guard``, step_guard.py): see docs/design.md, "The vLLM connector's parts"."""
+
+    # The worker part's class (a test injecting faults subclasses it).
+    worker_class: type[ECBrokerWorker] = ECBrokerWorker
+    loads = _worker_count("loads")
+    load_failures = _worker_count("load_failures")
+    reencoded = _worker_count("reencoded")
+    puts_stored = _worker_count("puts_stored")
+    put_errors = _worker_count("put_errors")
+    puts_skipped = _worker_count("puts_skipped")
+
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ec_config = vllm_config.ec_transfer_config
@@ -176,10 +202,8 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
         )
         # The field follows the weights in memory (weights_identity.py). Scheduler:
         # the field it keys with now, "" while unknown (misses, no loads, no stores).
-        # Worker: the field its last fingerprint gave (None until the scheduler asked).
+        # Worker: its part's identity (vllm_worker.py).
         self._field = self._model or ""
-        self._identity: str | None = None
-        self._weights_baseline: str | None = None
         # Tower/connector LoRA: vLLM prefixes such items' identifiers with the
         # adapter's *name* ("name:mm_hash"); a name says nothing about the adapter's
         # weights, so these items are never looked up nor stored.
@@ -210,12 +234,6 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
         self.ec_deferred = 0  # steps a request waited for a promotion
         self.promotion_failures = 0  # waited for a promotion that did not come: encoded
         self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
-        self.loads = 0
-        self.load_failures = 0
-        self.reencoded = 0  # failed loads encoded in the same step instead
-        self.puts_stored = 0
-        self.put_errors = 0
-        self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
         self._reported: dict[str, int] = {}
 
         # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
@@ -238,13 +256,27 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
         self._held: set[str] = set()
 
         # Which loads may be promised and shipped (step_guard.py).
-        self._init_step_guard(vllm_config)
+        self.step_guard = StepGuard(vllm_config, self._width)
+        self.loads_off = self.step_guard.loads_off
         if self.loads_off and role == ECConnectorRole.SCHEDULER and self.is_consumer:
             logger.warning("EC broker: no loads in this configuration (%s); saving only", self.loads_off)
 
-        # Worker state.
-        self._unsaved: set[str] = set()
-        self._done_this_step: set[str] = set()
+        # The worker side: a part of its own, given what it reads (vllm_worker.py).
+        self.connector_worker: ECBrokerWorker | None = None
+        if role == ECConnectorRole.WORKER:
+            self.connector_worker = self.worker_class(
+                is_producer=self.is_producer,
+                dtype=self._dtype,
+                model=self._model,
+                model_source=self._model_source,
+                bound_metadata=lambda: self._connector_metadata,
+                client=lambda: self.client,
+                on_live_connection=self._on_live_connection,
+                note_health=self._note_health,
+                mismatch=self._mismatch,
+                delete_invalid=self._delete_invalid,
+                private=self._private,
+            )
 
         # Last: the watch fingerprints the workers at once and may set the field.
         self._watch: EngineWatch | None = None
@@ -261,21 +293,11 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
     @property
     def model_id(self) -> str:
         """The model field of this instance's keys. On the scheduler: the field it
-        adopted from the workers' fingerprint ("" while unknown). On a worker: the
-        field of its own last fingerprint; before the scheduler asked for one, the
-        scheduler's, from the step's metadata, kept for later; computed here (lazily,
-        after load_model) only if vLLM calls a hook before any step told it
-        (encoder-decoder models save outside the step's metadata)."""
-        if self._role == ECConnectorRole.SCHEDULER:
-            return self._field
-        if self._identity is not None:
-            return self._identity
-        meta = self._connector_metadata
-        if isinstance(meta, ECBrokerConnectorMetadata) and meta.model:
-            self._model = meta.model
-        elif self._model is None:
-            self._model = model_id(*self._model_source)
-        return self._model
+        adopted from the workers' fingerprint ("" while unknown). On a worker: its
+        part's (``ECBrokerWorker.model_id``)."""
+        if self.connector_worker is not None:
+            return self.connector_worker.model_id
+        return self._field
 
     def _set_field(self, field: str) -> None:
         """Scheduler: key with ``field`` from now on ("" = unknown). Called between
@@ -298,21 +320,16 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
             except Exception as exc:  # leases also end on their own (lease_ms)
                 logger.warning("EC broker unlease failed: %s", exc)
 
-    def _keys_agree(self) -> bool:
-        """Worker: may this step load or store? Only if the scheduler's field (the
-        bound metadata's) is known and is this worker's own: entries are keyed by the
-        weights that computed them, never by weights another process believes in."""
-        meta = self._connector_metadata
-        if not isinstance(meta, ECBrokerConnectorMetadata):
-            return True  # a hook outside a step (encoder-decoder saves)
-        return bool(meta.model) and (self._identity is None or meta.model == self._identity)
-
     def _private(self, identifier: str) -> bool:
         """An item whose embedding depends on a tower LoRA adapter (never shared)."""
         return self._tower_lora and ":" in identifier
 
     def key(self, mm_hash: str) -> str:
         return make_key(self.model_id, mm_hash, self._dtype)
+
+    def _width(self, modality: str) -> int | None:
+        """The encoder's output width for ``modality``, if vLLM told it."""
+        return self._widths.get(modality)
 
     @property
     def client(self) -> BrokerClient:
@@ -420,6 +437,33 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
             logger.warning("EC broker delete failed: %s", exc)
         self.invalid_deleted += len(bad)
 
+    # ------------------------------------------------------------------- worker
+    # vLLM calls these on the worker role only: forwards to the worker part.
+
+    @property
+    def _worker(self) -> ECBrokerWorker:
+        worker = self.connector_worker
+        if worker is None:
+            raise RuntimeError("EC broker: a worker hook was called on the scheduler's connector")
+        return worker
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        self._worker.start_load_caches(encoder_cache, **kwargs)
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        self._worker.save_caches(encoder_cache, mm_hash, **kwargs)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        self._worker.start_save_caches(**kwargs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
+        return self._worker.build_connector_worker_meta()
+
     # ---------------------------------------------------------------- scheduler
 
     def ensure_cache_available(
@@ -442,9 +486,9 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
             if self._private(feature.identifier):
                 continue  # a tower LoRA adapter's item: never looked up
             if feature.identifier not in expected:
-                width = self._widths.get(feature.modality)
+                width = self._width(feature.modality)
                 expected[feature.identifier] = (_num_embeds(request, index), width)
-        for h in self._note_request(request, num_computed_tokens):
+        for h in self.step_guard.note_request(request, num_computed_tokens):
             # inputs released on the worker: a load could not be re-encoded
             self._step_state.setdefault(h, LookupState.MISS)
         ask = [h for h in expected if h not in self._step_state]
@@ -551,14 +595,14 @@ class ECBrokerConnector(WorkerSide, StepGuard, ECConnectorBase):
                 request.request_id,
                 mm_hash,
                 _num_embeds(request, index),
-                self._widths.get(modality),
+                self._width(modality),
                 index,
             )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         # Every vLLM with EC connectors passes its SchedulerOutput here.
-        self._pending_loads = self._guard_loads(scheduler_output, self._pending_loads)
+        self._pending_loads = self.step_guard.guard_loads(scheduler_output, self._pending_loads)
         encoder_inputs = getattr(scheduler_output, "scheduled_encoder_inputs", None)
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         meta = ECBrokerConnectorMetadata(

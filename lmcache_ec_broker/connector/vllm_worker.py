@@ -1,7 +1,7 @@
 """The worker side of the vLLM connector (``vllm.py``): loads and puts.
 
-``WorkerSide`` is a mixin of ``ECBrokerConnector``; it uses the connector's client,
-keys and counters, declared below. Its promises:
+``ECBrokerWorker`` is a part the connector holds for the worker role (as vLLM's
+own connectors hold a worker delegate); it is given what it reads. Its promises:
 
 - a load never takes the worker down and never inserts what the model did not
   compute: an entry gone, of the wrong dtype/shape, or a broker away makes the
@@ -15,12 +15,13 @@ keys and counters, declared below. Its promises:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
+from lmcache_ec_broker.connector.model_id import model_id
 from lmcache_ec_broker.connector.runner_step import runner_step
 from lmcache_ec_broker.connector.tp_agree import union_over_tp
 from lmcache_ec_broker.connector.vllm_meta import (
@@ -28,43 +29,114 @@ from lmcache_ec_broker.connector.vllm_meta import (
     ECBrokerWorkerMetadata,
     LoadSpec,
     dtype_short_name,
+    make_key,
 )
 
 # The connector's one logger (vllm.py uses it too): vLLM's handler and format.
 logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
-_T = TypeVar("_T")
 
 
-class WorkerSide:
-    # The connector's state and helpers this side uses (vllm.py).
-    is_producer: bool
-    client: BrokerClient
-    _unsaved: set[str]
-    _done_this_step: set[str]
-    loads: int
-    load_failures: int
-    reencoded: int
-    puts_stored: int
-    put_errors: int
-    puts_skipped: int
+class ECBrokerWorker:
+    """The connector's worker side (vLLM's worker role): created by
+    ``ECBrokerConnector`` for that role, which forwards its worker hooks here in one
+    line each. It owns its state: the hashes handled this step, outputs waiting for a
+    broker outage to end, this worker's model field (``identity``, set by
+    ``weights_identity.worker_identity``) and the worker counters. What it reads of
+    the connector it is given here, as callables: the step's bound metadata, the
+    broker client (per process, lazily) and the connector's shared helpers."""
 
-    if TYPE_CHECKING:  # the connector's and its base class's (not defined here: see the MRO)
+    def __init__(
+        self,
+        *,
+        is_producer: bool,
+        dtype: torch.dtype,
+        model: str | None,
+        model_source: tuple[str, str | None],
+        bound_metadata: Callable[[], Any],
+        client: Callable[[], BrokerClient],
+        on_live_connection: Callable[[Callable[[BrokerClient], Any]], Any],
+        note_health: Callable[[BrokerClient], None],
+        mismatch: Callable[[str, list[int], int | None, int | None], str],
+        delete_invalid: Callable[[list[tuple[str, str]]], None],
+        private: Callable[[str], bool],
+    ) -> None:
+        self.is_producer = is_producer
+        self._dtype = dtype
+        # The scheduler is the one source of the model field (vllm.py): an explicit
+        # model_name, else the field of each step's metadata, kept for later.
+        self._model = model
+        self._model_source = model_source
+        self._bound_metadata = bound_metadata
+        self._client = client
+        self._on_live_connection = on_live_connection
+        self._note_health = note_health
+        self._mismatch = mismatch
+        self._delete_invalid = delete_invalid
+        self._private = private
+        # The field this worker's last fingerprint gave (None until the scheduler
+        # asked: weights_identity.worker_identity), and the first fingerprint.
+        self.identity: str | None = None
+        self._weights_baseline: str | None = None
+        self._unsaved: set[str] = set()  # put while the broker was away (<= MAX_UNSAVED)
+        self._done_this_step: set[str] = set()  # reported to the scheduler (leases end)
+        # Counters (the connector's stats() reads them).
+        self.loads = 0
+        self.load_failures = 0
+        self.reencoded = 0  # failed loads encoded in the same step instead
+        self.puts_stored = 0
+        self.put_errors = 0
+        self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
 
-        def _get_connector_metadata(self) -> Any: ...
-        def key(self, mm_hash: str) -> str: ...
-        def _note_health(self, client: BrokerClient) -> None: ...
-        def _on_live_connection(self, call: Callable[[BrokerClient], _T]) -> _T: ...
-        def _mismatch(
-            self, dtype: str, shape: list[int], num_embeds: int | None, width: int | None
-        ) -> str: ...
-        def _delete_invalid(self, bad: list[tuple[str, str]]) -> None: ...
-        def _keys_agree(self) -> bool: ...
-        def _private(self, identifier: str) -> bool: ...
+    # ------------------------------------------------------------ identity, keys
+
+    @property
+    def model_id(self) -> str:
+        """The field of this worker's own last fingerprint; before the scheduler asked
+        for one, the scheduler's, from the step's metadata, kept for later; computed
+        here (lazily, after load_model) only if vLLM calls a hook before any step told
+        it (encoder-decoder models save outside the step's metadata)."""
+        if self.identity is not None:
+            return self.identity
+        meta = self._bound_metadata()
+        if isinstance(meta, ECBrokerConnectorMetadata) and meta.model:
+            self._model = meta.model
+        elif self._model is None:
+            self._model = model_id(*self._model_source)
+        return self._model
+
+    def key(self, mm_hash: str) -> str:
+        return make_key(self.model_id, mm_hash, self._dtype)
+
+    def weights_baseline(self, digest: str) -> str:
+        """The fingerprint of the weights as loaded: the first one this worker saw."""
+        if self._weights_baseline is None:
+            self._weights_baseline = digest
+        return self._weights_baseline
+
+    def adopt_identity(self, field: str | None) -> bool:
+        """Key with ``field`` from now on; True if it changed. Outputs waiting for a
+        broker outage to end were computed by other weights then: dropped."""
+        changed = field != self.identity
+        if changed:
+            self._unsaved.clear()
+        self.identity = field
+        return changed
+
+    def keys_agree(self) -> bool:
+        """May this step load or store? Only if the scheduler's field (the bound
+        metadata's) is known and is this worker's own: entries are keyed by the
+        weights that computed them, never by weights another process believes in."""
+        meta = self._bound_metadata()
+        if not isinstance(meta, ECBrokerConnectorMetadata):
+            return True  # a hook outside a step (encoder-decoder saves)
+        return bool(meta.model) and (self.identity is None or meta.model == self.identity)
+
+    # ------------------------------------------------------------------- hooks
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
+        metadata = self._bound_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
         if not metadata.loads:
             return
@@ -78,7 +150,7 @@ class WorkerSide:
             # Weights changed under the scheduler's field (weights_identity.py): encode.
             here = (
                 set(missing)
-                if not self._keys_agree()
+                if not self.keys_agree()
                 else self._load(encoder_cache, {h: todo[h][0] for h in missing})
             )
         # Every rank, even one with nothing to load: the metadata, hence the call, is
@@ -88,7 +160,7 @@ class WorkerSide:
             specs = {h: todo[h][0] for h in failed}
             self._encode_instead(encoder_cache, metadata, specs, failed - here)
 
-    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
+    def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
         """The entries under ``keys`` on ``device``; None where one cannot be had."""
         try:
             return self._on_live_connection(lambda c: c.get_many(keys, device=device))
@@ -99,7 +171,7 @@ class WorkerSide:
     def _load(self, encoder_cache: dict[str, torch.Tensor], specs: dict[str, LoadSpec]) -> set[str]:
         """Load ``specs`` into ``encoder_cache``; the hashes that could not be loaded."""
         hashes = list(specs)
-        tensors = self._fetch([self.key(h) for h in hashes], _runner_device())
+        tensors = self.fetch([self.key(h) for h in hashes], _runner_device())
         failed: set[str] = set()
         invalid: list[tuple[str, str]] = []
         for mm_hash, tensor in zip(hashes, tensors, strict=True):
@@ -182,7 +254,7 @@ class WorkerSide:
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        if not self.is_producer or not self._keys_agree() or self._private(mm_hash):
+        if not self.is_producer or not self.keys_agree() or self._private(mm_hash):
             return
         if self._put(encoder_cache, mm_hash) is None:
             # Broker away: publish it from start_save_caches once it is back,
@@ -196,13 +268,13 @@ class WorkerSide:
         encoder_cache = kwargs.get("encoder_cache")
         if not self._unsaved or not self.is_producer or encoder_cache is None:
             return
-        if not self._keys_agree():  # weights changed since: never stored under this field
+        if not self.keys_agree():  # weights changed since: never stored under this field
             self._unsaved.clear()
             return
         for mm_hash in list(self._unsaved):
             if mm_hash not in encoder_cache or self._put(encoder_cache, mm_hash) is not None:
                 self._unsaved.discard(mm_hash)
-            elif not self.client.connected:
+            elif not self._client().connected:
                 break
 
     def _put(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> bool | None:
@@ -212,7 +284,7 @@ class WorkerSide:
         if tensor is None:
             return False
         try:
-            client = self.client
+            client = self._client()
             stored = client.put(self.key(mm_hash), tensor.detach())
             self._note_health(client)
         except BrokerRefused as exc:

@@ -258,14 +258,12 @@ def worker_identity(worker: Any, base: str) -> str | None:
     digest = weights_digest(model)
     if digest is None:
         return None
-    if connector._weights_baseline is None:
-        connector._weights_baseline = digest
-    field = field_for(base, connector._weights_baseline, digest)
-    if field != connector._identity:
+    part = connector.connector_worker  # vllm_worker.ECBrokerWorker
+    field = field_for(base, part.weights_baseline(digest), digest)
+    # Outputs waiting for a broker outage to end were computed by other weights:
+    # adopt_identity drops them when the field changes.
+    if part.adopt_identity(field):
         log.info("EC broker: model field of this worker's keys is now %s", field)
-        # Outputs waiting for a broker outage to end were computed by other weights.
-        connector._unsaved.clear()
-    connector._identity = field
     return field
 
 

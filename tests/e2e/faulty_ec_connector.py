@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector, ECBrokerConnectorMetadata
+from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker
 
 FAULT_FILE_ENV = "LMCACHE_EC_FAULT_FILE"
 PACE_SUFFIX = ".pace"
@@ -47,8 +48,17 @@ def _pace() -> None:
     time.sleep(min(seconds, 5.0))
 
 
+class _WorkerWithFaults(ECBrokerWorker):
+    fail_fetch = False
+
+    def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
+        if self.fail_fetch:
+            return [None] * len(keys)
+        return super().fetch(keys, device)
+
+
 class ECBrokerConnectorWithFaults(ECBrokerConnector):
-    _fail_fetch = False
+    worker_class = _WorkerWithFaults
 
     def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
         _pace()
@@ -59,12 +69,12 @@ class ECBrokerConnectorWithFaults(ECBrokerConnector):
         try:
             super().start_load_caches(encoder_cache, **kwargs)
         finally:
-            self._fail_fetch = False
+            self._faulty().fail_fetch = False
 
-    def _fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
-        if self._fail_fetch:
-            return [None] * len(keys)
-        return super()._fetch(keys, device)
+    def _faulty(self) -> _WorkerWithFaults:
+        worker = self.connector_worker
+        assert isinstance(worker, _WorkerWithFaults)
+        return worker
 
     def _fire(self, metadata: ECBrokerConnectorMetadata) -> None:
         path = os.environ.get(FAULT_FILE_ENV, "")
@@ -87,4 +97,4 @@ class ECBrokerConnectorWithFaults(ECBrokerConnector):
         elif fault[0] == "kill":
             os.kill(int(fault[1]), signal.SIGKILL)
         elif fault[0] == "fail-rank":
-            self._fail_fetch = True
+            self._faulty().fail_fetch = True
