@@ -1,6 +1,6 @@
 """Routing on encoder-cache residency, with real ``vllm serve``.
 
-    .venv/bin/python benchmarks/routing.py                      # ~30 min on 2 cores
+    .venv/bin/python benchmarks/routing.py                      # ~12 min on 2 cores (45 runs)
     .venv/bin/python benchmarks/routing.py --requests 8 --seeds 2 --scenarios local --policies rr,residency
 
 Two "nodes", each a broker (residency events on, docs/events.md) with its own
@@ -44,7 +44,7 @@ items the request carried minus those is what caching avoided: vLLM's own encode
 cache or the broker), broker hit rate (loads / (loads + encoder runs)), TTFT
 p50/p90 (``max_tokens=1`` chat completion, routing time excluded and reported as
 ``route ms``), throughput (requests / wall time, routing included). Printed per run as it
-goes, then per (scenario, policy) as mean ± sample standard deviation [min-max] over the
+goes, then per (scenario, policy) as mean ± sample standard deviation [min, max] over the
 seeds, then per scenario the paired per-seed differences in encoder runs between policies
 (how many seeds each policy ran fewer, as many, more). Encoder runs depend on timing too:
 with requests in flight together, two nodes (or one node's two requests) may both encode
@@ -475,7 +475,17 @@ def one_run(
         with BrokerClient(brokers[0].socket_path) as c:
             c.clear()
         servers[0].reset_encoder_cache()
-        time.sleep(1.0)  # the removals reach the aggregator (tens of ms; heartbeats 0.5 s)
+        # The removals reach the aggregator (tens of ms): until it no longer places on
+        # node 0 anything the warm phase sent there, the residency policy would route on
+        # stale data.
+        sent = list(router.history[0])
+        deadline = time.monotonic() + 30
+        while sent and any(
+            w["node"] == brokers[0].name for where in agg.lookup(env["model"], sent) for w in where
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the aggregator still places cleared entries on node 0")
+            time.sleep(0.05)
         measured = workload[half:]
     before = counts(servers)
     res = run_requests(router, servers, env["model"], measured, env["image"], args.concurrency)
@@ -519,13 +529,13 @@ def hit_rate(res: dict[str, Any]) -> float:
 
 
 def spread(xs: list[float], fmt: str = ".1f", scale: float = 1.0) -> str:
-    """``mean ± sample sd [min-max]`` of ``xs`` (each times ``scale``)."""
+    """``mean ± sample sd [min, max]`` of ``xs`` (each times ``scale``)."""
     xs = [x * scale for x in xs if x == x]  # NaN (a run with no TTFT) left out
     if not xs:
         return "-"
     mean = statistics.fmean(xs)
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{mean:{fmt}} ± {sd:{fmt}} [{min(xs):{fmt}}-{max(xs):{fmt}}]"
+    return f"{mean:{fmt}} ± {sd:{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
 
 
 SPREAD_HEADERS = [
@@ -537,7 +547,7 @@ SPREAD_HEADERS = [
 def spread_rows(
     runs: list[dict[str, Any]], scenarios: list[str], policies: list[str]
 ) -> list[list[Any]]:
-    """Per (scenario, policy): each figure as mean ± sd [min-max] over the seeds."""
+    """Per (scenario, policy): each figure as mean ± sd [min, max] over the seeds."""
     rows = []
     for sc in scenarios:
         for po in policies:
@@ -563,7 +573,7 @@ def spread_rows(
 
 
 PAIR_HEADERS = [
-    "scenario", "comparison", "encoder runs saved per seed", "mean ± sd [min-max]",
+    "scenario", "comparison", "encoder runs saved per seed", "mean ± sd [min, max]",
     "fewer / as many / more runs (seeds)",
 ]  # fmt: skip
 PAIRS = (("residency", "rr"), ("residency", "history"), ("history", "rr"))
@@ -784,7 +794,7 @@ def main() -> int:
         print(n)
     print("\nEach run (in the order run):")
     print(table(RUN_HEADERS, rows))
-    print(f"\nPer scenario and policy, mean ± sd [min-max] over {len(seeds)} seeds:")
+    print(f"\nPer scenario and policy, mean ± sd [min, max] over {len(seeds)} seeds:")
     print(table(SPREAD_HEADERS, spread_rows(raw["runs"], scenarios, policies)))
     pairs = pair_rows(raw["runs"], scenarios, seeds)
     if pairs:
