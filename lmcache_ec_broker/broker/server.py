@@ -191,7 +191,7 @@ class BrokerServer:
                     owner = self.connections.get(entry.owner)
                     if owner is not None:
                         owner.read_pending()
-            if missing and self.store.arena_conns and self.journal is not None:
+            if missing and len(self.store.arenas) and self.journal is not None:
                 self._settle_arenas(conn)
         finally:
             settling.discard(conn)
@@ -200,7 +200,7 @@ class BrokerServer:
         journal = self.journal
         assert journal is not None
         settling = self._settling
-        for holder, slot in list(self.store.arena_conns.items()):
+        for holder, slot in self.store.arenas.holders().items():
             if holder != conn and holder not in settling and journal.unsettled(slot):
                 owner = self.connections.get(holder)
                 if owner is not None:
@@ -407,7 +407,7 @@ class BrokerServer:
             )
             self._publish_filter(name)
             self._publish_residency(name + "-r")
-            if self.store.arena_cap_blocks:
+            if self.store.arenas.cap_blocks:
                 self.journal = Journal.create(name + "-j", self.config.max_connections)
             for add_on in self.add_ons:  # before the socket exists: a refusal precedes readiness
                 add_on(self)
