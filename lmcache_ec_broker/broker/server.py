@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import msgspec
 
-from ..config import BrokerConfig, ensure_socket_dir, format_size
+from ..config import BrokerConfig
+from ..private_dirs import ensure_socket_dir
 from ..protocol import (
     Abort,
     ArenaGrant,
@@ -70,6 +71,7 @@ from ..shm.journal import Journal
 from ..shm.residency import ResidencyWriter
 from ..shm.residency import slots_for as residency_slots
 from ..shm.segment import Segment, remove_stale, unlink_segment
+from ..sizes import format_size
 from .access import AccessPolicy
 from .connection import Connection
 from .coordinator import Coordinator

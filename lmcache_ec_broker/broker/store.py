@@ -41,7 +41,6 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..config import format_size
 from ..protocol import (
     ArenaReply,
     ErrorCode,
@@ -54,6 +53,7 @@ from ..protocol import (
     expected_nbytes,
 )
 from ..shm.allocator import BlockAllocator, Run
+from ..sizes import format_size
 from .arenas import ArenaBooks
 from .entries import (  # re-exported: coordinator, server and tests import them from here
     ConnState,
