@@ -186,3 +186,23 @@ def test_a_stuck_flusher_never_holds_up_the_caller(make_broker) -> None:
         )
         assert c.connected and c.ping() and c.reconnects == 0
     assert st["hits"] - before["hits"] == served
+
+
+def test_the_benchmark_runs_and_reports_both_modes() -> None:
+    # benchmarks/served_flush.py, smoke-sized: its figures are in docs/performance.md.
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "served_flush.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--iters", "50", "--rounds", "1", "--trials", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    got = json.loads(out.stdout)
+    ops = {"has() hit", "get() 64 KiB", "get_into() 64 KiB"}
+    assert set(got["per_call_us"]) == {"off", "on"}
+    assert all(set(v) == ops for v in got["per_call_us"].values())
+    assert len(got["idle_delay_ms"]) == 2 and all(0 < d < 10_000 for d in got["idle_delay_ms"])
