@@ -206,3 +206,27 @@ def test_the_benchmark_runs_and_reports_both_modes() -> None:
     assert set(got["per_call_us"]) == {"off", "on"}
     assert all(set(v) == ops for v in got["per_call_us"].values())
     assert len(got["idle_delay_ms"]) == 2 and all(0 < d < 10_000 for d in got["idle_delay_ms"])
+
+
+def test_the_flusher_thread_ends_with_its_client(broker) -> None:
+    # One daemon thread per client that served a hit; close() ends it, and so does
+    # dropping a client nobody closed (the thread holds it weakly).
+    import gc
+    import threading
+
+    def flushers() -> int:
+        return sum(t.name == "lmcache-ec-served" for t in threading.enumerate())
+
+    base = flushers()
+    t = torch.arange(64, dtype=torch.float32)
+    with BrokerClient(broker.socket_path) as w:
+        assert w.put("k", t) and w.flush()
+    closed = BrokerClient(broker.socket_path)
+    dropped = BrokerClient(broker.socket_path)
+    for c in (closed, dropped):
+        assert c.has(["k"]) == [True] and c.index_hits == 1
+    assert flushers() == base + 2
+    closed.close()
+    del dropped, c
+    gc.collect()
+    wait_until(lambda: flushers() == base, "the flusher threads to end", timeout=10)

@@ -24,9 +24,12 @@ What keeps the caller safe (docs/design.md "Served hits reach the broker within
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 # How often an idle flusher wakes to notice that its client was freed.
 _IDLE_WAKE_S = 1.0
@@ -66,7 +69,11 @@ class ServedFlusher:
             armed.wait(_IDLE_WAKE_S)
             armed.clear()  # before the step: a batch armed from now on wakes us again
             while not stopping.is_set():
-                delay = step()
+                try:
+                    delay = step()
+                except Exception:  # never let a report kill the thread (or log per hit)
+                    log.debug("Served flush failed", exc_info=True)
+                    delay = None
                 if delay is None:
                     break
                 if delay == GONE or stopping.wait(delay):
