@@ -36,8 +36,9 @@ Failure model (what a serving engine can rely on):
   nothing: answered, or copied and confirmed by the slot's seqlock word, locally
   (connector/index_path.py), and told to the broker in a batched reply-less Served
   frame, ahead of the next request or, within 50 ms, alone (served_flush.py); so
-  does a get of this connection's own placement the broker has not handled yet. Otherwise ``get`` waits for its Get reply and posts the Release,
-  and ``has`` is one short request.
+  does a get of this connection's own placement the broker has not handled yet.
+  Otherwise ``get`` waits for its Get reply and posts the Release, and ``has`` is
+  one short request.
 """
 
 from __future__ import annotations
