@@ -114,7 +114,8 @@ def test_gpu_transfer_smoke() -> None:
 def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
     # Video and audio: tests/e2e/test_vllm_modalities.py makes the same checks on servers
     # it starts anyway (a warm request on the same instance and on a second one are
-    # broker hits); runs here started 6 more engines for them (~140 s of CI).
+    # broker hits, num_frames per request); runs here started 6 more engines for them
+    # (~140 s of CI).
     # test_ttft_video_and_audio_setups below runs their setup code. The "other node"
     # remote hit is checked here for images; the remote tier stores the bytes whatever
     # the modality (tests/test_remote_*.py).

@@ -133,8 +133,10 @@ def servers(broker: BrokerProcess, workdir: Path) -> Iterator[dict[str, VllmServ
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
         fleet[name] = VllmServer(model, workdir / f"{name}.log", cfg, args, env=env)
 
-    server("video_a", video_model, video_args(FRAMES))
-    server("video_b", video_model, video_args(FRAMES))
+    # A and B also take num_frames per request (media_io_kwargs), as benchmarks/ttft.py's do.
+    trust = [*video_args(FRAMES), "--trust-request-mm-kwargs"]
+    server("video_a", video_model, trust)
+    server("video_b", video_model, trust)
     server("video_other_frames", video_model, video_args(OTHER_FRAMES))
     # The reference without a connector; it also accepts a per-request num_frames.
     server("video_plain", video_model, [*video_args(FRAMES), "--trust-request-mm-kwargs"], False)
@@ -230,6 +232,21 @@ def test_audio_second_instance_loads_first_instances_entry(servers, broker):
         part=audio_part(wav_bytes(seed=22, seconds=CLIP_SECONDS)),
         control=audio_part(wav_bytes(seed=26, seconds=CLIP_SECONDS)),
         entry_bytes=audio_entry_bytes(CLIP_SECONDS),
+    )  # fmt: skip
+
+
+def test_video_frames_asked_per_request_are_shared_too(servers, broker):
+    """num_frames per request (``media_io_kwargs``), as benchmarks/ttft.py --modality
+    video sends it: vLLM hashes it into mm_hash, A stores an entry of that many frames,
+    A (reset) and B load it. (Replaces that benchmark's video smoke run, which started
+    three engines of its own for these checks.)"""
+    per_request = {"video": {"video_backend": "opencv", "num_frames": OTHER_FRAMES}}
+    check_second_instance_loads(
+        servers["video_a"], servers["video_b"], servers["video_plain"], broker,
+        part=video_part(mp4_data_url(seed=14, frames=CLIP_FRAMES)),
+        control=video_part(mp4_data_url(seed=12, frames=CLIP_FRAMES)),
+        entry_bytes=video_entry_bytes(OTHER_FRAMES),
+        media_io_kwargs=per_request,
     )  # fmt: skip
 
 
