@@ -17,7 +17,8 @@ from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector
 
-logger = init_logger(__name__)
+# Under "vllm.": the only logger tree vLLM configures (its handler, its format).
+logger = init_logger("vllm.counting_ec_connector")
 
 ENCODER_RAN = re.compile(r"EC encoder ran: mm_hash=(\S+)")
 
