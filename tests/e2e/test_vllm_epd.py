@@ -325,12 +325,10 @@ def test_repeat_after_e_cache_dropped_is_not_encoded_again(fleet) -> None:
     tokens = chat_tokens(fleet["proxy"].url, fleet["model"], IMAGE_A)
 
     new_e = encoder_runs(e)[e_runs:]
-    if new_e:
-        pytest.xfail(
-            f"E encoded {new_e} again (node 1 put_present "
-            f"{put_present} -> {fleet['brokers']['node-1'].stats()['put_present']}): "
-            "ec_producer instances do not look items up yet (epdcore)"
-        )
+    assert new_e == [], (
+        f"E encoded {new_e} again (node 1 put_present {put_present} -> "
+        f"{fleet['brokers']['node-1'].stats()['put_present']})"
+    )
     assert encoder_runs(pd)[pd_runs:] == [], "PD encoded it"
     assert pd.ec_loads()[pd_loads:] == [mm_hash], pd.log_tail()
     assert tokens == chat_tokens(plain.url, fleet["model"], IMAGE_A)
