@@ -340,6 +340,11 @@ class Deployment:
                     break
                 time.sleep(0.1)
 
+    def proxy_stats(self, variant: str) -> dict[str, Any]:
+        if variant not in self.proxies:
+            return {}
+        return json.loads(urllib.request.urlopen(self.proxies[variant] + "/stats").read())
+
     def encoder_runs(self) -> int:
         return sum(len(ENCODER_RAN.findall(s.log_text())) for s in self.servers)
 
@@ -368,6 +373,7 @@ def run_one(
         for ids in reqs
     ]
     before = dep.encoder_runs()
+    stats0 = dep.proxy_stats(variant)
     res = asyncio.run(send_all(dep.targets(variant), bodies, rate, args.seed))
     # Each encoder run's log line is written in the step that ran it, before any token
     # of its request is answered: every run of this run's requests is counted now.
@@ -375,8 +381,13 @@ def run_one(
     res["distinct"] = len({i for ids in reqs for i in ids})
     res["items"] = sum(len(ids) for ids in reqs)
     res["requests"] = len(reqs)
-    if variant in dep.proxies:
-        res["proxy"] = json.loads(urllib.request.urlopen(dep.proxies[variant] + "/stats").read())
+    if variant in dep.proxies:  # the proxy's counters count from its start: this run's share
+        stats1 = dep.proxy_stats(variant)
+        res["proxy"] = {
+            k: v - stats0[k]
+            for k, v in stats1.items()
+            if isinstance(v, (int, float)) and isinstance(stats0.get(k), (int, float))
+        }
     return res
 
 
@@ -390,7 +401,10 @@ def rows_for(results: list[dict[str, Any]]) -> list[list[Any]]:
         b = base.get((r["workload"], r["rate"]))
         bp50 = percentile(b["ttfts"], 0.5) if b else float("nan")
         bthr = len(b["ttfts"]) / b["wall_s"] if b and b["wall_s"] > 0 else float("nan")
-        skipped = r.get("proxy", {}).get("items_skipped", "-")
+        px = r.get("proxy", {})
+        skipped = px.get("items_skipped", "-")
+        ms = px.get("lookup_ms_total")
+        lookup = f"{ms / px['lookups']:.0f}" if ms is not None and px.get("lookups") else "-"
         rows.append(
             [
                 r["workload"],
@@ -404,6 +418,7 @@ def rows_for(results: list[dict[str, Any]]) -> list[list[Any]]:
                 f"{r['encoder_runs'] / r['distinct']:.2f}" if r["distinct"] else "-",
                 f"{r['requests']}/{r['items']}/{r['distinct']}",
                 skipped,
+                lookup,
                 len(r["errors"]),
             ]
         )
@@ -412,7 +427,8 @@ def rows_for(results: list[dict[str, Any]]) -> list[list[Any]]:
 
 HEADERS = [
     "workload", "req/s", "config", "TTFT p50 ms", "TTFT p99 ms", "p50 vs agg",
-    "done req/s", "thr vs agg", "enc runs/item", "req/items/distinct", "E skipped", "errors",
+    "done req/s", "thr vs agg", "enc runs/item", "req/items/distinct", "items not sent to E", "lookup ms",
+    "errors",
 ]  # fmt: skip
 
 

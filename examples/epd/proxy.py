@@ -84,6 +84,7 @@ class Counters:
         d = asdict(self)
         ms = sorted(d.pop("lookup_ms"))
         d["lookup_ms_p50"] = ms[len(ms) // 2] if ms else None
+        d["lookup_ms_total"] = sum(ms)
         return d
 
 
