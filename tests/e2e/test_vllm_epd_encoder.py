@@ -63,7 +63,7 @@ def test_encoder_instance_does_not_encode_an_item_its_broker_holds(make_broker, 
         assert encode_on(e, image) == 200
         assert len(e.ec_put_hashes()) == 1, e.log_tail()
         first = c.stats()
-        assert first["entries"] == 1 and first["publish_waits"] >= 1
+        assert first["entries"] == 1
         # vLLM's own encoder cache forgets the item: the next request reaches the
         # connector's has_cache_item, which finds it in the broker
         e.reset_encoder_cache()
@@ -73,6 +73,7 @@ def test_encoder_instance_does_not_encode_an_item_its_broker_holds(make_broker, 
             assert again[name] == first[name], f"the item was encoded and put again ({name})"
         assert len(e.ec_put_hashes()) == 1
         assert e.ec_loads() == [], "an encoder instance loaded an item"
-        assert again["publish_waits"] > first["publish_waits"]  # the skipped item, published
+        # both steps published (the first its put, the second the skipped item)
+        assert first["publish_waits"] >= 1 and again["publish_waits"] > first["publish_waits"]
         assert again["publish_failures"] == 0
         assert "Traceback" not in e.log_text()
