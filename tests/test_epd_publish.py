@@ -131,3 +131,51 @@ def test_control_each_half_alone_loses_the_race(server, proxy, node, publish, fr
         _round(producer, consumer, f"ctl-{i}", i, publish=publish, fresh=fresh) for i in range(5)
     ]
     assert not any(found), f"found {sum(found)} of 5: the delays did not open the race"
+
+
+# ---------------------------------------------------------------- Publish's edges
+
+
+def test_publish_without_a_remote_tier_answers_from_the_slab(broker) -> None:
+    """One node, no fleet tier: a committed entry is published (every instance asks
+    this broker), an unknown key is absent -- counted as a failure."""
+    with BrokerClient(broker.socket_path, timeout_s=10.0) as c:
+        assert c.put("here", tensor(1))
+        assert c.publish(["here", "nowhere"], 1000) == [PublishState.PUBLISHED, PublishState.ABSENT]
+        s = c.stats()
+        assert s["publish_waits"] == 1 and s["publish_failures"] == 1
+
+
+def test_publish_is_bounded_by_its_wait(server, node) -> None:
+    """A write still on the wire at wait_ms is TIMEOUT, answered by then (the
+    instance answers; its PD instance would encode the item), and counted."""
+    with DelayProxy(server.port) as slow:
+        slow.hold_s["SET"] = 1.5
+        c = node(slow.url(server.password))
+        assert c.put("slow", tensor(2))
+        t0 = time.monotonic()
+        assert c.publish(["slow"], 200) == [PublishState.TIMEOUT]
+        assert time.monotonic() - t0 < 1.0
+        assert c.stats()["publish_timeouts"] == 1
+
+
+def test_publish_writes_an_entry_whose_write_behind_was_dropped(
+    server, make_broker, tmp_path
+) -> None:
+    """A write-behind dropped (its queue full) is not lost for a publisher: the entry,
+    still in the slab, is written when it is published."""
+    with DelayProxy(server.port) as slow:
+        slow.hold_s["SET"] = 0.3
+        cfg = tmp_path / "q1.yaml"
+        cfg.write_text(
+            f"remote_url: '{slow.url(server.password)}'\nremote_timeout_s: 2.0\n"
+            "remote_write_queue: 1\n"
+        )
+        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
+        with BrokerClient(b.socket_path, timeout_s=10.0) as c:
+            assert c.put("first", tensor(3)) and c.put("second", tensor(4))
+            assert c.publish(["first"], 5000) == [PublishState.PUBLISHED]
+            assert c.stats()["remote_write_drops"] == 1  # "second" found the queue full
+            assert server.cli("exists", "lmcache-ec:second") == "0"
+            assert c.publish(["second"], 5000) == [PublishState.PUBLISHED]
+            assert server.cli("exists", "lmcache-ec:second") == "1"

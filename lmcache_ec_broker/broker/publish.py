@@ -117,6 +117,8 @@ class Publications:
             if store.ready(key) is not None or any(_peek(t, key) for t in tiers.sync_tiers):
                 return PublishState.PUBLISHED
             return PublishState.ABSENT
+        if len(tiers.remote_tiers) == 1:  # the usual case: no task more (a known key
+            return await self._on_tier(tiers.remote_tiers[0], key)  # answers in one turn)
         states = await asyncio.gather(*(self._on_tier(t, key) for t in tiers.remote_tiers))
         return max(states)  # PUBLISHED only if every remote tier holds it
 
