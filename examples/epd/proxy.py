@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import itertools
 import json
@@ -63,6 +64,7 @@ NOT_FOR_ENCODER = (
 )  # fmt: skip
 # Tiers a PD instance can read: its own node's (any), and the shared fleet tier.
 SHARED_TIER = "remote"
+LOOKUP_WINDOW = 10_000
 
 
 @dataclass
@@ -78,13 +80,20 @@ class Counters:
     lookups: int = 0
     lookup_errors: int = 0  # render or lookup failed: the E hop was made
     pd_errors: int = 0
-    lookup_ms: list[float] = field(default_factory=list)
+    lookup_ms_total: float = 0.0
+    # the last LOOKUP_WINDOW lookups' times, for the median (bounded: a proxy runs for long)
+    lookup_ms: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LOOKUP_WINDOW)
+    )
+
+    def note_lookup(self, ms: float) -> None:
+        self.lookup_ms.append(ms)
+        self.lookup_ms_total += ms
 
     def as_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        ms = sorted(d.pop("lookup_ms"))
+        d = {k: v for k, v in asdict(self).items() if k != "lookup_ms"}
+        ms = sorted(self.lookup_ms)
         d["lookup_ms_p50"] = ms[len(ms) // 2] if ms else None
-        d["lookup_ms_total"] = sum(ms)
         return d
 
 
@@ -208,6 +217,8 @@ class Proxy:
                 if r.status != 200:
                     raise RuntimeError(f"lookup answered {r.status}: {(await r.text())[:200]}")
                 results = (await r.json())["results"]
+            if len(results) != len(hashes):
+                raise RuntimeError(f"lookup answered {len(results)} results for {len(hashes)}")
         except (
             aiohttp.ClientError,
             asyncio.TimeoutError,
@@ -219,7 +230,7 @@ class Proxy:
             log.warning("lookup-first failed (%s): every item goes to E", exc)
             return first, list(range(len(parts)))
         finally:
-            self.stats.lookup_ms.append((time.perf_counter() - t0) * 1e3)
+            self.stats.note_lookup((time.perf_counter() - t0) * 1e3)
         wheres = [res.get("nodes") or [] for res in results]
         best: tuple[PdInstance, list[int]] | None = None
         for pd in [first, *(p for p in self.pds if p is not first)]:
