@@ -1,7 +1,7 @@
 """Routing on encoder-cache residency, with real ``vllm serve``.
 
-    .venv/bin/python benchmarks/routing.py                      # ~10 min on 2 cores
-    .venv/bin/python benchmarks/routing.py --requests 8 --scenarios local --policies rr,residency
+    .venv/bin/python benchmarks/routing.py                      # ~12 min on 2 cores (45 runs)
+    .venv/bin/python benchmarks/routing.py --requests 8 --seeds 2 --scenarios local --policies rr,residency
 
 Two "nodes", each a broker (residency events on, docs/events.md) with its own
 ``vllm serve`` of the tiny offline Qwen2-VL (ECBrokerConnector, ec_both,
@@ -22,7 +22,11 @@ get the request's mm hashes from vLLM's ``/v1/chat/completions/render``
 
 Workload: ``--images`` distinct images with Zipf(``--zipf``) popularity, one of
 ``--prompts`` prompts per request, ``--multi`` of the requests carry two images;
-``--concurrency`` requests in flight. The same seeded sequence for every policy.
+``--concurrency`` requests in flight. ``--seeds`` workloads (seeds ``--seed``,
+``--seed``+1, ...); every policy runs each seed's same sequence, so policies compare
+pair-wise per seed. Within a seed the (scenario, policy) runs go in an order shuffled
+by that seed (recorded in the JSON), so no policy always runs first on a fresh host or
+last on a warm one.
 
 Scenarios: ``local`` (brokers with slab only), ``remote`` (both brokers share one
 redis-server as their remote tier), ``evict`` (slab only; the first half is
@@ -30,14 +34,22 @@ routed round-robin for every policy -- both nodes get the popular images, the
 history policy records where each went -- then node 0's broker is cleared and its
 vLLM encoder cache reset, a server-side eviction the router did not cause; only the
 second half, routed by the policy, is measured). Every
-(scenario, policy) run starts from empty caches: brokers restarted (vLLM
-reconnects), ``/reset_encoder_cache`` on both, Redis restarted.
+(scenario, policy, seed) run starts from empty caches: brokers restarted (vLLM
+reconnects), Redis restarted, and on both vLLM servers ``/reset_mm_cache`` (the
+multimodal processor cache: a run must not reuse the previous run's processed images)
+then ``/reset_encoder_cache``.
 
 Figures: encoder runs (the connector's stored puts: each is an encoder run; the
 items the request carried minus those is what caching avoided: vLLM's own encoder
 cache or the broker), broker hit rate (loads / (loads + encoder runs)), TTFT
 p50/p90 (``max_tokens=1`` chat completion, routing time excluded and reported as
-``route ms``), throughput (requests / wall time, routing included).
+``route ms``), throughput (requests / wall time, routing included). Printed per run as it
+goes, then per (scenario, policy) as mean ± sample standard deviation [min, max] over the
+seeds, then per scenario the paired per-seed differences in encoder runs between policies
+(how many seeds each policy ran fewer, as many, more). Encoder runs depend on timing too:
+with requests in flight together, two nodes (or one node's two requests) may both encode
+an item before either has stored it, and vLLM's own encoder cache keeps what the
+scheduling order left in it; rerun a seed to see that share of the spread.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -398,7 +411,20 @@ def wait_connected(brokers: list[NodeBroker], servers: list[Any], model: str, im
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not reconnect to broker {b.name}")
             time.sleep(0.5)
+
+
+def reset_vllm_caches(servers: list[Any]) -> list[str]:
+    """Empty both vLLM servers' multimodal processor cache (``/reset_mm_cache``) and then
+    their encoder cache (``/reset_encoder_cache``), so a run reuses nothing of the previous
+    one (both endpoints need ``VLLM_SERVER_DEV_MODE=1``, set by ``VllmServer``). The
+    caches reset, in order."""
+    for s in servers:
+        req = urllib.request.Request(s.url + "/reset_mm_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{s.url}/reset_mm_cache answered {r.status}")
         s.reset_encoder_cache()
+    return ["mm", "encoder"]
 
 
 def one_run(
@@ -419,6 +445,7 @@ def one_run(
         b.stop()
         b.start(remote_url)
     wait_connected(brokers, servers, env["model"], env["image"])
+    caches_reset = reset_vllm_caches(servers)
     agg: Aggregator = env["aggregator"]
     deadline = time.monotonic() + 30
     while not all(n.get("live") for n in agg.nodes().values()):
@@ -448,27 +475,39 @@ def one_run(
         with BrokerClient(brokers[0].socket_path) as c:
             c.clear()
         servers[0].reset_encoder_cache()
-        time.sleep(1.0)  # the removals reach the aggregator (tens of ms; heartbeats 0.5 s)
+        # The removals reach the aggregator (tens of ms): until it no longer places on
+        # node 0 anything the warm phase sent there, the residency policy would route on
+        # stale data.
+        sent = list(router.history[0])
+        deadline = time.monotonic() + 30
+        while sent and any(
+            w["node"] == brokers[0].name for where in agg.lookup(env["model"], sent) for w in where
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the aggregator still places cleared entries on node 0")
+            time.sleep(0.05)
         measured = workload[half:]
     before = counts(servers)
     res = run_requests(router, servers, env["model"], measured, env["image"], args.concurrency)
     after = counts(servers)
     res["encoder_runs"] = after[0] - before[0]
     res["loads"] = after[1] - before[1]
+    res["caches_reset"] = caches_reset
     return res
 
 
-def summarize(scenario: str, policy: str, res: dict[str, Any]) -> list[Any]:
-    runs, loads, items = res["encoder_runs"], res["loads"], res["items"]
-    hit = loads / (loads + runs) if loads + runs else 0.0
+def summarize(scenario: str, policy: str, seed: int, res: dict[str, Any]) -> list[Any]:
+    """One run's row (printed as the runs go)."""
+    runs, items = res["encoder_runs"], res["items"]
     t = res["ttfts"]
     return [
         scenario,
         policy,
+        seed,
         f"{res['requests']}/{items}",
         runs,
         f"{items - runs} ({(items - runs) / items:.0%})" if items else "-",
-        f"{hit:.0%}",
+        f"{hit_rate(res):.0%}",
         f"{percentile(t, 0.5) * 1e3:.0f}" if t else "-",
         f"{percentile(t, 0.9) * 1e3:.0f}" if t else "-",
         f"{len(t) / res['wall_s']:.2f}",
@@ -478,10 +517,93 @@ def summarize(scenario: str, policy: str, res: dict[str, Any]) -> list[Any]:
     ]
 
 
-HEADERS = [
-    "scenario", "policy", "req/items", "encoder runs", "runs avoided", "broker hit",
+RUN_HEADERS = [
+    "scenario", "policy", "seed", "req/items", "encoder runs", "runs avoided", "broker hit",
     "TTFT p50 ms", "TTFT p90 ms", "req/s", "route ms", "per node", "errors",
 ]  # fmt: skip
+
+
+def hit_rate(res: dict[str, Any]) -> float:
+    runs, loads = res["encoder_runs"], res["loads"]
+    return loads / (loads + runs) if loads + runs else 0.0
+
+
+def spread(xs: list[float], fmt: str = ".1f", scale: float = 1.0) -> str:
+    """``mean ± sample sd [min, max]`` of ``xs`` (each times ``scale``)."""
+    xs = [x * scale for x in xs if x == x]  # NaN (a run with no TTFT) left out
+    if not xs:
+        return "-"
+    mean = statistics.fmean(xs)
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{mean:{fmt}} ± {sd:{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
+
+
+SPREAD_HEADERS = [
+    "scenario", "policy", "seeds", "items", "encoder runs", "runs / item", "broker hit %",
+    "TTFT p50 ms", "TTFT p90 ms", "req/s", "errors",
+]  # fmt: skip
+
+
+def spread_rows(
+    runs: list[dict[str, Any]], scenarios: list[str], policies: list[str]
+) -> list[list[Any]]:
+    """Per (scenario, policy): each figure as mean ± sd [min, max] over the seeds."""
+    rows = []
+    for sc in scenarios:
+        for po in policies:
+            rs = [r for r in runs if r["scenario"] == sc and r["policy"] == po]
+            if not rs:
+                continue
+            rows.append(
+                [
+                    sc,
+                    po,
+                    len(rs),
+                    spread([r["items"] for r in rs]),
+                    spread([r["encoder_runs"] for r in rs]),
+                    spread([r["encoder_runs"] / r["items"] for r in rs], ".2f"),
+                    spread([hit_rate(r) for r in rs], ".0f", 100),
+                    spread([percentile(r["ttfts"], 0.5) for r in rs], ".0f", 1e3),
+                    spread([percentile(r["ttfts"], 0.9) for r in rs], ".0f", 1e3),
+                    spread([len(r["ttfts"]) / r["wall_s"] for r in rs], ".2f"),
+                    sum(len(r["errors"]) for r in rs),
+                ]
+            )
+    return rows
+
+
+PAIR_HEADERS = [
+    "scenario", "comparison", "encoder runs saved per seed", "mean ± sd [min, max]",
+    "fewer / as many / more runs (seeds)",
+]  # fmt: skip
+PAIRS = (("residency", "rr"), ("residency", "history"), ("history", "rr"))
+
+
+def pair_rows(
+    runs: list[dict[str, Any]], scenarios: list[str], seeds: list[int]
+) -> list[list[Any]]:
+    """Per scenario and policy pair (a, b): b's encoder runs minus a's on each seed's
+    same workload (positive: a ran the encoder fewer times), and in how many seeds a ran
+    fewer, as many, more."""
+    by = {(r["scenario"], r["policy"], r["seed"]): r["encoder_runs"] for r in runs}
+    rows = []
+    for sc in scenarios:
+        for a, b in PAIRS:
+            d = [
+                by[sc, b, s] - by[sc, a, s] for s in seeds if (sc, a, s) in by and (sc, b, s) in by
+            ]
+            if not d:
+                continue
+            rows.append(
+                [
+                    sc,
+                    f"{a} vs {b}",
+                    " ".join(f"{x:+d}" for x in d),
+                    spread(d),
+                    f"{sum(x > 0 for x in d)} / {sum(x == 0 for x in d)} / {sum(x < 0 for x in d)}",
+                ]
+            )
+    return rows
 
 
 def check_render_matches(env: dict[str, Any]) -> str:
@@ -538,7 +660,13 @@ def main() -> int:
     p.add_argument("--shm-mib", type=int, default=64, help="each broker's slab")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="first workload seed")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="workloads (seeds --seed, --seed+1, ...); every policy runs each; >= 2 for a spread",
+    )
     p.add_argument("--models", default=None, help="model cache root (default: a temp dir)")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
@@ -550,6 +678,8 @@ def main() -> int:
     for x in scenarios:
         if x not in SCENARIOS:
             p.error(f"unknown scenario {x!r}; choose from {', '.join(SCENARIOS)}")
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give at least 1 (5 or more for a spread worth quoting)")
     notes = []
     if "remote" in scenarios and REDIS_SERVER is None:
         scenarios.remove("remote")
@@ -570,11 +700,20 @@ def main() -> int:
             images[k] = png_data_url(1000 + k, args.side)
         return images[k]
 
-    workload = zipf_workload(
-        args.images, args.requests, args.zipf, args.prompts, args.multi, args.seed
-    )
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    workloads = {
+        sd: zipf_workload(args.images, args.requests, args.zipf, args.prompts, args.multi, sd)
+        for sd in seeds
+    }
+    # Each seed's runs in an order that seed shuffles (a fresh host, or one warm from the
+    # last run, favours no policy on average).
+    order: list[tuple[int, str, str]] = []
+    for sd in seeds:
+        runs_of_seed = [(sd, sc, po) for sc in scenarios for po in policies]
+        random.Random(f"order-{sd}").shuffle(runs_of_seed)
+        order += runs_of_seed
     rows: list[list[Any]] = []
-    raw: dict[str, Any] = {"args": vars(args), "runs": []}
+    raw: dict[str, Any] = {"args": vars(args), "order": order, "runs": []}
     keep = bool(os.environ.get("LMCACHE_EC_KEEP_BENCH"))
     cores = os.cpu_count() or 1
     ok = False
@@ -624,31 +763,48 @@ def main() -> int:
             }
             match = check_render_matches(env)
             print(f"  render hashes name the brokers' keys: {match}", file=sys.stderr)
-            for scenario in scenarios:
-                for policy in policies:
-                    print(f"  run {scenario}/{policy} ...", file=sys.stderr, flush=True)
-                    res = one_run(scenario, policy, env, workload, args)
-                    rows.append(summarize(scenario, policy, res))
-                    raw["runs"].append({"scenario": scenario, "policy": policy, **res})
-                    print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+            for index, (sd, scenario, policy) in enumerate(order):
+                print(
+                    f"  run {index + 1}/{len(order)}: seed {sd} {scenario}/{policy} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                res = one_run(scenario, policy, env, workloads[sd], args)
+                rows.append(summarize(scenario, policy, sd, res))
+                raw["runs"].append(
+                    {"index": index, "seed": sd, "scenario": scenario, "policy": policy, **res}
+                )
+                print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
         ok = True
     finally:
         if keep or not ok:
             print(f"  logs kept in {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
+    load = os.getloadavg()
     print(
         f"\nRouting on encoder-cache residency: 2 nodes (broker + vllm serve of the tiny "
         f"Qwen2-VL each), {args.images} images Zipf({args.zipf}), {args.requests} requests "
         f"({args.multi:.0%} with two images), concurrency {args.concurrency}, "
-        f"{args.side}px, load weight {args.load_weight}"
+        f"{args.side}px, load weight {args.load_weight}; seeds {seeds[0]}-{seeds[-1]}, "
+        f"{cores} CPUs, load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     print(f"render hashes name the brokers' keys: {match}")
     for n in notes:
         print(n)
-    print(table(HEADERS, rows))
+    print("\nEach run (in the order run):")
+    print(table(RUN_HEADERS, rows))
+    print(f"\nPer scenario and policy, mean ± sd [min, max] over {len(seeds)} seeds:")
+    print(table(SPREAD_HEADERS, spread_rows(raw["runs"], scenarios, policies)))
+    pairs = pair_rows(raw["runs"], scenarios, seeds)
+    if pairs:
+        print(
+            f"\nEncoder runs saved by the first policy against the second, paired by seed (over {len(seeds)} seeds):"
+        )
+        print(table(PAIR_HEADERS, pairs))
     if args.json:
         raw["render_match"] = match
+        raw["loadavg_end"] = load
         Path(args.json).write_text(json.dumps(raw, indent=1))
     return 0 if all(r[-1] == 0 for r in rows) else 1
 

@@ -136,6 +136,31 @@ def _remove_shm_left_by_vllm() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def plain_qwen2vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The reference ``vllm serve`` of the default tiny Qwen2-VL without a connector,
+    shared by every module that compares answers with one (e2e, remote, Mooncake):
+    each used to start its own, one engine start each (20-30 s on the 2-core host).
+    Started, not yet ready: a module calls ``wait_ready`` after starting its own
+    servers, so the start-ups overlap. Its users send it requests only (no cache
+    resets, no faults), so no test sees another's state through it."""
+    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
+    from lmcache_ec_broker.testing.vllm_server import VllmServer
+
+    work = tmp_path_factory.mktemp("plain")
+    root = os.environ.get("LMCACHE_EC_TEST_MODELS") or work / "models"
+    server = VllmServer(
+        build_tiny_qwen2vl(root, TinyQwen2VLSpec()),
+        work / "plain.log",
+        env={"VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1))},
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[str]:
     # AF_UNIX paths are limited to ~107 bytes: keep them short.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,28 @@ BENCH = REPO / "benchmarks"
 
 
 def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    """Run a benchmark; past ``timeout`` it gets SIGINT first, so its ``finally`` stops
+    the vllm serve / broker / redis processes it started (a SIGKILL would orphan the
+    servers, which run in their own sessions), then SIGKILL. Keep ``timeout`` well under
+    the suite's 600 s per-test timeout, or pytest-timeout kills the test first."""
+    proc = subprocess.Popen(
         [sys.executable, str(BENCH / script), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=REPO,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{script} ran past {timeout:.0f} s:\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_transfer_smoke(tmp_path: Path) -> None:
@@ -58,10 +74,14 @@ def test_wakeup_probe_smoke() -> None:
 
 
 def test_slab_copy_probe_smoke() -> None:
+    # The rotating floors tiny too (defaults: 256 MiB region, 2 s idle, 64 copies: 11.7 s
+    # of the run; 3.4 s with these, 2026-12-02).
     r = _run("slab_copy_probe.py", "--sizes", "1MiB", "--gaps", "0,0.1", "--reps", "2",
+             "--rotate-sizes", "64KiB", "--region", "4MiB", "--copies", "8", "--idle", "0.2",
              timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     assert "slab write (again)" in r.stdout and "1 MiB" in r.stdout, r.stdout
+    assert "rotating shm idle" in r.stdout and "64 KiB" in r.stdout, r.stdout
 
 
 def test_idle_memcpy_probe_smoke() -> None:
@@ -90,15 +110,19 @@ def test_gpu_transfer_smoke() -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize(
-    "modality, sizes",
-    [("image", ["--images", "112"]), ("video", ["--frames", "4", "--video-side", "56"]),
-     ("audio", ["--clips", "2"])],
-)  # fmt: skip
+@pytest.mark.parametrize("modality, sizes", [("image", ["--images", "112"])])
 def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
+    # Video and audio: tests/e2e/test_vllm_modalities.py makes the same checks on servers
+    # it starts anyway (a warm request on the same instance and on a second one are
+    # broker hits, num_frames per request); runs here started 6 more engines for them
+    # (~140 s of CI).
+    # test_ttft_video_and_audio_setups below runs their setup code. The "other node"
+    # remote hit is checked here for images; the remote tier stores the bytes whatever
+    # the modality (tests/test_remote_*.py).
     out = tmp_path / "ttft.json"
+    models = os.environ.get("LMCACHE_EC_TEST_MODELS")
     r = _run("ttft.py", "--modality", modality, *sizes, "--reps", "1", "--json", str(out),
-             timeout=1200)  # fmt: skip
+             *(["--models", models] if models else []), timeout=480)  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert "warm (2nd instance)" in r.stdout and "yes" in r.stdout
     result = json.loads(out.read_text())
@@ -130,3 +154,31 @@ def test_attribution_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     # The broker's own times were read (an arena put waits for none: its Place is posted).
     assert all(row["broker"] > 0 or row["posted"] > 0 for row in rows), rows
+
+
+def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
+    """benchmarks/ttft.py's video and audio setups (no servers: the end-to-end checks
+    its smoke runs made for these modalities are in tests/e2e/test_vllm_modalities.py):
+    the model builds, each sweep point's item is the modality's chat part, video
+    points ask for their frame count per request (servers trust request kwargs), and
+    the servers' context fits the largest item."""
+    import argparse
+
+    from benchmarks import ttft
+
+    models = Path(os.environ.get("LMCACHE_EC_TEST_MODELS") or tmp_path / "models")
+    args = argparse.Namespace(frames="4,8", video_side=56, clips="2,3")
+    video = ttft.SETUPS["video"](args, models)
+    audio = ttft.SETUPS["audio"](args, models)
+    for setup, n_points, part_type in ((video, 2, "video_url"), (audio, 2, "input_audio")):
+        assert (Path(setup.model) / "config.json").exists(), setup.model
+        assert len(setup.points) == n_points
+        context = int(setup.server_args[setup.server_args.index("--max-model-len") + 1])
+        assert context > max(p.tokens for p in setup.points)
+        for point in setup.points:
+            part, extra = point.item(0)
+            assert part["type"] == part_type, part
+    assert [v.item(0)[1]["media_io_kwargs"]["video"]["num_frames"] for v in video.points] == [4, 8]
+    assert video.points[0].tokens < video.points[1].tokens
+    assert "--trust-request-mm-kwargs" in video.server_args
+    assert "--media-io-kwargs" in audio.server_args

@@ -63,7 +63,7 @@ def _start_broker(ns: MooncakeNetns, workdir: Path, name: str, master: MooncakeM
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[dict]:
+def fleet(plain_qwen2vl: VllmServer) -> Iterator[dict]:
     workdir = Path(tempfile.mkdtemp(prefix="ecmv-", dir="/tmp"))
     ns = MooncakeNetns()
     brokers: dict[str, str] = {}
@@ -77,7 +77,7 @@ def fleet() -> Iterator[dict]:
             brokers[name], proc = _start_broker(ns, workdir, name, master)
             procs.append(proc)
         cores = os.cpu_count() or 1
-        for i, name in enumerate(("a", "b", "plain")):
+        for i, name in enumerate(("a", "b")):  # "plain": the session's (conftest.py)
             cfg = (
                 ec_transfer_config("ec_both", brokers[name], **SLOW_HOST_BUDGETS)
                 if name in brokers
@@ -91,9 +91,9 @@ def fleet() -> Iterator[dict]:
             )
         for s in servers.values():
             s.start()
-        for s in servers.values():
+        for s in [*servers.values(), plain_qwen2vl]:
             s.wait_ready(timeout=1200)
-        yield {"brokers": brokers, "servers": servers}
+        yield {"brokers": brokers, "servers": {**servers, "plain": plain_qwen2vl}}
     finally:
         for s in servers.values():
             s.terminate()

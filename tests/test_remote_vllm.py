@@ -67,7 +67,7 @@ class NodeBroker:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[dict]:
+def fleet(plain_qwen2vl: VllmServer) -> Iterator[dict]:
     workdir = Path(tempfile.mkdtemp(prefix="ecrv-", dir="/tmp"))
     srv = RedisServer()
     brokers: dict[str, NodeBroker] = {}
@@ -78,7 +78,7 @@ def fleet() -> Iterator[dict]:
         for name in ("a", "b"):
             brokers[name] = NodeBroker(workdir, name, srv.url("unix"))
         cores = os.cpu_count() or 1
-        for i, name in enumerate(("a", "b", "plain")):
+        for i, name in enumerate(("a", "b")):  # "plain": the session's (conftest.py)
             cfg = (
                 ec_transfer_config("ec_both", brokers[name].socket_path, **SLOW_HOST_BUDGETS)
                 if name in brokers
@@ -93,7 +93,8 @@ def fleet() -> Iterator[dict]:
         for s in servers.values():  # one at a time: a 2-core host thrashes otherwise
             s.start()
             s.wait_ready(timeout=900)
-        yield {"redis": srv, "brokers": brokers, "servers": servers}
+        plain_qwen2vl.wait_ready(timeout=900)
+        yield {"redis": srv, "brokers": brokers, "servers": {**servers, "plain": plain_qwen2vl}}
     finally:
         for s in servers.values():
             s.terminate()

@@ -148,7 +148,7 @@ def arm(workdir: Path, server: str, fault: str) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(
-    model: str, broker: Broker, faulty_broker: Broker, workdir: Path
+    model: str, broker: Broker, faulty_broker: Broker, workdir: Path, plain_qwen2vl: VllmServer
 ) -> Iterator[dict[str, VllmServer]]:
     cores = os.cpu_count() or 1
 
@@ -171,7 +171,6 @@ def servers(
 
     for name, role in [
         ("a", "ec_both"),
-        ("plain", None),
         ("producer", "ec_producer"),
         ("consumer", "ec_consumer"),
     ]:
@@ -194,9 +193,10 @@ def servers(
     try:
         for s in fleet.values():
             s.start()
-        for s in fleet.values():
+        for s in [*fleet.values(), plain_qwen2vl]:
             s.wait_ready(timeout=900)
-        yield fleet
+        # "plain": the session's reference without a connector (conftest.py), not stopped here
+        yield {**fleet, "plain": plain_qwen2vl}
     finally:
         for s in fleet.values():
             s.terminate()

@@ -7,7 +7,8 @@ Audio: the tiny Qwen2-Audio, a WAV written by the test, sent as ``input_audio``.
 
 All servers of the module (seven engines) start at once and are shared by the
 tests; each test uses its own clips so the tests do not see each other's entries.
-Expect a few minutes, almost all of it server start-up.
+Expect a few minutes, almost all of it server start-up. The last test SIGKILLs one
+of the module's servers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 # Unguarded on purpose: CI installs vLLM, so these tests must fail without it, never skip.
 import vllm  # noqa: F401
-from conftest import BrokerProcess, shm_segments
+from conftest import BrokerProcess, shm_segments, wait_until
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.testing.media import audio_part, mp4_data_url, video_part, wav_bytes
@@ -109,6 +110,15 @@ def stats(broker: BrokerProcess) -> dict:
     return s
 
 
+def counted_hits(broker: BrokerProcess, want: int) -> int:
+    """The broker's hit count once it reaches ``want`` (or after 5 s): a load answered
+    from the residency index reaches the broker's counters through the client's
+    flusher, within ~50 ms of the load, not with the reply to vLLM's request."""
+    return wait_until(
+        lambda: (n := int(stats(broker)["hits"])) >= want and n, f"{want} hits", timeout=5
+    )
+
+
 @pytest.fixture(scope="module")
 def servers(broker: BrokerProcess, workdir: Path) -> Iterator[dict[str, VllmServer]]:
     models = os.environ.get("LMCACHE_EC_TEST_MODELS") or workdir / "models"
@@ -123,8 +133,10 @@ def servers(broker: BrokerProcess, workdir: Path) -> Iterator[dict[str, VllmServ
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
         fleet[name] = VllmServer(model, workdir / f"{name}.log", cfg, args, env=env)
 
-    server("video_a", video_model, video_args(FRAMES))
-    server("video_b", video_model, video_args(FRAMES))
+    # A and B also take num_frames per request (media_io_kwargs), as benchmarks/ttft.py's do.
+    trust = [*video_args(FRAMES), "--trust-request-mm-kwargs"]
+    server("video_a", video_model, trust)
+    server("video_b", video_model, trust)
     server("video_other_frames", video_model, video_args(OTHER_FRAMES))
     # The reference without a connector; it also accepts a per-request num_frames.
     server("video_plain", video_model, [*video_args(FRAMES), "--trust-request-mm-kwargs"], False)
@@ -144,29 +156,39 @@ def servers(broker: BrokerProcess, workdir: Path) -> Iterator[dict[str, VllmServ
             s.wait_stopped()
 
 
-def check_second_instance_loads(a, b, plain, broker, part, control, entry_bytes) -> None:
-    """A encodes and stores; B, which never saw the item, loads A's entry (a broker
-    hit, no encoder run, a connector load) and answers exactly as a vLLM without
-    the connector does."""
+def check_second_instance_loads(a, b, plain, broker, part, control, entry_bytes, **request):
+    """A encodes and stores; its encoder cache reset, A loads its own entry back; B,
+    which never saw the item, loads A's entry (a broker hit, no encoder run, a
+    connector load) and answers exactly as a vLLM without the connector does.
+    ``request`` adds top-level request fields (``media_io_kwargs``) to every request."""
     entries = stats(broker)["entries"]
     stored_before = a.ec_puts()
-    tokens_a = a.chat_parts_token_ids([part])
+    tokens_a = a.chat_parts_token_ids([part], **request)
     new = {h: n for h, n in a.ec_puts().items() if h not in stored_before}
     assert list(new.values()) == [entry_bytes], a.log_tail()
     (mm_hash,) = new
     assert stats(broker)["entries"] == entries + 1
 
+    # Warm on the same instance: vLLM's encoder cache emptied, the entry comes from the
+    # broker (benchmarks/ttft.py's "warm (same)").
+    a.reset_encoder_cache()
+    hits = stats(broker)["hits"]
+    assert a.chat_parts_token_ids([part], **request) == tokens_a
+    assert counted_hits(broker, hits + 1) == hits + 1, "A did not load its own entry back"
+    assert a.ec_loads()[-1] == mm_hash
+    assert a.ec_put_hashes().count(mm_hash) == 1, "A ran the encoder again"
+
     hits = stats(broker)["hits"]
     loaded_before = b.ec_loads()
-    tokens_b = b.chat_parts_token_ids([part])
-    assert stats(broker)["hits"] == hits + 1, "B did not load A's entry"
+    tokens_b = b.chat_parts_token_ids([part], **request)
+    assert counted_hits(broker, hits + 1) == hits + 1, "B did not load A's entry"
     assert mm_hash not in b.ec_puts(), "B ran the encoder itself"
     assert b.ec_loads() == [*loaded_before, mm_hash]
 
-    reference = plain.chat_parts_token_ids([part])
+    reference = plain.chat_parts_token_ids([part], **request)
     assert tokens_b == reference == tokens_a
     # The item shapes the answer (so equal tokens above mean the right embedding).
-    assert plain.chat_parts_token_ids([control]) != reference
+    assert plain.chat_parts_token_ids([control], **request) != reference
 
 
 def test_video_second_instance_loads_first_instances_entry(servers, broker):
@@ -199,7 +221,7 @@ def test_same_video_at_another_num_frames_is_another_entry(servers, broker):
     assert tokens_4 == plain.chat_parts_token_ids([part], media_io_kwargs=per_request_4)
 
     b.chat_parts_token_ids([part])
-    assert stats(broker)["hits"] == hits + 1
+    assert counted_hits(broker, hits + 1) == hits + 1
     assert b.ec_loads()[-1] == hash_8, "8-frame instance loaded something else"
 
 
@@ -213,14 +235,30 @@ def test_audio_second_instance_loads_first_instances_entry(servers, broker):
     )  # fmt: skip
 
 
-def test_a_server_killed_on_a_slow_shutdown_leaves_no_shared_memory(workdir: Path):
+def test_video_frames_asked_per_request_are_shared_too(servers, broker):
+    """num_frames per request (``media_io_kwargs``), as benchmarks/ttft.py --modality
+    video sends it: vLLM hashes it into mm_hash, A stores an entry of that many frames,
+    A (reset) and B load it. (Replaces that benchmark's video smoke run, which started
+    three engines of its own for these checks.)"""
+    per_request = {"video": {"video_backend": "opencv", "num_frames": OTHER_FRAMES}}
+    check_second_instance_loads(
+        servers["video_a"], servers["video_b"], servers["video_plain"], broker,
+        part=video_part(mp4_data_url(seed=14, frames=CLIP_FRAMES)),
+        control=video_part(mp4_data_url(seed=12, frames=CLIP_FRAMES)),
+        entry_bytes=video_entry_bytes(OTHER_FRAMES),
+        media_io_kwargs=per_request,
+    )  # fmt: skip
+
+
+def test_a_server_killed_on_a_slow_shutdown_leaves_no_shared_memory(servers):
     """A loaded host makes vLLM's shutdown outlast stop()'s timeout; the SIGKILL that
-    follows used to leave its psm_* segments (~400 MiB for this tiny model) in /dev/shm."""
+    follows used to leave its psm_* segments (~400 MiB for this tiny model) in /dev/shm.
+
+    Runs last in the module (pytest keeps the file's order): it takes one of the
+    module's servers, which no test needs afterwards, instead of starting its own."""
     from lmcache_ec_broker.testing.shm_cleanup import list_vllm_shm
 
-    models = os.environ.get("LMCACHE_EC_TEST_MODELS") or workdir / "models"
-    server = VllmServer(build_tiny_qwen2vl(models, VIDEO_SPEC), workdir / "killed.log")
-    server.start().wait_ready(timeout=900)
+    server = servers.pop("video_other_frames")
     server.stop(timeout=0.1)  # straight to SIGKILL of the whole process group
     assert server.proc is not None and server.proc.returncode is not None
     assert server.shm_seen, "the server was not seen using shared memory"
