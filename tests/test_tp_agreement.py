@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,12 +35,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(mode: str, tmp: Path, *extra: str) -> list[dict[str, Any]]:
+def _spawn(mode: str, tmp: Path, *extra: str, own_shm: int = -1) -> list[dict[str, Any]]:
+    """Two rank processes; rank ``own_shm`` (if any) sees its own empty /dev/shm, as
+    a rank on another host does (a mount namespace with a tmpfs over it)."""
     port = str(_free_port())
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+    def argv(rank: int) -> list[str]:
+        cmd = [sys.executable, str(HERE), mode, str(rank), port, str(tmp), *extra]
+        if rank != own_shm:
+            return cmd
+        ns = 'mount -t tmpfs t /dev/shm && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", ns, "sh", *cmd]
+
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE), mode, str(rank), port, str(tmp), *extra],
+            argv(rank),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -74,6 +85,30 @@ def test_ranks_agree_on_the_union_through_shared_memory(tmp_path: Path) -> None:
     assert r0["steps"][0] == ["h0", "h2"]
     assert r0["steps"][1] == []
     assert r0["steps"][2] == [f"h{i}" for i in range(383, 400)]  # one failed past the bits
+
+
+def _can_unshare_mount() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for a mount namespace"
+    if shutil.which("unshare") is None:
+        return "needs unshare(1)"
+    r = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "t", "/dev/shm"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return None if r.returncode == 0 else f"cannot make a mount namespace here: {r.stderr}"
+
+
+def test_ranks_on_two_hosts_agree_by_the_all_reduce(tmp_path: Path) -> None:
+    """Rank 1 cannot open rank 0's segment (its /dev/shm is another host's): both
+    ranks take the all-reduce, decided by the set-up's all-reduce, and agree."""
+    why = _can_unshare_mount()
+    if why:
+        pytest.skip(why)
+    r0, r1 = _spawn("agree", tmp_path, "union", own_shm=1)
+    assert r0["kind"] == r1["kind"] == "collective"
+    assert r0["steps"] == r1["steps"]
+    assert r0["steps"][0] == ["h0", "h2"] and r0["steps"][1] == []
 
 
 def test_a_rank_that_never_arrives_gives_encode_all_within_the_bound(tmp_path: Path) -> None:

@@ -92,16 +92,22 @@ def setup_agreement(
             payload[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         except OSError as exc:
             log.info("EC TP agreement: no shared segment (%s): the all-reduce is used", exc)
-    torch.distributed.broadcast(payload, src=src, group=group)
-    raw = bytes(payload.tolist())
-    name, _, rest = raw.partition(b"\0")
-    if rank != 0 and name:
-        fd = tp_shm.SharedAgreement.open(name.decode(), rest[: tp_shm.NONCE_LEN], world)
-    ok = torch.tensor([int(fd is not None)], dtype=torch.int32)
-    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
-    if rank == 0 and path:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # every rank that will use it has it open
+    try:
+        torch.distributed.broadcast(payload, src=src, group=group)
+        raw = bytes(payload.tolist())
+        name, _, rest = raw.partition(b"\0")
+        if rank != 0 and name:
+            fd = tp_shm.SharedAgreement.open(name.decode(), rest[: tp_shm.NONCE_LEN], world)
+        ok = torch.tensor([int(fd is not None)], dtype=torch.int32)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    finally:
+        if rank == 0 and path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # every rank that will use it has it open (or never will)
     if int(ok.item()):
         assert fd is not None
         return LocalAgreement(tp_shm.SharedAgreement(fd, rank, world, wait_s))
@@ -124,19 +130,21 @@ def _tp_group() -> Any | None:
     return group
 
 
-_agreements: dict[int, Agreement] = {}  # id(cpu_group) -> its agreement
+# id(cpu_group) -> (the group, its agreement); the group is held so that its id is
+# never reused by a later group while the entry exists.
+_agreements: dict[int, tuple[Any, Agreement]] = {}
 
 
 def agreement_for(group: Any) -> Agreement:
     """The agreement of vLLM's TP ``group``, set up at its first use (the first step
     with loads, which every rank of the group runs together)."""
     key = id(group.cpu_group)
-    agreement = _agreements.get(key)
-    if agreement is None:
+    held, agreement = _agreements.get(key, (None, None))
+    if held is not group.cpu_group or agreement is None:
         agreement = setup_agreement(
             group.cpu_group, group.rank_in_group, group.world_size, group.ranks[0], tp_shm.WAIT_S
         )
-        _agreements[key] = agreement
+        _agreements[key] = (group.cpu_group, agreement)
         log.info("EC TP agreement on failed loads: %s (%d ranks)", agreement.kind, group.world_size)
     return agreement
 
