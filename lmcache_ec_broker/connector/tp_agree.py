@@ -68,8 +68,8 @@ class LocalAgreement:
         agreed = self.shared.agree(tp_shm.bits_of(len(hashes), mine))
         if agreed is None:
             log.warning(
-                "EC TP agreement: a rank did not arrive within %.1f s; every rank encodes "
-                "all %d loads of this step",
+                "EC TP agreement: a rank was more than %g s late for this step; every rank "
+                "encodes all %d loads of it",
                 self.shared.wait_s,
                 len(hashes),
             )
