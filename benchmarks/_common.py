@@ -41,7 +41,7 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
 
 
 def parse_sizes(text: str) -> list[int]:
-    from lmcache_ec_broker.config import parse_size
+    from lmcache_ec_broker.sizes import parse_size
 
     return [parse_size(s.strip(), plain_unit=1) for s in text.split(",") if s.strip()]
 

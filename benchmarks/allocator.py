@@ -111,7 +111,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, args.impl_path or REPO)
     import lmcache_ec_broker
-    from lmcache_ec_broker.config import parse_size
+    from lmcache_ec_broker.sizes import parse_size
 
     nblocks = parse_size(args.slab, 1) // parse_size(args.block, 1)
     res = run(nblocks, args.ops, args.seed)

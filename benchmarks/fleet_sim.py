@@ -161,7 +161,7 @@ def simulate(
 
 
 def _sizes(text: str) -> list[int]:
-    from lmcache_ec_broker.config import parse_size
+    from lmcache_ec_broker.sizes import parse_size
 
     return [parse_size(s.strip(), plain_unit=GiB) for s in text.split(",") if s.strip()]
 

@@ -98,7 +98,7 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
     """Run the broker CLI with timers around its remote-hit functions; SIGUSR1 writes
     the events recorded so far to ``trace_path`` (JSON) and forgets them."""
     from lmcache_ec_broker import cli
-    from lmcache_ec_broker.broker import coordinator
+    from lmcache_ec_broker.broker import coordinator, promotion
     from lmcache_ec_broker.broker.tiers.redis import resp
     from lmcache_ec_broker.broker.tiers.remote import tier as remote_tier
     from lmcache_ec_broker.broker.tiers.remote import value as remote_value
@@ -160,9 +160,8 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
     coordinator.Coordinator.get = traced_get  # type: ignore[method-assign]
     # a promotion from a lookup's meta, or a fetch (lookup and read in one round trip);
     # a fetch that cannot run here looks up and promotes inside: the outer one counts
-    timed_async(coordinator.Coordinator, "_promote_from", "promote")
-    if hasattr(coordinator.Coordinator, "_fetch_from"):
-        timed_async(coordinator.Coordinator, "_fetch_from", "promote")
+    timed_async(promotion.Promoter, "_promote_from", "promote")
+    timed_async(promotion.Promoter, "_fetch_from", "promote")
     timed_async(remote_tier.RemoteTier, "lookup", "lookup")
     timed_async(remote_tier.RemoteTier, "_read", "read")
     if hasattr(remote_tier.RemoteTier, "fetch"):

@@ -12,15 +12,11 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from .config import (
-    LOG_LEVELS,
-    SIZE_FIELDS,
-    default_socket_path,
-    format_size,
-    load_config,
-    parse_size,
-)
+from .config import LOG_LEVELS
+from .config_sources import SIZE_FIELDS, load_config
 from .peercred import peer_cred
+from .private_dirs import default_socket_path
+from .sizes import format_size, parse_size
 
 if TYPE_CHECKING:
     from .connector.client import BrokerClient

@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import BrokerProcess, run_cli, shm_segments
 
-from lmcache_ec_broker.config import GiB, MiB, parse_size
+from lmcache_ec_broker.sizes import GiB, MiB, parse_size
 
 cli = run_cli
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.config import (
+from lmcache_ec_broker.private_dirs import (
     check_private_dir,
     default_socket_path,
     ensure_private_dir,

@@ -12,7 +12,8 @@ import msgspec
 import pytest
 from conftest import shm_segments
 
-from lmcache_ec_broker.config import GiB, MiB, load_config
+from lmcache_ec_broker.config_sources import load_config
+from lmcache_ec_broker.sizes import GiB, MiB
 
 
 @pytest.fixture(autouse=True)
@@ -209,17 +210,17 @@ def test_every_lmcache_ec_variable_the_repository_names_is_known():
     # or a broker started with it in its environment would refuse to start.
     import re
 
-    from lmcache_ec_broker.config import (
+    from lmcache_ec_broker.config import BrokerConfig
+    from lmcache_ec_broker.config_lmcache import LMCACHE_KEYS
+    from lmcache_ec_broker.config_sources import (
         _ALIASES,
         _RETIRED,
         OTHER_ENV,
         OTHER_ENV_PREFIXES,
-        BrokerConfig,
     )
-    from lmcache_ec_broker.config_lmcache import LMCACHE_KEYS
 
     root = Path(__file__).resolve().parent.parent
-    skip = {Path(__file__).resolve(), root / "lmcache_ec_broker" / "config.py"}  # typos on purpose
+    skip = {Path(__file__).resolve(), root / "lmcache_ec_broker" / "config_sources.py"}  # typos on purpose
     named: set[str] = set()
     for path in root.rglob("*"):
         if ".venv" in path.parts or path in skip or not path.is_file():
@@ -236,7 +237,7 @@ def test_every_lmcache_ec_variable_the_repository_names_is_known():
         for v in named - ours - OTHER_ENV - docs_typo
         if not (v + "_").startswith(OTHER_ENV_PREFIXES)  # LMCACHE_EC_TEST_* in the docs too
     }
-    assert stray == set(), f"name them in config.OTHER_ENV or make them settings: {sorted(stray)}"
+    assert stray == set(), f"name them in config_sources.OTHER_ENV or make them settings: {sorted(stray)}"
 
 
 def test_retired_keys_warn_what_to_do_and_change_nothing(tmp_path, monkeypatch, caplog):

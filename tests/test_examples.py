@@ -18,7 +18,8 @@ import pytest
 import yaml
 from conftest import REPO, run_cli, shm_segments
 
-from lmcache_ec_broker.config import BrokerConfig, MiB
+from lmcache_ec_broker.config import BrokerConfig
+from lmcache_ec_broker.sizes import MiB
 
 EXAMPLES = REPO / "examples"
 SYSTEMD = EXAMPLES / "systemd" / "lmcache-ec-broker.service"

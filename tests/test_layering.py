@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUND = frozenset(
     f"{PKG}.{m}"
     for m in (
-        "config", "config_events", "config_mooncake", "config_lmcache", "remote_url",
-        "protocol", "peercred",
+        "config", "config_sources", "config_events", "config_mooncake", "config_lmcache",
+        "sizes", "private_dirs", "remote_url", "protocol", "peercred",
     )  # fmt: skip
 )
 

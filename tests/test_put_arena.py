@@ -21,7 +21,7 @@ from counting_socket import CountingSocket
 from rawproto import RawConn
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.config import load_config
+from lmcache_ec_broker.config_sources import load_config
 from lmcache_ec_broker.protocol import (
     ArenaGrant,
     ArenaReply,

@@ -45,10 +45,9 @@ def cli_surface() -> dict[str, set[str]]:
 
 def config_keys() -> set[str]:
     """Every key a YAML file may set (each also with the ec_ prefix)."""
-    from lmcache_ec_broker import config
+    from lmcache_ec_broker import config, config_sources
 
-    keys = set(config.BrokerConfig.__struct_fields__) | set(config._ALIASES)
-    keys |= set(getattr(config, "_IGNORED", ()))
+    keys = set(config.BrokerConfig.__struct_fields__) | set(config_sources._ALIASES)
     return keys
 
 

@@ -103,7 +103,7 @@ def test_url_parsing() -> None:
 
 
 def test_config_layers_and_refusals(tmp_path, monkeypatch) -> None:
-    from lmcache_ec_broker.config import load_config
+    from lmcache_ec_broker.config_sources import load_config
 
     yaml = tmp_path / "c.yaml"
     yaml.write_text(

@@ -262,7 +262,7 @@ def test_circuit_probe_that_never_reports_expires() -> None:
 
 
 def test_remote_config_layers_and_errors(tmp_path, monkeypatch) -> None:
-    from lmcache_ec_broker.config import load_config
+    from lmcache_ec_broker.config_sources import load_config
 
     for var in [v for v in os.environ if v.startswith("LMCACHE_EC_")]:
         monkeypatch.delenv(var, raising=False)

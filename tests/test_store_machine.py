@@ -242,7 +242,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.leases = {k: t for k, t in self.leases.items() if k[0] != conn}
         self.arenas[conn] = set()  # back to the allocator
         self.store.open_connection(conn)
-        assert conn not in self.store.arena_conns
+        assert self.store.arena_slot(conn) == -1
 
     # ------------------------------------------------------------ invariants
 
@@ -264,8 +264,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert set(store.reservations) == set(self.tokens)
         # Each arena is exactly what was granted to it and not yet placed.
         for c in CONNS:
-            arena = store.conns[c].arena
-            assert (arena.free if arena else set()) == self.arenas[c]
+            assert store.arenas.held(c) == self.arenas[c]
 
 
 TestStoreMachine = StoreMachine.TestCase

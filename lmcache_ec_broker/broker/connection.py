@@ -331,7 +331,7 @@ class Connection(asyncio.Protocol):
                 max_frame_bytes=srv.config.max_frame_bytes,
                 filter_name=srv.filter.name if srv.filter else "",
                 filter_size=srv.filter.size if srv.filter else 0,
-                put_arena_bytes=srv.store.arena_cap_blocks * srv.store.block_size
+                put_arena_bytes=srv.store.arenas.cap_blocks * srv.store.block_size
                 if srv.journal
                 else 0,
                 journal_name=srv.journal.name if srv.journal else "",

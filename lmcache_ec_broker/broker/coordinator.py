@@ -64,7 +64,7 @@ class ResidencyObserver(TierEvents, OwnTierEvents, Protocol):
     """The residency events' tracker, as the coordinator feeds it."""
 
 
-class Coordinator(Promoter):
+class Coordinator:
     def __init__(self, store: Store, lower_tiers: Sequence[LowerTier]) -> None:
         self.store = store
         self.lower_tiers = list(lower_tiers)
@@ -75,13 +75,15 @@ class Coordinator(Promoter):
         # and what this broker itself wrote to or deleted from a shared tier.
         self.observer: ResidencyObserver | None = None
         self.counters = dict.fromkeys(COORDINATOR_COUNTERS, 0)
-        self._promoting: dict[str, Promotion] = {}
         self.leases = TierLeases()
         self.asks = RemoteAsks(self.counters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # promotions and write-behinds
         self.writes = WriteBehind(store, self.lower_tiers, TIER_CONN, self._tasks)
+        self.promoter = Promoter(
+            store, self.leases, self.asks, self.writes, self._tasks, self.counters
+        )
 
     # ---------------------------------------------------------------- TierEvents
 
@@ -150,6 +152,7 @@ class Coordinator(Promoter):
 
     def start(self, loop: asyncio.AbstractEventLoop, mm: Any) -> None:
         self._loop = loop
+        self.promoter.start(loop)
         self.store.open_connection(TIER_CONN)
         slab = SlabAccess(mm)
         for tier in self.lower_tiers:
@@ -158,6 +161,7 @@ class Coordinator(Promoter):
     async def shutdown(self, deadline_s: float) -> None:
         """Finish promotions and flush write-behinds, all within ``deadline_s``."""
         self._closing = True
+        self.promoter.closing = True
         self.writes.closing = True
         loop = asyncio.get_running_loop()
         end = loop.time() + max(deadline_s, 0.0)
@@ -274,7 +278,7 @@ class Coordinator(Promoter):
         tier.touch(key)
         if expires_at and conn in self.store.conns and not self._closing:
             self.leases.lease(conn, key, tier, expires_at)
-            self._promotion(key, [(tier, meta)])
+            self.promoter.promotion(key, [(tier, meta)])
         return EntryInfo(LookupState.PENDING, meta.dtype, list(meta.shape))
 
     async def _cut_short(
@@ -357,11 +361,11 @@ class Coordinator(Promoter):
             missing.append(i)
             if key in waits:
                 continue
-            prom = self._promoting.get(key)
+            prom = self.promoter.in_flight.get(key)
             if prom is None and not self._closing:
                 sources = self._sync_sources(key)
                 if sources:
-                    prom = self._promotion(key, sources)
+                    prom = self.promoter.promotion(key, sources)
             if prom is not None:
                 waits[key] = prom
             elif self.remote_tiers and not self._closing:
@@ -401,7 +405,7 @@ class Coordinator(Promoter):
                     # lookup: a fetch each could outrun the tier's lookup limits.)
                     for key in want:
                         if key not in waits:
-                            prom = self._promotion(key, [(fetcher, None)])
+                            prom = self.promoter.promotion(key, [(fetcher, None)])
                             prom.waiters += 1
                             waits[key] = prom
                     want = []
@@ -414,7 +418,7 @@ class Coordinator(Promoter):
                         if meta is None:
                             rest.append(key)
                         elif key not in waits:
-                            prom = self._promotion(key, [(tier, meta)])
+                            prom = self.promoter.promotion(key, [(tier, meta)])
                             prom.waiters += 1
                             waits[key] = prom
                     want = rest
@@ -431,7 +435,7 @@ class Coordinator(Promoter):
         finally:
             for prom in waits.values():
                 prom.waiters -= 1
-                self._release_promotion(prom)
+                self.promoter.release(prom)
         return GetReply(items)
 
     # ---------------------------------------------------------------- writes
@@ -453,7 +457,7 @@ class Coordinator(Promoter):
             deleted = [a or b for a, b in zip(deleted, tier.delete(keys), strict=True)]
         gone = set(keys)
         self.asks.deleted(gone)
-        self._cancel_promotions(gone)
+        self.promoter.cancel(gone)
         self.leases.end_keys(gone)  # the store ended its leases on them too
         return deleted
 
@@ -466,7 +470,7 @@ class Coordinator(Promoter):
                 tier.clear()
         if shared:  # the store's copies are gone: answers asked for before are stale
             self.asks.cleared()
-        self._cancel_promotions(None)
+        self.promoter.cancel(None)
         self.leases.drop_all()
 
     # ---------------------------------------------------------------- inspection
@@ -475,7 +479,7 @@ class Coordinator(Promoter):
         out: dict[str, int | float] = dict(self.counters)
         out.update(all_empty_stats())
         out["tier_leases"] = len(self.leases)
-        out["promotions_in_flight"] = len(self._promoting)
+        out["promotions_in_flight"] = len(self.promoter.in_flight)
         for tier in self.lower_tiers:
             out.update(tier.stats())
         return out

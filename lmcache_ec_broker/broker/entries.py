@@ -50,7 +50,6 @@ class ConnState:
     reservations: set[int] = field(default_factory=set)
     pins: set[int] = field(default_factory=set)
     leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
-    arena: Arena | None = None
     reserved_blocks: int = 0  # blocks of its open reservations (max_reserved_bytes cap)
 
 

@@ -16,9 +16,11 @@ Invariants:
   lower-tier leases (MISS until they end); a fetch that found no value is a miss,
   not a failure.
 
-``Promoter`` is a part of ``Coordinator`` (a mixin over its state, declared
-below): ``benchmarks/remote_attribution.py`` times ``Coordinator._promote_from``
-and ``Coordinator._fetch_from`` by patching them on the class.
+``Promoter`` owns the promotions in flight; the coordinator hands it the store, the
+tier leases, the remote asks, the write-behind, the task set it shares with the
+write-behinds, and its counters (``promotions``, ``promotion_failures``,
+``tier_unavailable``). ``benchmarks/remote_attribution.py`` times
+``Promoter._promote_from`` and ``Promoter._fetch_from`` by patching them on the class.
 """
 
 from __future__ import annotations
@@ -51,45 +53,56 @@ class Promotion:
 
 
 class Promoter:
-    # The coordinator's state this part uses (set by Coordinator.__init__/start).
-    store: Store
-    counters: dict[str, int]
-    leases: TierLeases
-    asks: RemoteAsks
-    writes: WriteBehind
-    _promoting: dict[str, Promotion]
-    _loop: asyncio.AbstractEventLoop | None
-    _closing: bool
-    _tasks: set[asyncio.Future[Any]]
+    def __init__(
+        self,
+        store: Store,
+        leases: TierLeases,
+        asks: RemoteAsks,
+        writes: WriteBehind,
+        tasks: set[asyncio.Future[Any]],
+        counters: dict[str, int],
+    ) -> None:
+        self.store = store
+        self.leases = leases
+        self.asks = asks
+        self.writes = writes
+        self.counters = counters  # the coordinator's: the three named in the module doc
+        self._tasks = tasks  # shared with the write-behinds: shutdown waits for both
+        self.in_flight: dict[str, Promotion] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False  # set at shutdown: nothing more is committed
 
-    def _promotion(self, key: str, sources: list[tuple[LowerTier, EntryMeta | None]]) -> Promotion:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def promotion(self, key: str, sources: list[tuple[LowerTier, EntryMeta | None]]) -> Promotion:
         """``key``'s promotion in flight, or a new one from ``sources`` (nearest first;
         meta None: a remote get no lookup preceded, fetched)."""
-        prom = self._promoting.get(key)
+        prom = self.in_flight.get(key)
         if prom is None:
             assert self._loop is not None, "start() first"
             prom = Promotion(key, self._loop.create_future())
-            self._promoting[key] = prom
+            self.in_flight[key] = prom
             task = self._loop.create_task(self._promote(prom, sources))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return prom
 
-    def _release_promotion(self, prom: Promotion) -> None:
+    def release(self, prom: Promotion) -> None:
         """Drop the promotion's pin once it is done and every waiting get has pinned."""
         if prom.pin and prom.waiters == 0 and prom.future.done():
             if TIER_CONN in self.store.conns:
                 self.store.release(TIER_CONN, [prom.pin])
             prom.pin = 0
 
-    def _cancel_promotions(self, keys: set[str] | None) -> None:
+    def cancel(self, keys: set[str] | None) -> None:
         """Deleted (``keys``) or cleared (None): promotions in flight must not commit."""
         if keys is None:
-            for prom in self._promoting.values():
+            for prom in self.in_flight.values():
                 prom.cancelled = True
             return
         for key in keys:
-            prom = self._promoting.get(key)
+            prom = self.in_flight.get(key)
             if prom is not None:
                 prom.cancelled = True
 
@@ -109,12 +122,12 @@ class Promoter:
             log.exception("promoting %r failed", prom.key[:200])
             ok = False
         finally:
-            del self._promoting[prom.key]
+            del self.in_flight[prom.key]
             if ok is False and not prom.cancelled and not prom.missed:
                 self.counters["promotion_failures"] += 1
                 self.leases.fail(prom.key)
             prom.future.set_result(bool(ok))
-            self._release_promotion(prom)
+            self.release(prom)
 
     def _reserve_for(self, key: str, tier: LowerTier, meta: EntryMeta) -> ReserveReply | None:
         """Reserve the slab range for ``key``'s copy on ``tier``; None: refused (logged)."""
@@ -136,7 +149,7 @@ class Promoter:
         took: dict[str, Any] = {}
 
         def reserve(meta: EntryMeta) -> list[Extent] | None:
-            if prom.cancelled or self._closing or TIER_CONN not in store.conns:
+            if prom.cancelled or self.closing or TIER_CONN not in store.conns:
                 return None
             reply = self._reserve_for(key, tier, meta)
             if reply is None:
@@ -204,7 +217,7 @@ class Promoter:
     def _commit_promotion(self, prom: Promotion, token: int) -> bool:
         """Commit the verified copy in reservation ``token``, unless the key was deleted
         or cleared meanwhile or the broker is closing (then abort it)."""
-        if prom.cancelled or self._closing:
+        if prom.cancelled or self.closing:
             self.store.abort(TIER_CONN, token)
             return False
         if self.store.commit(TIER_CONN, token) is not None:

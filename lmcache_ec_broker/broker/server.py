@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import msgspec
 
-from ..config import BrokerConfig, ensure_socket_dir, format_size
+from ..config import BrokerConfig
+from ..private_dirs import ensure_socket_dir
 from ..protocol import (
     Abort,
     ArenaGrant,
@@ -70,6 +71,7 @@ from ..shm.journal import Journal
 from ..shm.residency import ResidencyWriter
 from ..shm.residency import slots_for as residency_slots
 from ..shm.segment import Segment, remove_stale, unlink_segment
+from ..sizes import format_size
 from .access import AccessPolicy
 from .connection import Connection
 from .coordinator import Coordinator
@@ -191,7 +193,7 @@ class BrokerServer:
                     owner = self.connections.get(entry.owner)
                     if owner is not None:
                         owner.read_pending()
-            if missing and self.store.arena_conns and self.journal is not None:
+            if missing and len(self.store.arenas) and self.journal is not None:
                 self._settle_arenas(conn)
         finally:
             settling.discard(conn)
@@ -200,7 +202,7 @@ class BrokerServer:
         journal = self.journal
         assert journal is not None
         settling = self._settling
-        for holder, slot in list(self.store.arena_conns.items()):
+        for holder, slot in self.store.arenas.holders().items():
             if holder != conn and holder not in settling and journal.unsettled(slot):
                 owner = self.connections.get(holder)
                 if owner is not None:
@@ -407,7 +409,7 @@ class BrokerServer:
             )
             self._publish_filter(name)
             self._publish_residency(name + "-r")
-            if self.store.arena_cap_blocks:
+            if self.store.arenas.cap_blocks:
                 self.journal = Journal.create(name + "-j", self.config.max_connections)
             for add_on in self.add_ons:  # before the socket exists: a refusal precedes readiness
                 add_on(self)

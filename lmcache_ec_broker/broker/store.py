@@ -30,7 +30,7 @@ turns them into a READY entry without a round trip. Invariants, also in ``check(
    refused and the arena is unchanged. A key that is already present or reserved
    keeps its entry; the placed blocks stay in the arena (PlaceReply.stored False).
 9. The filter has the key before the entry becomes visible (as for commit).
-10. One connection holds at most ``arena_cap_blocks`` arena blocks and all arenas
+10. One connection holds at most ``arenas.cap_blocks`` arena blocks and all arenas
     together at most a quarter of the slab, so arenas can never starve the cache.
 """
 
@@ -41,18 +41,20 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..config import format_size
 from ..protocol import (
+    ArenaReply,
     ErrorCode,
     ErrorReply,
     Extent,
     Hit,
+    PlaceReply,
     ReserveReply,
     ReserveStatus,
     expected_nbytes,
 )
 from ..shm.allocator import BlockAllocator, Run
-from .arenas import ArenaPlacement
+from ..sizes import format_size
+from .arenas import ArenaBooks
 from .entries import (  # re-exported: coordinator, server and tests import them from here
     ConnState,
     Entry,
@@ -94,7 +96,7 @@ SERVED_HAS_HITS_MAX = 1024
 COUNTER_MAX = (1 << 64) - 1
 
 
-class Store(ArenaPlacement):
+class Store:
     def __init__(
         self,
         capacity_bytes: int,
@@ -147,13 +149,9 @@ class Store(ArenaPlacement):
         self.reserved_blocks = 0
         self.used_blocks = 0
         self.pinned_entries = 0
-        # Put arenas: per connection at most arena_cap_blocks, all together at most a
-        # quarter of the slab (invariant 10); 0 turns them off.
-        self.arena_total_cap = self.nblocks // 4
-        self.arena_cap_blocks = min(arena_bytes // block_size, self.arena_total_cap)
-        self.arena_blocks = 0
-        self._free_slots = list(range(arena_slots))  # a heap: lowest slot first
-        self.arena_conns: dict[int, int] = {}  # connection -> its arena's journal slot
+        # Put arenas (invariants 7, 8, 10): the books own which blocks and journal slot
+        # each connection holds; the store allocates and frees their blocks.
+        self.arenas = ArenaBooks(self.nblocks, block_size, arena_bytes, arena_slots)
         self.counters = dict.fromkeys(STORE_COUNTERS, 0)
 
     # ------------------------------------------------------------ connections
@@ -169,8 +167,7 @@ class Store(ArenaPlacement):
             self._abort(token)
         for pin_id in list(state.pins):
             self._unpin(pin_id)
-        if state.arena is not None:
-            self._free_arena(conn, state.arena)
+        self.allocator.free(self.arenas.release(conn))
 
     # ------------------------------------------------------------ helpers
 
@@ -429,6 +426,90 @@ class Store(ArenaPlacement):
 
     # ------------------------------------------------------------ put arenas
 
+    def arena_slot(self, conn: int) -> int:
+        """The journal slot of ``conn``'s arena, -1 if it holds none."""
+        return self.arenas.slot(conn)
+
+    def grant(self, conn: int, nbytes: int) -> ArenaReply | ErrorReply:
+        """Add up to ``nbytes`` of blocks to ``conn``'s arena (created on first use).
+        May evict like a reserve; with no room the grant is smaller or empty (the
+        client's puts then take the reserve path)."""
+        self.counters["arena_grants"] += 1
+        if self.arenas.cap_blocks <= 0:
+            return ErrorReply(
+                ErrorCode.BAD_REQUEST,
+                "this broker grants no put arenas (put_arena_bytes = 0); use reserve",
+            )
+        if nbytes < 0:
+            return ErrorReply(ErrorCode.BAD_REQUEST, f"arena grant of {nbytes} bytes")
+        slot = self.arenas.open(conn)
+        if slot < 0:
+            return ArenaReply(slot=-1)  # no journal slot: no arena for this connection
+        want = min(self._blocks_for(nbytes), self.arenas.room(conn))
+        if want <= 0:
+            return ArenaReply(slot)
+        if not self._make_room(want):
+            want = self.allocator.free_blocks
+            if want <= 0:
+                return ArenaReply(slot)
+        runs = self.allocator.allocate(want)
+        assert runs is not None  # _make_room or the free count guaranteed the blocks
+        self.arenas.add(conn, runs)
+        return ArenaReply(slot, runs)
+
+    def place(
+        self,
+        conn: int,
+        key: str,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        runs: list[tuple[int, int]],
+    ) -> Entry | PlaceReply | ErrorReply:
+        """Turn blocks of ``conn``'s arena, already written by the client, into the
+        READY entry ``key`` (the entry is returned). Invariant 8: nothing the client
+        says is trusted; a refusal leaves the arena and the index unchanged."""
+        if self.arenas.slot(conn) < 0:
+            self.counters["arena_place_refused"] += 1
+            return ErrorReply(
+                ErrorCode.UNKNOWN_TOKEN, "place without a put arena: ask for a grant first"
+            )
+        if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
+            self.counters["arena_place_refused"] += 1
+            return err
+        blocks = self.arenas.claim(conn, runs, self._blocks_for(nbytes))
+        if blocks is None:
+            self.counters["arena_place_refused"] += 1
+            return ErrorReply(
+                ErrorCode.BAD_REQUEST,
+                f"placement of {key!r} names blocks {runs[:8]} that are not "
+                f"{self._blocks_for(nbytes)} distinct free blocks of this connection's arena",
+            )
+        existing = self.entries.get(key)
+        if existing is not None:
+            # The blocks never left the arena: the client may use them again.
+            if existing.state is State.READY:
+                self.lru.touch(key)
+                self.counters["put_present"] += 1
+            else:
+                self.counters["put_in_progress"] += 1
+            return PlaceReply(False, list(runs))
+        self.arenas.take(conn, blocks)
+        self.used_blocks += len(blocks)
+        runs = [(start, length) for start, length in runs]
+        entry = self._add_entry(key, nbytes, dtype, shape, runs, State.READY)  # invariant 9
+        self.lru.insert(key)
+        self.counters["puts"] += 1
+        self.counters["arena_places"] += 1
+        self.counters["bytes_stored"] += nbytes
+        if self.residency is not None:  # the client's copy is in: the bytes are final
+            self.residency.publish(key, nbytes, entry.dtype, entry.shape, entry.extents)
+        if self.observer is not None:
+            self.observer.slab_stored(key, nbytes)
+        return entry
+
+    # ------------------------------------------------------------ reservations
+
     def _owned_reservation(self, conn: int, token: int) -> Entry | ErrorReply:
         entry = self.reservations.get(token)
         if entry is None or entry.owner != conn:
@@ -642,8 +723,8 @@ class Store(ArenaPlacement):
             "reserved_entries": len(self.reservations),
             "used_bytes": self.used_blocks * bs,
             "reserved_bytes": self.reserved_blocks * bs,
-            "arena_bytes": self.arena_blocks * bs,
-            "arenas": sum(1 for c in self.conns.values() if c.arena is not None),
+            "arena_bytes": self.arenas.blocks * bs,
+            "arenas": len(self.arenas),
             "free_bytes": self.allocator.free_blocks * bs,
             "capacity_bytes": self.capacity_bytes,
             "block_size": bs,
@@ -659,7 +740,10 @@ class Store(ArenaPlacement):
     def check(self) -> None:
         self.allocator.check()
         assert (
-            self.allocator.free_blocks + self.used_blocks + self.reserved_blocks + self.arena_blocks
+            self.allocator.free_blocks
+            + self.used_blocks
+            + self.reserved_blocks
+            + self.arenas.blocks
             == self.nblocks
         ), "free + used + reserved + arena != capacity"
         owned: set[int] = set()
@@ -673,23 +757,8 @@ class Store(ArenaPlacement):
         assert sum(c.reserved_blocks for c in self.conns.values()) == sum(
             length for e in self.reservations.values() for _, length in e.runs
         ), "per-connection reserved blocks drift"
-        arena_total = 0
-        slots: set[int] = set()
-        for state in self.conns.values():
-            arena = state.arena
-            if arena is None:
-                continue
-            assert arena.slot not in slots and arena.slot not in self._free_slots, "slot twice"
-            slots.add(arena.slot)
-            assert len(arena.free) <= self.arena_cap_blocks, "arena over its cap"
-            assert not (arena.free & owned), "arena block shared with an entry or arena"
-            used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
-            assert all(used_map[b] for b in arena.free), "arena block is also free"
-            owned |= arena.free
-            arena_total += len(arena.free)
-        assert arena_total == self.arena_blocks, "arena accounting drift"
-        assert len(slots) == len(self.arena_conns), "arena holders drift"
-        assert self.arena_blocks <= max(self.arena_total_cap, 0), "arenas over a quarter"
+        used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
+        self.arenas.check(owned, used_map)
         assert sum(1 for e in entries if e.pins) == self.pinned_entries, "pinned count drift"
 
     def _live_entries(self) -> list[Entry]:

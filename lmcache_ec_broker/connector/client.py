@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..config import default_socket_path
+from ..private_dirs import default_socket_path
 from ..protocol import (
     Abort,
     Clear,

@@ -8,8 +8,8 @@ import pwd
 import socket
 from collections.abc import Collection
 
-from ..config import check_private_dir, private_socket_dir
 from ..peercred import peer_cred
+from ..private_dirs import check_private_dir, private_socket_dir
 from .errors import BrokerImpostor
 
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"

@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ....config import format_size
 from ....protocol import Extent
+from ....sizes import format_size
 from ..base import (
     EntryMeta,
     LowerTier,
