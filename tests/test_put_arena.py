@@ -313,7 +313,13 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker, a
     import signal
     import threading
 
-    with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as r:
+    # Deadlines far beyond the stop: a reader whose call ran past its deadline under
+    # load would see an outage (a miss), which is not what this test is about.
+    slow = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
+    with (
+        BrokerClient(broker.socket_path, **slow) as w,
+        BrokerClient(broker.socket_path, **slow) as r,
+    ):
         assert w.put("warm-up", torch.ones(8))  # reserves; reads its arena grant
         assert r.has(["nothing"]) == [False]
         got: dict[str, object] = {}
@@ -331,7 +337,8 @@ def test_the_broker_reads_a_placing_connection_before_answering_a_miss(broker, a
                 time.sleep(0.2)  # the reader's Has is in its socket too
             finally:
                 os.kill(broker.pid, signal.SIGCONT)
-            asker.join(10)
+            asker.join(60)
+            assert not asker.is_alive(), f"the reader's call {i} did not return in 60 s"
             assert got[f"has{i}"] == [True], i
             if ask == "has":
                 assert torch.equal(r.get(f"late{i}"), t)

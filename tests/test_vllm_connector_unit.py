@@ -596,10 +596,17 @@ def test_counters_reach_vllm_stats(pairs):
     assert interval.reduce() == {"ec_hits": 1, "ec_misses": 1}
     assert p.sched.get_ec_connector_stats() is None  # deltas: nothing new since
 
+    # The worker's counters travel in its metadata to the scheduler's connector, which
+    # reports them (the V1 runner never asks a worker; tests/test_vllm_worker_stats.py).
+    from vllm.v1.outputs import ECConnectorOutput
+
+    assert p.worker.get_ec_connector_stats() is None
+    meta = p.worker.build_connector_worker_meta()
+    p.sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=meta))
     # vLLM's own stats logger rebuilds, sums and prints them.
     logging_ = ECConnectorLogging(p.sched._vllm_config.ec_transfer_config)
     logging_.observe(interval.data)
-    logging_.observe(p.worker.get_ec_connector_stats().data)
+    logging_.observe(p.sched.get_ec_connector_stats().data)
     lines: list[str] = []
     logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     assert lines == ["EC Transfer metrics: ec_hits=1, ec_misses=1, puts_stored=1"]

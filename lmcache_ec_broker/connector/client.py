@@ -35,9 +35,10 @@ Failure model (what a serving engine can rely on):
   ``get`` of an entry in the broker's residency index (shm/residency.py) wait for
   nothing: answered, or copied and confirmed by the slot's seqlock word, locally
   (connector/index_path.py), and told to the broker in a batched reply-less Served
-  frame; so does a get of this connection's own placement the broker has not
-  handled yet. Otherwise ``get`` waits for its Get reply and posts the Release,
-  and ``has`` is one short request.
+  frame, ahead of the next request or, within 50 ms, alone (served_flush.py); so
+  does a get of this connection's own placement the broker has not handled yet.
+  Otherwise ``get`` waits for its Get reply and posts the Release, and ``has`` is
+  one short request.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from .frames import _MAX_OWED
 from .mappings import Mappings
 from .membership import _as_list, _expand, split, with_posted
 from .reads import _copy
+from .served_flush import GONE, ServedFlusher
 from .session import Session
 from .trust import BROKER_UID_ENV as BROKER_UID_ENV
 from .trust import trusted_uids
@@ -154,6 +156,7 @@ class BrokerClient:
             probe=lambda: probe(path, trusted, probe_timeout),
             on_close=self._redial.reset,
         )
+        self._flusher = ServedFlusher(self._served_stepper())
         self.reconnects = 0
         self.local_misses = 0  # keys the filter answered absent here
         self.index_hits = 0  # has() hits and gets served from the index
@@ -203,7 +206,8 @@ class BrokerClient:
         else:
             close_fds(fds.values())  # the same epoch's segments, mapped already
         self._hello = hello
-        self._session = s = Session(sock, hello, maps.journal, self._on_lost(), self._wrap)
+        arm = self._flusher.arm if index_path.SERVED_FLUSH_S is not None else None
+        self._session = s = Session(sock, hello, maps.journal, self._on_lost(), self._wrap, arm)
         self._redial.connected()
         return s
 
@@ -220,6 +224,43 @@ class BrokerClient:
                     client._circuit.trip()
 
         return lost
+
+    def _served_stepper(self) -> Callable[[], float | None]:
+        """The flusher thread's step (weakly bound, like _on_lost)."""
+        ref = weakref.ref(self)
+
+        def step() -> float | None:
+            client = ref()
+            return GONE if client is None else client._served_step()
+
+        return step
+
+    def _served_step(self) -> float | None:
+        """The flusher's turn (served_flush.py): send the Served batch alone once it is
+        SERVED_FLUSH_S old and no request carried it. Returns the seconds until the next
+        turn, or None when nothing is pending. Never waits for the broker: the lock with
+        a timeout (its holder is mid-call, and its request may carry the batch), then a
+        non-blocking write (ServedBatch.send_nowait)."""
+        flush_s = index_path.SERVED_FLUSH_S
+        s = self._session
+        if s is None or flush_s is None or self._circuit.tripped or not s.served.at:
+            return None
+        wait = s.served.at + flush_s - time.monotonic()
+        if wait > 0:
+            return wait
+        if not self._lock.acquire(timeout=flush_s):
+            return 0.0
+        try:
+            s = self._session
+            sock = s.wire.sock if s is not None else None
+            if s is None or sock is None or not s.served.at or self._circuit.tripped:
+                return None
+            try:
+                return None if s.served.send_nowait(sock.fileno()) else flush_s
+            except OSError:
+                return None  # the connection failed: its next request finds out
+        finally:
+            self._lock.release()
 
     def _drop_session(self) -> None:
         s, self._session = self._session, None
@@ -292,8 +333,8 @@ class BrokerClient:
         return m.index
 
     def _post_served(self, s: Session, keys: list[str], nbytes: list[int], hits: int) -> None:
-        """Note what the index served; sent ahead of the next request, or alone when
-        enough is pending (ServedBatch.note)."""
+        """Note what the index served; sent ahead of the next request, alone when
+        enough is pending (ServedBatch.note), else by the flusher once it is due."""
         if s.served.note(keys, nbytes, hits):
             try:
                 s.wire.send(b"")
@@ -860,6 +901,7 @@ class BrokerClient:
 
     def close(self) -> None:
         self._circuit.stop()
+        self._flusher.stop()
         with self._lock:
             s = self._session
             if s is not None and (s.posted or s.served.at):
@@ -877,6 +919,7 @@ class BrokerClient:
     def __del__(self) -> None:
         # Unmapping here (not left to the GC) keeps the order: CUDA unregistration first.
         try:
+            self._flusher.stop()
             self._drop_session()
             self._drop_maps()
         except Exception:

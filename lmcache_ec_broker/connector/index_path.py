@@ -7,7 +7,8 @@ why that proves the bytes were the entry's, untorn). Everything else -- index
 misses, a slot rewritten during the copy, leases -- takes the broker's round
 trip as before. ``ServedBatch`` (at the end, a part of each Session) keeps what
 was served for one ``Served`` frame, which the broker answers with no reply, so
-its hit counters and LRU stay what they would have been.
+its hit counters and LRU stay what they would have been, within SERVED_FLUSH_S
+even when the client sends nothing else (served_flush.py sends a due batch alone).
 
 Used only on x86-64 (``residency.usable_here``), only while the connection was
 confirmed within ``filter_trust_s`` (a killed broker's index cannot be cleared)
@@ -18,6 +19,7 @@ is another segment).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
@@ -108,9 +110,14 @@ def read_known_into(
 
 
 # Index-served items (keys + has() hits) and age after which the Served frame is sent
-# alone rather than ahead of the next request (see ServedBatch.note).
+# alone by the caller rather than ahead of the next request (see ServedBatch.note).
 _SERVED_MAX = 64
 _SERVED_AGE_S = 0.005
+# The longest a noted item waits for a request to carry it: then the client's flusher
+# thread (connector/served_flush.py) sends it alone. The broker's counters, Prometheus
+# and LRU order follow a served hit within this plus one loop turn (docs/design.md
+# "Served hits reach the broker within 100 ms"). None: no flusher (benchmarks' switch).
+SERVED_FLUSH_S: float | None = 0.05
 
 
 class ServedBatch:
@@ -118,16 +125,28 @@ class ServedBatch:
     told to the broker: a part of one Session, dropped with it (the counts die with
     the connection, like its pins). Sent as reply-less Served frames ahead of the
     connection's next request (the wire asks ``take``), or alone once ``note`` says
-    so, and by flush() and close()."""
+    so, by the flusher thread once ``at`` is SERVED_FLUSH_S old (``send_nowait``),
+    and by flush() and close().
 
-    __slots__ = ("at", "_keys", "_nbytes", "_has", "_frame", "_per")
+    Invariant: ``at`` is nonzero exactly while something is pending: noted items or
+    ``_unsent``, the tail of frames a ``send_nowait`` could not write whole, which
+    ``take`` returns first (so the wire never carries a frame cut by another)."""
 
-    def __init__(self, frame: Callable[[Any], bytes], max_frame_bytes: int) -> None:
+    __slots__ = ("at", "_keys", "_nbytes", "_has", "_frame", "_per", "_arm", "_unsent")
+
+    def __init__(
+        self,
+        frame: Callable[[Any], bytes],
+        max_frame_bytes: int,
+        arm: Callable[[], None] | None = None,
+    ) -> None:
         self.at = 0.0  # when the oldest pending item was noted; 0: none
         self._keys: list[str] = []
         self._nbytes: list[int] = []
         self._has = 0
         self._frame = frame
+        self._arm = arm  # told when the batch becomes non-empty (the flusher's deadline)
+        self._unsent = b""
         # Indexed keys are <= KEY_CAP bytes: this many always fit the broker's frame limit.
         limit = max_frame_bytes or 1 << 20
         self._per = max(1, (limit - 64) // (KEY_CAP + 24))
@@ -138,6 +157,8 @@ class ServedBatch:
         now = time.monotonic()
         if not self.at:
             self.at = now
+            if self._arm is not None:
+                self._arm()
         self._keys += keys
         self._nbytes += nbytes
         self._has += has_hits
@@ -148,10 +169,36 @@ class ServedBatch:
         if not self.at:
             return b""
         keys, nbytes, has_hits = self._keys, self._nbytes, self._has
+        out, self._unsent = self._unsent, b""
         self._keys, self._nbytes, self._has = [], [], 0
         self.at = 0.0
+        if not keys and not has_hits:
+            return out
         per = self._per
-        return b"".join(
+        return out + b"".join(
             self._frame(Served(keys[i : i + per], nbytes[i : i + per], has_hits if not i else 0))
             for i in range(0, max(len(keys), 1), per)
         )
+
+    def send_nowait(self, fd: int) -> bool:
+        """Write the pending frames to ``fd``, the connection's socket, without ever
+        blocking (the flusher thread holds the client's lock meanwhile: a full socket
+        buffer -- a hung broker -- must not stall the caller behind it). What the
+        socket cannot take now stays pending, ahead of everything else. True when
+        nothing is left. OSError (the connection failed) propagates; the frames are
+        dropped with the connection, and its next request finds the failure."""
+        at = self.at
+        data = self.take()
+        if not data:
+            return True
+        if os.get_blocking(fd):  # the wire's sockets have a timeout, so O_NONBLOCK
+            n = 0
+        else:
+            try:
+                n = os.write(fd, data)
+            except BlockingIOError:
+                n = 0
+        if n < len(data):
+            self._unsent, self.at = data[n:], at
+            return False
+        return True

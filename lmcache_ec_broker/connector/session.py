@@ -6,7 +6,8 @@ has to remember to reset a field. Its parts:
 
 - ``wire`` (frames.py): the socket, the receive buffer, the replies still owed;
 - ``arena`` (arena_put.py): the put arena the broker granted this connection;
-- ``served`` (index_path.py): what the residency index served, not yet reported;
+- ``served`` (index_path.py): what the residency index served, not yet reported
+  (``arm``: the client's flusher, told when it becomes non-empty: served_flush.py);
 - ``posted``: keys of posted writes whose replies are still owed (read-your-writes:
   the filter may not list them yet, so they are never ruled out locally).
 
@@ -38,11 +39,12 @@ class Session:
         journal: Journal | None,
         on_lost: Callable[[bool], None],
         wrap: Callable[[Any], Any] | None = None,
+        arm: Callable[[], None] | None = None,
     ) -> None:
         self.hello = hello
         self.framer = framer = Framer(hello.max_frame_bytes)
         self.posted: set[str] = set()
-        self.served = ServedBatch(framer.frame, hello.max_frame_bytes)
+        self.served = ServedBatch(framer.frame, hello.max_frame_bytes, arm)
         self.arena = PutArena(hello, journal, framer.frame)
         self.wire = Wire(
             sock,

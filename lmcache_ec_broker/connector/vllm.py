@@ -123,11 +123,12 @@ class _Waiting:
 
 
 def _worker_count(name: str) -> property:
-    """A worker counter, read from the worker part (0 on the scheduler)."""
+    """A worker counter: the worker part's own; on the scheduler, the sum the workers
+    reported in their metadata (update_connector_output)."""
 
     def get(self: ECBrokerConnector) -> int:
         worker = self.connector_worker
-        return getattr(worker, name) if worker is not None else 0
+        return getattr(worker, name) if worker is not None else self._from_workers.get(name, 0)
 
     return property(get)
 
@@ -235,6 +236,9 @@ class ECBrokerConnector(ECConnectorBase):
         self.promotion_failures = 0  # waited for a promotion that did not come: encoded
         self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
         self._reported: dict[str, int] = {}
+        # Worker counters summed from the workers' metadata (scheduler role only): the
+        # one route to vLLM's EC stats on the V1 runner too (vllm_worker.py says why).
+        self._from_workers: dict[str, int] = {}
 
         # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
         # every hook of the step sees one decision), which answers were counted, and the
@@ -378,14 +382,19 @@ class ECBrokerConnector(ECConnectorBase):
     def broker_timeouts(self) -> int:
         """Outages that cost this process a wait (one timeout each, see BrokerClient)."""
         client = self._client
-        return client.timeouts if client is not None and self._client_pid == os.getpid() else 0
+        own = client.timeouts if client is not None and self._client_pid == os.getpid() else 0
+        if self.connector_worker is None:
+            own += self._from_workers.get("broker_timeouts", 0)  # the workers' outages
+        return own
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters of this connector (this process, this role)."""
         return {name: getattr(self, name) for name in STAT_FIELDS}
 
     def get_ec_connector_stats(self) -> Any:
-        if ECConnectorStats is None:
+        # A worker's counters reach vLLM through its metadata and the scheduler's
+        # connector (V1 calls this on the scheduler only; V2 on both: never twice).
+        if ECConnectorStats is None or self.connector_worker is not None:
             return None
         now = self.stats()
         delta = {
@@ -462,7 +471,7 @@ class ECBrokerConnector(ECConnectorBase):
         return self._worker.get_finished(finished_req_ids)
 
     def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
-        return self._worker.build_connector_worker_meta()
+        return self._worker.build_connector_worker_meta(self.broker_timeouts)
 
     # ---------------------------------------------------------------- scheduler
 
@@ -649,6 +658,9 @@ class ECBrokerConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if not isinstance(meta, ECBrokerWorkerMetadata):
             return
+        for name, delta in meta.counts.items():
+            if name in STAT_FIELDS:
+                self._from_workers[name] = self._from_workers.get(name, 0) + delta
         ended = set()
         for mm_hash in meta.done:
             entry = self._inflight.get(mm_hash)

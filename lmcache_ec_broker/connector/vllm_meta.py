@@ -63,14 +63,28 @@ class ECBrokerConnectorMetadata(ECConnectorMetadata):
 class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     # every mm_hash of the step's loads, loaded or encoded instead: their leases can end
     done: set[str] = field(default_factory=set)
+    # worker counter deltas since the last metadata (WORKER_STAT_FIELDS, broker_timeouts)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
-        # TP ranks load the same hashes in the same step: a union, not a sum.
+        # TP ranks load the same hashes in the same step: a union, not a sum. Counters
+        # are summed over ranks, as vLLM sums the V2 runner's per-worker stats.
         if isinstance(other, ECBrokerWorkerMetadata):
             self.done |= other.done
+            for name, delta in other.counts.items():
+                self.counts[name] = self.counts.get(name, 0) + delta
         return self
 
 
+# The worker part's counters (vllm_worker.py), which its metadata carries.
+WORKER_STAT_FIELDS = (
+    "loads",
+    "load_failures",
+    "reencoded",
+    "puts_stored",
+    "put_errors",
+    "puts_skipped",
+)
 STAT_FIELDS = (
     "ec_hits",
     "ec_misses",

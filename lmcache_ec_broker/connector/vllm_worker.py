@@ -25,6 +25,7 @@ from lmcache_ec_broker.connector.model_id import model_id
 from lmcache_ec_broker.connector.runner_step import runner_step
 from lmcache_ec_broker.connector.tp_agree import union_over_tp
 from lmcache_ec_broker.connector.vllm_meta import (
+    WORKER_STAT_FIELDS,
     ECBrokerConnectorMetadata,
     ECBrokerWorkerMetadata,
     LoadSpec,
@@ -88,6 +89,7 @@ class ECBrokerWorker:
         self.puts_stored = 0
         self.put_errors = 0
         self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
+        self._told: dict[str, int] = {}  # counter values sent in the last metadata
 
     # ------------------------------------------------------------ identity, keys
 
@@ -308,10 +310,24 @@ class ECBrokerWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
-    def build_connector_worker_meta(self) -> ECBrokerWorkerMetadata | None:
-        if not self._done_this_step:
+    def build_connector_worker_meta(self, broker_timeouts: int = 0) -> ECBrokerWorkerMetadata | None:
+        """The step's handled hashes and the counters' deltas since the last call.
+
+        The counters go to vLLM's EC stats this way, through the scheduler's connector
+        (update_connector_output, get_ec_connector_stats), because it is the one route
+        both runners take: vLLM 0.32's V1 runner never calls a worker's
+        get_ec_connector_stats (only V2's ActiveECConnector does), but both put this
+        metadata into the step's ECConnectorOutput, which the scheduler hands to its
+        connector before it collects that connector's stats. (V1 drops the whole
+        output of a producer-only instance: make_empty_encoder_model_runner_output.)"""
+        now = {name: getattr(self, name) for name in WORKER_STAT_FIELDS}
+        now["broker_timeouts"] = broker_timeouts
+        told = self._told
+        counts = {k: v - told.get(k, 0) for k, v in now.items() if v != told.get(k, 0)}
+        if not self._done_this_step and not counts:
             return None
-        meta = ECBrokerWorkerMetadata(done=self._done_this_step)
+        self._told = now
+        meta = ECBrokerWorkerMetadata(done=self._done_this_step, counts=counts)
         self._done_this_step = set()
         return meta
 

@@ -115,6 +115,8 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
     stored = a.ec_puts()
     assert list(stored.values()) == [ENTRY_BYTES], a.log_tail()
     (mm_hash,) = stored
+    with BrokerClient(broker.socket_path) as c:
+        before = c.stats()
     a.reset_encoder_cache()
     assert a.chat_token_ids(image) == cold
     assert a.ec_loads() == [mm_hash], "A's scheduler missed what A's worker stored"
@@ -124,6 +126,18 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
     assert b.chat_token_ids(image) == cold
     assert b.ec_loads() == [mm_hash], "B missed what A stored"
     assert b.ec_puts() == {}
+    # Both loads are counted by the broker while A and B idle: a load answered from the
+    # residency index is reported by the client's flusher within ~50 ms (issue 30: it
+    # used to wait for the instance's next request).
+    deadline = time.monotonic() + 5
+    while True:
+        with BrokerClient(broker.socket_path) as c:
+            after = c.stats()
+        if after["hits"] - before["hits"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert after["hits"] - before["hits"] == 2, "a load the instances served is not counted"
+    assert after["bytes_loaded"] - before["bytes_loaded"] == 2 * ENTRY_BYTES
 
     # The key's model field is the snapshot's commit (docs/design.md, "Keys").
     key = make_key(f"{REPO_ID}#{COMMIT[:16]}", mm_hash, "bfloat16")
