@@ -16,7 +16,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Has/Lookup carry wait_ms
+PROTOCOL_VERSION = 3  # 2: Has/Lookup carry wait_ms; 3: Lookup.fresh, Publish
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
@@ -186,6 +186,22 @@ class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields
     keys: list[str]
     lease_ms: int = 0
     wait_ms: int = 0  # as Has.wait_ms
+    # True: a key the remote tier's membership filter does not know is asked of the
+    # store anyway (its announcement may not have arrived yet: an encoder instance on
+    # another node published it just now). For disaggregated instances only (docs/epd.md).
+    fresh: bool = False
+
+
+class Publish(msgspec.Struct, tag="publish", tag_field="op", forbid_unknown_fields=True):
+    """Answer once every key is visible to the whole fleet -- in the remote store (its
+    write-behind ended STORED, or the store already held it), or, on a broker without a
+    remote tier, READY in the slab -- or by ``wait_ms`` at the latest. An entry in the
+    slab the store lacks (its write-behind was dropped) is written now. An encoder
+    instance (``ec_producer``) asks this after its step's puts so that its answer never
+    reaches the proxy before the entries reach the fleet (docs/epd.md, "Guarantees")."""
+
+    keys: list[str]
+    wait_ms: int = 0
 
 
 class Unlease(msgspec.Struct, tag="unlease", tag_field="op", forbid_unknown_fields=True):
@@ -216,6 +232,7 @@ Request = (
     | Lookup
     | Unlease
     | Shutdown
+    | Publish
 )
 
 
@@ -267,6 +284,17 @@ class EntryInfo(msgspec.Struct, array_like=True):
 
 class LookupReply(msgspec.Struct, tag="lookup_reply", tag_field="op"):
     items: list[EntryInfo]
+
+
+class PublishState:
+    PUBLISHED = 0  # visible fleet-wide (the store holds it; no remote tier: READY here)
+    ABSENT = 1  # not in this broker's slab nor in the store: nothing to publish
+    FAILED = 2  # its write to the store failed, was dropped or refused (counted, logged)
+    TIMEOUT = 3  # its write was still in flight at wait_ms
+
+
+class PublishReply(msgspec.Struct, tag="publish_reply", tag_field="op"):
+    states: list[int]  # PublishState, one per key
 
 
 class ReserveStatus:
@@ -333,6 +361,7 @@ Reply = (
     HelloReply
     | HasReply
     | LookupReply
+    | PublishReply
     | ReserveReply
     | ArenaReply
     | PlaceReply

@@ -281,7 +281,10 @@ def test_roles(pairs, broker):
         assert c.stats()["entries"] == 0
     producer.worker.save_caches({h: embedding(3)}, h)
     assert producer.worker.puts_stored == 1
-    assert not producer.sched.has_cache_item(h)  # a producer encodes; it never loads
+    # An (encoder-only) producer does not encode what the fleet holds, nor load it
+    # (issue 32; tests/test_epd_connector.py); it takes no lease for it.
+    assert producer.sched.has_cache_item(h)
+    assert not producer.sched._step_leased
     assert consumer.sched.has_cache_item(h)
 
 

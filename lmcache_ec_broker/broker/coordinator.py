@@ -219,12 +219,13 @@ class Coordinator:
         return _as_bools(got)
 
     def lookup(
-        self, conn: int, keys: list[str], lease_ms: int, wait_ms: int = 0
+        self, conn: int, keys: list[str], lease_ms: int, wait_ms: int = 0, fresh: bool = False
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
         """Per key: READY (in the slab; leased if ``lease_ms``), PENDING (on a lower
         tier; with a lease its promotion has started and the promoted entry will be
         leased to ``conn``) or MISS. Awaitable only when a remote tier must be asked;
-        ``wait_ms > 0`` bounds that wait (``_cut_short``)."""
+        ``wait_ms > 0`` bounds that wait (``_cut_short``); ``fresh``: the remote tiers
+        ask their store also for keys their filters do not know (protocol.Lookup)."""
         store = self.store
         hits = store.has(conn, keys, lease_ms, count_misses=False)
         out: list[EntryInfo] = [_MISS] * len(keys)
@@ -249,7 +250,7 @@ class Coordinator:
         if still and self.remote_tiers and not self._closing:
             sync_hits = len(missing) - len(still)
             late = _Late()
-            asking = self._lookup_remote(conn, keys, still, out, expires_at, sync_hits, late)
+            asking = self._lookup_remote(conn, keys, still, out, expires_at, sync_hits, late, fresh)
             if wait_ms <= 0:
                 return asking
             return self._cut_short(asking, out, wait_ms / 1000.0, late, sync_hits, len(still))
@@ -318,11 +319,12 @@ class Coordinator:
         expires_at: float,
         found: int,
         late: _Late,
+        fresh: bool = False,
     ) -> list[EntryInfo]:
         for tier in self.remote_tiers:
             if not idx:
                 break
-            metas = await self.asks.ask(tier, [keys[i] for i in idx])
+            metas = await self.asks.ask(tier, [keys[i] for i in idx], fresh)
             if late.late:  # the caller was answered without these keys: no lease, no promotion
                 return out
             rest: list[int] = []

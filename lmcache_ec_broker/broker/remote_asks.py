@@ -28,13 +28,16 @@ class RemoteAsks:
         self.counters = counters  # the coordinator's; counts ``tier_unavailable``
         self._asking: set[_Asking] = set()
 
-    async def ask(self, tier: LowerTier, keys: list[str]) -> list[EntryMeta | None]:
+    async def ask(
+        self, tier: LowerTier, keys: list[str], fresh: bool = False
+    ) -> list[EntryMeta | None]:
         """``tier``'s meta per key; None: a miss, the tier down or failing, or a key
-        deleted (or a shared clear) while it was asked."""
+        deleted (or a shared clear) while it was asked. ``fresh``: the store is asked
+        also for keys the tier's filter does not know (a remote tier's ``lookup``)."""
         asking = _Asking()
         self._asking.add(asking)
         try:
-            metas = await tier.lookup(keys)
+            metas = await (tier.lookup(keys, fresh=True) if fresh else tier.lookup(keys))  # type: ignore[call-arg]
         except TierUnavailable:
             self.counters["tier_unavailable"] += 1
             return [None] * len(keys)

@@ -56,6 +56,8 @@ from ..protocol import (
     Place,
     PlaceReply,
     PongReply,
+    Publish,
+    PublishReply,
     Release,
     Request,
     Reserve,
@@ -85,6 +87,7 @@ from .lifecycle import (
     resolve_group,
     segment_prefix,
 )
+from .publish import PUBLISH_COUNTERS, Publications
 from .store import Entry, State, Store
 from .tiers import TierError, make_lower_tiers
 
@@ -94,7 +97,7 @@ log = logging.getLogger("lmcache_ec_broker")
 
 MAX_LEASE_MS = 600_000
 # Monotonic counters of the server itself (exported as counters by the metrics endpoint).
-SERVER_COUNTERS = ("queue_pauses",)
+SERVER_COUNTERS = ("queue_pauses", *PUBLISH_COUNTERS)
 # Started by ``prepare`` with the server, in order (``run.py`` chooses them: the
 # metrics endpoint, the residency events; the server imports neither). Each plugs into
 # the hooks below and the store's and coordinator's ``observer``, or raises BrokerError.
@@ -121,6 +124,9 @@ class BrokerServer:
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
+        # Publish requests (publish.py): told of every commit through the write-behind.
+        self.publications = Publications(self.tiers, self.counters)
+        self.tiers.writes.on_offered = self.publications.offered
         self.access = AccessPolicy(os.getuid(), config.allowed_uids, None, config.max_connections)
         self.segment: Segment | None = None
         self.filter: FilterWriter | None = None
@@ -249,11 +255,16 @@ class BrokerServer:
         tiers = self.tiers
         store = self.store
         match msg:
-            case Lookup(keys=keys, lease_ms=lease_ms, wait_ms=wait_ms):
+            case Lookup(keys=keys, lease_ms=lease_ms, wait_ms=wait_ms, fresh=fresh):
                 if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
                     return refusal
-                got = tiers.lookup(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS), _wait(wait_ms))
+                lease = min(max(lease_ms, 0), MAX_LEASE_MS)
+                got = tiers.lookup(conn, keys, lease, _wait(wait_ms), fresh)
                 return LookupReply(got) if isinstance(got, list) else _wrap(got, LookupReply)
+            case Publish(keys=keys, wait_ms=wait_ms):
+                # bounded by the client's wait, and by a lease's longest life at most
+                wait_s = min(max(wait_ms, 0), MAX_LEASE_MS) / 1000.0
+                return _wrap(self.publications.publish(keys, wait_s), PublishReply)
             case Unlease(keys=keys):
                 tiers.unlease(conn, keys)
                 return OkReply()

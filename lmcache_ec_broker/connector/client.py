@@ -69,6 +69,8 @@ from ..protocol import (
     LookupState,
     Ping,
     PongReply,
+    Publish,
+    PublishReply,
     Reserve,
     ReserveReply,
     ReserveStatus,
@@ -751,25 +753,55 @@ class BrokerClient:
                 return [False] * len(keys)
             return reply.hits if mask is None else _expand(mask, reply.hits, False)
 
-    def lookup(self, keys: list[str], lease_ms: int = 0, wait_ms: int = 0) -> list[EntryInfo]:
+    def lookup(
+        self, keys: list[str], lease_ms: int = 0, wait_ms: int = 0, fresh: bool = False
+    ) -> list[EntryInfo]:
         """Per key: MISS, READY (in the slab) or PENDING (being promoted from a lower
         tier: ask again shortly), with dtype and shape for the last two. Leases and
-        bounds the wait (``wait_ms``) as ``has`` does. An outage answers all MISS."""
+        bounds the wait (``wait_ms``) as ``has`` does. An outage answers all MISS.
+        ``fresh``: the membership filter's absences are not trusted -- every key is
+        asked of the broker, which asks its remote store for the keys it does not know
+        (an entry another node published just now; protocol.Lookup.fresh)."""
         miss = EntryInfo(LookupState.MISS)
         with self._lock:
             s = self._session
-            mask = self._maybe_mask(s, keys) if s is not None else None
+            mask = self._maybe_mask(s, keys) if s is not None and not fresh else None
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
             self.local_misses += len(keys) - len(ask)
             if not ask:
                 return [miss] * len(keys)
             try:
-                reply: LookupReply = self._call(Lookup(ask, lease_ms, wait_ms))
+                reply: LookupReply = self._call(Lookup(ask, lease_ms, wait_ms, fresh))
             except BrokerUnavailable:
                 return [miss] * len(keys)
             if mask is None or len(ask) == len(keys):
                 return reply.items
             return _expand(mask, reply.items, miss)
+
+    def publish(self, keys: list[str], wait_ms: int) -> list[int] | None:
+        """Wait until every entry of ``keys`` is visible to the whole fleet (in the
+        remote store; without one, in this broker), at most ``wait_ms`` on the broker's
+        side: one ``PublishState`` per key. Puts posted before on this client are
+        handled first (one connection, in order). None during an outage. This call
+        alone may hold its connection for ``wait_ms`` plus the client's ``timeout_s``."""
+        if not keys:
+            return []
+        with self._lock:
+            s = self._live()
+            if s is None:
+                return None
+            sock = s.wire.sock
+            before = sock.gettimeout() if hasattr(sock, "gettimeout") else None
+            if before is not None:
+                sock.settimeout(before + max(wait_ms, 0) / 1000.0)
+            try:
+                reply: PublishReply = s.wire.call(Publish(list(keys), max(wait_ms, 0)))
+            except BrokerUnavailable:
+                return None
+            finally:
+                if before is not None and s.wire.sock is sock:
+                    sock.settimeout(before)
+            return list(reply.states)
 
     def unlease(self, keys: list[str]) -> None:
         """End this client's leases on ``keys`` (sent without waiting for the reply)."""

@@ -24,6 +24,8 @@ KEYS = {
     "lease_ms": "how long a hit the scheduler saw is protected from eviction",
     "max_defer_s": "how long a request may wait for a promotion",
     "model_name": "the model field of the keys",
+    "publish_wait_ms": "how long an encoder-only producer's step waits for its entries "
+    "to reach the fleet",
 }
 # Keys earlier releases read; the connector refuses them with what to set instead.
 RETIRED = frozenset({"timeout_s"})

@@ -22,7 +22,21 @@ from a lower tier before they are encoded instead), ``model_name`` (the model fi
 of the keys; default: the model path plus a fingerprint of its weights and
 configuration, see :mod:`lmcache_ec_broker.connector.model_id`; after an in-place
 weight update, plus a fingerprint of the encoder's weights in memory, see
-:mod:`lmcache_ec_broker.connector.weights_identity`).
+:mod:`lmcache_ec_broker.connector.weights_identity`), ``publish_wait_ms`` (2000; an
+``ec_producer`` only: the longest a step waits for its entries to reach the fleet,
+0 = no wait; below).
+
+Disaggregated encoding (EPD, docs/epd.md): an ``ec_producer`` started with
+``--mm-encoder-only`` looks its items up too (no lease: it never loads), in the
+fleet's store as well (``fresh``: an announcement not heard yet does not hide a
+key), and answers ``has_cache_item`` True for an item resident anywhere (READY or
+PENDING): vLLM's scheduler then neither encodes nor loads it (an external load is a
+consumer's only; the encoder-only runners run only the step's encoder inputs). At the
+end of each step its workers ``publish`` the step's puts and those skipped items --
+the step, hence the instance's answer to the proxy, ends only once the store holds
+them (at most ``publish_wait_ms``; failures counted and logged). An ``ec_consumer``'s
+lookups are ``fresh`` too. ``ec_both`` (aggregated) is unchanged: it looks up and loads
+as a consumer and never waits.
 
 Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
 
@@ -110,6 +124,7 @@ DEFAULT_MAX_DEFER_S = 10.0
 DEFAULT_SCHEDULER_BUDGET_MS = 50.0
 DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
+DEFAULT_PUBLISH_WAIT_MS = 2000
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
 
@@ -146,6 +161,8 @@ class ECBrokerConnector(ECConnectorBase):
     puts_stored = _worker_count("puts_stored")
     put_errors = _worker_count("put_errors")
     puts_skipped = _worker_count("puts_skipped")
+    published = _worker_count("published")
+    publish_failures = _worker_count("publish_failures")
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -180,6 +197,22 @@ class ECBrokerConnector(ECConnectorBase):
         # slow store never opens this circuit and turns local hits into encodes too.
         self._lookup_wait_ms = max(1, int(budget_ms / 2))
         self._probe_interval_s = probe_ms / 1000
+        # Disaggregated encoding (the module docstring, "EPD"): which instance does what.
+        self._encoder_only_producer = (
+            self.is_producer
+            and not self.is_consumer
+            and bool(getattr(vllm_config, "is_mm_encoder_only", False))
+        )
+        self._fresh = self._encoder_only_producer or (self.is_consumer and not self.is_producer)
+        publish_wait_ms = int(extra("publish_wait_ms", DEFAULT_PUBLISH_WAIT_MS))
+        if publish_wait_ms < 0:
+            raise ValueError(
+                "ec_connector_extra_config: publish_wait_ms must be >= 0 "
+                f"(got {publish_wait_ms}; 0 = an encoder instance does not wait)"
+            )
+        # Only a pure producer hands entries over to other instances: only it waits.
+        self._publish_wait_ms = publish_wait_ms if self.is_producer and not self.is_consumer else 0
+        self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
         self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
         if self._lease_ms <= 0 or self._max_defer_s < 0:
@@ -280,6 +313,7 @@ class ECBrokerConnector(ECConnectorBase):
                 mismatch=self._mismatch,
                 delete_invalid=self._delete_invalid,
                 private=self._private,
+                publish_wait_ms=self._publish_wait_ms,
             )
 
         # Last: the watch fingerprints the workers at once and may set the field.
@@ -479,24 +513,17 @@ class ECBrokerConnector(ECConnectorBase):
         self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any
     ) -> bool:
         """vLLM >= 0.24, every step before a multimodal request is scheduled: False
-        defers the request to a later step."""
+        defers the request to a later step (never on an encoder-only producer: an
+        item on a lower tier is held by the fleet, it need not come here)."""
+        if self._encoder_only_producer:
+            expected = self._ahead(request, num_computed_tokens)
+            ask = [h for h in expected if h not in self._step_state]
+            if ask:
+                self._lookup(ask, expected)
+            return True
         if not self.is_consumer or self.loads_off:
             return True
-        expected: dict[str, tuple[int, int | None]] = {}
-        reach = num_computed_tokens + self._reach
-        for index, feature in enumerate(request.mm_features):
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
-                continue  # already in the KV cache: no encoder output needed
-            if pos.offset >= reach:
-                continue  # not in this step's reach
-            if feature.identifier in self._held:
-                continue  # vLLM's own encoder cache has it: never looked up nor leased
-            if self._private(feature.identifier):
-                continue  # a tower LoRA adapter's item: never looked up
-            if feature.identifier not in expected:
-                width = self._width(feature.modality)
-                expected[feature.identifier] = (_num_embeds(request, index), width)
+        expected = self._ahead(request, num_computed_tokens)
         for h in self.step_guard.note_request(request, num_computed_tokens):
             # inputs released on the worker: a load could not be re-encoded
             self._step_state.setdefault(h, LookupState.MISS)
@@ -539,6 +566,28 @@ class ECBrokerConnector(ECConnectorBase):
         self.ec_deferred += 1
         return False
 
+    def _ahead(
+        self, request: Request, num_computed_tokens: int
+    ) -> dict[str, tuple[int, int | None]]:
+        """The request's items this step may need, to look up: mm_hash -> (embeddings,
+        the encoder's output width if known)."""
+        expected: dict[str, tuple[int, int | None]] = {}
+        reach = num_computed_tokens + self._reach
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # already in the KV cache: no encoder output needed
+            if pos.offset >= reach:
+                continue  # not in this step's reach
+            if feature.identifier in self._held:
+                continue  # vLLM's own encoder cache has it: never looked up nor leased
+            if self._private(feature.identifier):
+                continue  # a tower LoRA adapter's item: never looked up
+            if feature.identifier not in expected:
+                width = self._width(feature.modality)
+                expected[feature.identifier] = (_num_embeds(request, index), width)
+        return expected
+
     def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
         """One batched lookup with a lease; memoises a state per hash for the step."""
         if not self._field:  # weights changing: no field to key with yet
@@ -546,9 +595,13 @@ class ECBrokerConnector(ECConnectorBase):
                 self._step_state[mm_hash] = LookupState.MISS
             return
         keys = [self.key(h) for h in hashes]
+        # An encoder-only producer never loads: nothing to protect from eviction.
+        lease_ms = 0 if self._encoder_only_producer else self._lease_ms
         try:
             infos = self._on_live_connection(
-                lambda c: c.lookup(keys, lease_ms=self._lease_ms, wait_ms=self._lookup_wait_ms)
+                lambda c: c.lookup(
+                    keys, lease_ms=lease_ms, wait_ms=self._lookup_wait_ms, fresh=self._fresh
+                )
             )
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
@@ -557,7 +610,8 @@ class ECBrokerConnector(ECConnectorBase):
         for mm_hash, info in zip(hashes, infos, strict=True):
             state = info.state
             if state in (LookupState.READY, LookupState.PENDING):
-                self._step_leased.add(mm_hash)
+                if lease_ms:
+                    self._step_leased.add(mm_hash)
                 num_embeds, width = expected.get(mm_hash, (None, None))
                 why = self._mismatch(info.dtype, info.shape, num_embeds, width)
                 if why:
@@ -570,7 +624,8 @@ class ECBrokerConnector(ECConnectorBase):
             self._delete_invalid(bad)
 
     def has_cache_item(self, identifier: str) -> bool:
-        if not self.is_consumer or self.loads_off:
+        producer = self._encoder_only_producer
+        if not producer and (not self.is_consumer or self.loads_off):
             return False
         if identifier in self._held:
             # vLLM asks only about items its encoder cache lacks: the mirror is stale
@@ -582,7 +637,9 @@ class ECBrokerConnector(ECConnectorBase):
             # vLLM did not call ensure_cache_available (older than 0.24) for this item:
             # without a way to defer, an entry still on a lower tier is encoded instead.
             self._lookup([identifier], {})
-        answer = self._step_state[identifier] == LookupState.READY
+        state = self._step_state[identifier]
+        # A producer skips what the fleet holds anywhere; a consumer loads only from the slab.
+        answer = state == LookupState.READY or (producer and state == LookupState.PENDING)
         if identifier not in self._counted:
             self._counted.add(identifier)
             if answer:
@@ -596,6 +653,10 @@ class ECBrokerConnector(ECConnectorBase):
         # ones has_cache_item answered True for this step are external loads.
         mm_hash = request.mm_features[index].identifier
         self._held.add(mm_hash)  # encoded or loaded, vLLM's encoder cache now has it
+        if self._encoder_only_producer:
+            if self._step_state.get(mm_hash) in (LookupState.READY, LookupState.PENDING):
+                self._publish.append(mm_hash)  # skipped: its workers publish it
+            return
         if not self.is_consumer or self._step_state.get(mm_hash) != LookupState.READY:
             return
         modality = request.mm_features[index].modality
@@ -615,8 +676,12 @@ class ECBrokerConnector(ECConnectorBase):
         encoder_inputs = getattr(scheduler_output, "scheduled_encoder_inputs", None)
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         meta = ECBrokerConnectorMetadata(
-            loads=self._pending_loads, encoder_inputs=encoder_inputs, model=self.model_id
+            loads=self._pending_loads,
+            encoder_inputs=encoder_inputs,
+            model=self.model_id,
+            publish=self._publish,
         )
+        self._publish = []
         now = time.monotonic()
         if self._inflight:
             # A report that never came (a failed step): the broker ended that lease at

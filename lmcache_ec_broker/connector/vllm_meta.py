@@ -57,6 +57,9 @@ class ECBrokerConnectorMetadata(ECConnectorMetadata):
     # stores in this step only if it is its own field too; "" (unknown: weights
     # changing) means neither (weights_identity.py).
     model: str = ""
+    # An encoder-only producer: the mm_hashes it did not encode because the fleet holds
+    # them; its workers publish them with the step's puts (docs/epd.md, "Guarantees").
+    publish: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +87,8 @@ WORKER_STAT_FIELDS = (
     "puts_stored",
     "put_errors",
     "puts_skipped",
+    "published",
+    "publish_failures",
 )
 STAT_FIELDS = (
     "ec_hits",
@@ -97,6 +102,8 @@ STAT_FIELDS = (
     "puts_stored",
     "put_errors",
     "puts_skipped",
+    "published",
+    "publish_failures",
     "broker_timeouts",
 )
 

@@ -9,7 +9,12 @@ own connectors hold a worker delegate); it is given what it reads. Its promises:
   alike (``union_over_tp``);
 - a put never fails the step: refused or failed puts are counted and logged; one
   the broker was away for is retried from ``start_save_caches`` once it is back,
-  while vLLM still holds the output (at most ``MAX_UNSAVED`` hashes).
+  while vLLM still holds the output (at most ``MAX_UNSAVED`` hashes);
+- a pure producer (``publish_wait_ms`` > 0) ends no step before the broker said the
+  step's puts, and the items its scheduler skipped as held by the fleet, are visible
+  fleet-wide (``get_finished``, the last hook of a step on every vLLM runner, before
+  the step's output -- and a finished request's answer -- leaves), or
+  ``publish_wait_ms`` passed: then counted and logged, never failed.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from lmcache_ec_broker.connector.vllm_meta import (
     dtype_short_name,
     make_key,
 )
+from lmcache_ec_broker.protocol import PublishState
 
 # The connector's one logger (vllm.py uses it too): vLLM's handler and format.
 logger = init_logger("vllm.lmcache_ec_broker.connector")
@@ -62,6 +68,7 @@ class ECBrokerWorker:
         mismatch: Callable[[str, list[int], int | None, int | None], str],
         delete_invalid: Callable[[list[tuple[str, str]]], None],
         private: Callable[[str], bool],
+        publish_wait_ms: int = 0,
     ) -> None:
         self.is_producer = is_producer
         self._dtype = dtype
@@ -82,6 +89,8 @@ class ECBrokerWorker:
         self._weights_baseline: str | None = None
         self._unsaved: set[str] = set()  # put while the broker was away (<= MAX_UNSAVED)
         self._done_this_step: set[str] = set()  # reported to the scheduler (leases end)
+        self._publish_wait_ms = publish_wait_ms  # > 0: a pure producer's steps publish
+        self._put_this_step: list[str] = []  # mm_hashes put this step (to publish)
         # Counters (the connector's stats() reads them).
         self.loads = 0
         self.load_failures = 0
@@ -89,6 +98,8 @@ class ECBrokerWorker:
         self.puts_stored = 0
         self.put_errors = 0
         self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
+        self.published = 0  # entries a step's publish found visible fleet-wide
+        self.publish_failures = 0  # ... and not (failed, absent, timed out, broker away)
         self._told: dict[str, int] = {}  # counter values sent in the last metadata
 
     # ------------------------------------------------------------ identity, keys
@@ -285,6 +296,8 @@ class ECBrokerWorker:
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return False
+        if self._publish_wait_ms > 0:
+            self._put_this_step.append(mm_hash)
         try:
             client = self._client()
             stored = client.put(self.key(mm_hash), tensor.detach())
@@ -308,7 +321,43 @@ class ECBrokerWorker:
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._publish_wait_ms > 0:
+            self._publish_step()
         return None, None
+
+    def _publish_step(self) -> None:
+        """Wait until the step's puts and skipped items are visible fleet-wide."""
+        meta = self._bound_metadata()
+        skipped = meta.publish if isinstance(meta, ECBrokerConnectorMetadata) else []
+        hashes = list(dict.fromkeys([*self._put_this_step, *skipped]))
+        self._put_this_step = []
+        hashes = [h for h in hashes if not self._private(h)]
+        if not hashes or not self.keys_agree():
+            return
+        keys = [self.key(h) for h in hashes]
+        try:
+            client = self._client()
+            states = client.publish(keys, self._publish_wait_ms)
+            self._note_health(client)
+        except Exception as exc:  # never take the worker down
+            logger.warning("EC publish failed: %s", exc)
+            states = None
+        if states is None:  # broker away: the puts were skipped too (counted there)
+            self.publish_failures += len(keys)
+            return
+        bad = [h for h, st in zip(hashes, states, strict=True) if st != PublishState.PUBLISHED]
+        self.published += len(hashes) - len(bad)
+        if bad:
+            self.publish_failures += len(bad)
+            logger.warning(
+                "EC publish: %d of %d entr%s not visible to the fleet within %d ms "
+                "(the broker's log says why): instances on other nodes encode %s",
+                len(bad),
+                len(hashes),
+                "y" if len(hashes) == 1 else "ies",
+                self._publish_wait_ms,
+                ", ".join(f"mm_hash={h}" for h in bad[:8]),
+            )
 
     def build_connector_worker_meta(self, broker_timeouts: int = 0) -> ECBrokerWorkerMetadata | None:
         """The step's handled hashes and the counters' deltas since the last call.

@@ -54,9 +54,13 @@ class Lookups(PolicyPart):
     complete: bool
 
 
-    def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None] | LookupJob:
+    def lookup(
+        self, keys: Sequence[str], fresh: bool = False
+    ) -> list[EntryMeta | None] | LookupJob:
         """Answer now (a list) or admit a lookup job that ``answered`` will end by
-        its deadline. Raises TierUnavailable when shed or every node is down."""
+        its deadline. Raises TierUnavailable when shed or every node is down.
+        ``fresh``: a key the filter does not know is asked of the store even when the
+        filter is complete (another broker's announcement of it may be on its way)."""
         if self.closing:
             raise TierUnavailable("remote tier is shutting down")
         keys = list(keys)
@@ -65,7 +69,7 @@ class Lookups(PolicyPart):
             k
             for k in dict.fromkeys(keys)
             if not self._blocked(k)
-            and (not self.complete or k in self.known)
+            and (fresh or not self.complete or k in self.known)
             and self.refused.get(k, 0.0) <= now
         ]
         if ask:

@@ -52,7 +52,7 @@ from .jobs import (
 )
 from .policy import Limits, RemotePolicy
 from .stats import REMOTE_COUNTERS, REMOTE_GAUGES, record_latency
-from .transport import Declined, Retry, StoreDown, Transport
+from .transport import Declined, Outcome, Retry, StoreDown, Transport
 from .value import BadValue
 
 log = logging.getLogger("lmcache_ec_broker.remote")
@@ -305,8 +305,8 @@ class RemoteTier(LowerTier):
 
     # ------------------------------------------------------------ LowerTier
 
-    async def lookup(self, keys: Sequence[str]) -> list[EntryMeta | None]:
-        got = self.policy.lookup(keys)
+    async def lookup(self, keys: Sequence[str], fresh: bool = False) -> list[EntryMeta | None]:
+        got = self.policy.lookup(keys, fresh)
         if isinstance(got, list):
             return got
         assert self._loop is not None
@@ -486,6 +486,28 @@ class RemoteTier(LowerTier):
         waiter: asyncio.Future[None] = self._loop.create_future()
         job = self.policy.write(key, meta, extents, waiter)
         return None if job is None else waiter
+
+    def publication(self, key: str) -> bool | asyncio.Future[bool] | None:
+        """Does the store hold ``key`` (``publish.py``)? True: known to be there (this
+        broker's write of it ended STORED/PRESENT, or it was learned and not deleted
+        since); a future: its write is in flight, resolving to whether it ended
+        STORED/PRESENT without a delete or clear meanwhile; None: neither (not known,
+        not being written -- it may still be there, unannounced)."""
+        pol = self.policy
+        job = pol.pending_writes.get(key)
+        if job is not None and isinstance(job.waiter, asyncio.Future) and self._loop is not None:
+            held: asyncio.Future[bool] = self._loop.create_future()
+
+            def ended(_: object, job: WriteJob = job) -> None:
+                if not held.done():
+                    ok = job.outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded
+                    held.set_result(ok)
+
+            job.waiter.add_done_callback(ended)
+            return held
+        if key in pol.known and key not in pol.refused and not pol._blocked(key):
+            return True
+        return None
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         return self.policy.delete(keys)

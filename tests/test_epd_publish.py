@@ -1,0 +1,181 @@
+"""Issue 32, deliverable 2: no race between an encoder instance's hand-off and a
+prefill instance's lookup on another node.
+
+Two brokers (two nodes: separate sockets and slabs) joined by a real redis-server,
+both reaching it through a delaying proxy (tests/delay_proxy.py): every SET is held
+(a slow remote write) and every pub/sub announcement reaches the subscribers late (a
+loaded host's subscriber thread). The producer's side does what the vLLM connector
+of an ``ec_producer`` does at the end of a step -- put, then ``publish`` (wait until
+the store holds the entries) -- and the consumer's side what an ``ec_consumer``'s
+scheduler does right after: a ``fresh`` lookup within the scheduler's wait (25 ms).
+
+The guarantee test asserts a hit every time; the control shows that each half alone
+(the old put-and-answer, a publish without a fresh lookup, a fresh lookup without a
+publish) loses the race under these delays, so the guarantee test can fail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from delay_proxy import DelayProxy
+from redis_servers import REDIS_SERVER, RedisServer
+
+torch = pytest.importorskip("torch")
+from lmcache_ec_broker import BrokerClient  # noqa: E402
+from lmcache_ec_broker.protocol import LookupState, PublishState  # noqa: E402
+
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+
+SET_HOLD_S = 0.05  # each remote write reaches the store this late
+PUSH_DELAY_S = 0.5  # each announcement reaches the other brokers this late
+SCHEDULER_WAIT_MS = 25  # the connector's lookup wait (scheduler_budget_ms / 2)
+ROUNDS = 25
+
+
+def tensor(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((64, 128), generator=g)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def proxy(server: RedisServer) -> Iterator[DelayProxy]:
+    with DelayProxy(server.port) as p:
+        p.hold_s["SET"] = SET_HOLD_S
+        p.push_delay_s = PUSH_DELAY_S
+        yield p
+
+
+@pytest.fixture
+def node(make_broker, tmp_path) -> Iterator[Callable[[str], BrokerClient]]:
+    clients: list[BrokerClient] = []
+
+    def make(url: str) -> BrokerClient:
+        cfg = tmp_path / f"node{len(clients)}.yaml"
+        cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 2.0\n")
+        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
+        c = BrokerClient(b.socket_path, timeout_s=10.0)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def _subscribed(producer: BrokerClient, consumer: BrokerClient) -> None:
+    """Both brokers hear announcements before the rounds start (one warm-up key)."""
+    warm = tensor(999)
+    assert producer.put("warm-up", warm)
+    assert producer.publish(["warm-up"], 10_000) == [PublishState.PUBLISHED]
+    deadline = time.monotonic() + 20
+    while consumer.lookup(["warm-up"])[0].state == LookupState.MISS:
+        assert time.monotonic() < deadline, "the consumer's broker never heard the announcement"
+        time.sleep(0.05)
+
+
+def _round(
+    producer: BrokerClient, consumer: BrokerClient, key: str, seed: int, publish: bool, fresh: bool
+) -> bool:
+    """Put on the producer's node (and publish), then look up on the consumer's at
+    once, as the prefill instance's scheduler does: True if it found the entry."""
+    assert producer.put(key, tensor(seed))
+    if publish:
+        assert producer.publish([key], 10_000) == [PublishState.PUBLISHED]
+    info = consumer.lookup([key], wait_ms=SCHEDULER_WAIT_MS, fresh=fresh)[0]
+    return info.state != LookupState.MISS
+
+
+def test_a_published_put_is_found_on_the_other_node_every_time(server, proxy, node) -> None:
+    producer = node(proxy.url(server.password))
+    consumer = node(proxy.url(server.password))
+    _subscribed(producer, consumer)
+    found = [
+        _round(producer, consumer, f"item-{i}", i, publish=True, fresh=True) for i in range(ROUNDS)
+    ]
+    assert all(found), f"the consumer missed rounds {[i for i, f in enumerate(found) if not f]}"
+    # and what it found is the producer's entry, byte for byte (promoted from the store)
+    for i in (0, ROUNDS - 1):
+        got = consumer.get(f"item-{i}")
+        assert got is not None and torch.equal(got, tensor(i))
+    stats = producer.stats()
+    assert stats["publish_waits"] >= ROUNDS
+    assert stats["publish_failures"] == 0 and stats["publish_timeouts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("publish", "fresh"),
+    [
+        pytest.param(False, False, id="old-put-then-lookup"),
+        pytest.param(True, False, id="publish-without-fresh-lookup"),
+        pytest.param(False, True, id="fresh-lookup-without-publish"),
+    ],
+)
+def test_control_each_half_alone_loses_the_race(server, proxy, node, publish, fresh) -> None:
+    """Without both halves the consumer misses: the store does not hold the entry yet
+    (no publish), or its broker has not heard the announcement and trusts its filter
+    (no fresh lookup). What the guarantee test would see on the old code."""
+    producer = node(proxy.url(server.password))
+    consumer = node(proxy.url(server.password))
+    _subscribed(producer, consumer)
+    found = [
+        _round(producer, consumer, f"ctl-{i}", i, publish=publish, fresh=fresh) for i in range(5)
+    ]
+    assert not any(found), f"found {sum(found)} of 5: the delays did not open the race"
+
+
+# ---------------------------------------------------------------- Publish's edges
+
+
+def test_publish_without_a_remote_tier_answers_from_the_slab(broker) -> None:
+    """One node, no fleet tier: a committed entry is published (every instance asks
+    this broker), an unknown key is absent -- counted as a failure."""
+    with BrokerClient(broker.socket_path, timeout_s=10.0) as c:
+        assert c.put("here", tensor(1))
+        assert c.publish(["here", "nowhere"], 1000) == [PublishState.PUBLISHED, PublishState.ABSENT]
+        s = c.stats()
+        assert s["publish_waits"] == 1 and s["publish_failures"] == 1
+
+
+def test_publish_is_bounded_by_its_wait(server, node) -> None:
+    """A write still on the wire at wait_ms is TIMEOUT, answered by then (the
+    instance answers; its PD instance would encode the item), and counted."""
+    with DelayProxy(server.port) as slow:
+        slow.hold_s["SET"] = 1.5
+        c = node(slow.url(server.password))
+        assert c.put("slow", tensor(2))
+        t0 = time.monotonic()
+        assert c.publish(["slow"], 200) == [PublishState.TIMEOUT]
+        assert time.monotonic() - t0 < 1.0
+        assert c.stats()["publish_timeouts"] == 1
+
+
+def test_publish_writes_an_entry_whose_write_behind_was_dropped(
+    server, make_broker, tmp_path
+) -> None:
+    """A write-behind dropped (its queue full) is not lost for a publisher: the entry,
+    still in the slab, is written when it is published."""
+    with DelayProxy(server.port) as slow:
+        slow.hold_s["SET"] = 0.3
+        cfg = tmp_path / "q1.yaml"
+        cfg.write_text(
+            f"remote_url: '{slow.url(server.password)}'\nremote_timeout_s: 2.0\n"
+            "remote_write_queue: 1\n"
+        )
+        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
+        with BrokerClient(b.socket_path, timeout_s=10.0) as c:
+            assert c.put("first", tensor(3)) and c.put("second", tensor(4))
+            assert c.publish(["first"], 5000) == [PublishState.PUBLISHED]
+            assert c.stats()["remote_write_drops"] == 1  # "second" found the queue full
+            assert server.cli("exists", "lmcache-ec:second") == "0"
+            assert c.publish(["second"], 5000) == [PublishState.PUBLISHED]
+            assert server.cli("exists", "lmcache-ec:second") == "1"
