@@ -165,7 +165,7 @@ def test_a_stuck_flusher_never_holds_up_the_caller(make_broker) -> None:
             for _round in range(12):  # ~6.5 KiB of Served frames per round, sent by the flusher
                 assert all(g is not None for g in c.get_many(keys))
                 served += len(keys)
-                pending = c._session.served  # type: ignore[union-attr]
+                pending = c._link.session.served  # type: ignore[union-attr]
                 wait_until(lambda p=pending: not p.at or p._unsent, "the flusher's turn",
                            interval=0.002)  # fmt: skip
                 if pending._unsent:

@@ -43,10 +43,7 @@ Failure model (what a serving engine can rely on):
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -81,26 +78,25 @@ from ..protocol import (
     expected_nbytes,
 )
 from ..shm.residency import ResidencyReader
-from ..shm.segment import ShmError
 from . import index_path, reads
 from .arena_blocks import Run
-from .broker_link import Circuit, Redial, close_fds, dial, probe
+from .client_link import ClientLink
 from .errors import BrokerImpostor as BrokerImpostor
 from .errors import BrokerRefused, BrokerUnavailable
 from .frames import _MAX_OWED
 from .mappings import Mappings
 from .membership import _as_list, _expand, split, with_posted
 from .reads import _copy
-from .served_flush import GONE, ServedFlusher
 from .session import Session
 from .trust import BROKER_UID_ENV as BROKER_UID_ENV
 from .trust import trusted_uids
 
-# The parts (docs/design.md "The client"): broker_link.py (dial, Redial, Circuit),
-# session.py (one connection: frames.py's Wire, arena_put.py's PutArena,
-# index_path.py's ServedBatch, posted keys), mappings.py (one broker epoch's
-# segments), membership.py and reads.py (functions over those parts). BrokerClient
-# is the only code that calls across parts.
+# The parts (docs/design.md "The client"): client_link.py (the connection kept across
+# outages: lock, session, mappings, handshake, Redial/Circuit from broker_link.py,
+# the Served flusher), session.py (one connection: frames.py's Wire, arena_put.py's
+# PutArena, index_path.py's ServedBatch, posted keys), mappings.py (one broker
+# epoch's segments), membership.py and reads.py (functions over those parts).
+# BrokerClient does the cache's work over its ClientLink.
 _INDEX_HAS_MAX = (
     32  # measured (p50, loaded VM): 32 hits 117 us from the index vs 200 asked; 64: 189 vs 167
 )
@@ -143,164 +139,21 @@ class BrokerClient:
         # connection was confirmed within filter_trust_s, so a killed broker's stale
         # filter cannot hide a restarted broker's entries for long.
         self.filter_trust_s = filter_trust_s
-        self.client_id = uuid.uuid4().hex
-        self._lock = threading.RLock()
-        self._session: Session | None = None  # the connection (None: not connected)
-        self._maps: Mappings | None = None  # the current broker epoch's segments
-        self._hello: HelloReply | None = None  # the last handshake (kept across outages)
-        self._wrap: Callable[[Any], Any] | None = None  # instrument_socket's
-        self._redial = Redial(path, max_backoff_s)
-        probe_timeout = max(timeout_s, connect_timeout_s)
-        self._circuit = Circuit(
-            path,
-            timeout_s,
-            probe_interval_s,
-            probe=lambda: probe(path, trusted, probe_timeout),
-            on_close=self._redial.reset,
+        self._link = ClientLink(
+            path, trusted, timeout_s, connect_timeout_s, max_backoff_s, prefault, probe_interval_s
         )
-        self._flusher = ServedFlusher(self._served_stepper())
-        self.reconnects = 0
+        self.client_id = self._link.client_id
         self.local_misses = 0  # keys the filter answered absent here
         self.index_hits = 0  # has() hits and gets served from the index
         self.index_retries = 0  # index copies discarded (slot rewritten) and asked again
-        with self._lock:
-            self._live(raise_refusal=True)
+        with self._link.lock:
+            self._link.live(raise_refusal=True)
 
     # ------------------------------------------------------------ the parts, composed
 
-    def _live(self, raise_refusal: bool = False) -> Session | None:
-        """The connection, made now if needed; None during an outage (a refusal raises
-        only when asked: at construction; later it is an outage like any other)."""
-        s = self._session
-        if s is not None:
-            return s
-        if self._circuit.tripped or not self._redial.due():
-            return None
-        try:
-            return self._connect()
-        except (OSError, BrokerUnavailable, BrokerRefused, ShmError) as exc:
-            if raise_refusal and isinstance(exc, BrokerRefused):
-                raise
-            if isinstance(exc, TimeoutError):  # connect or handshake hung
-                self._circuit.trip()
-            # Let go of the old mappings now: unlinked shared memory stays charged to
-            # /dev/shm while anyone maps it, and a restarting broker needs that room.
-            self._drop_maps()
-            self._redial.failed(exc)
-            return None
-
-    def _connect(self) -> Session:
-        sock, hello, fds = dial(
-            self.socket_path,
-            self.trusted_uids,
-            self.client_id,
-            self.connect_timeout_s,
-            self.timeout_s,
-        )
-        if self._hello is not None:
-            self.reconnects += 1
-        maps = self._maps
-        if maps is not None and maps.epoch != hello.epoch:
-            self._drop_maps()  # the broker restarted: its old segments are gone
-            maps = None
-        if maps is None:
-            maps = self._maps = Mappings(hello, self.trusted_uids, self.prefault, fds)
-        else:
-            close_fds(fds.values())  # the same epoch's segments, mapped already
-        self._hello = hello
-        arm = self._flusher.arm if index_path.SERVED_FLUSH_S is not None else None
-        self._session = s = Session(sock, hello, maps.journal, self._on_lost(), self._wrap, arm)
-        self._redial.connected()
-        return s
-
-    def _on_lost(self) -> Callable[[bool], None]:
-        """What a session's wire calls when its connection fails (weakly bound: a
-        client nobody holds is freed at once, as before)."""
-        ref = weakref.ref(self)
-
-        def lost(timed_out: bool) -> None:
-            client = ref()
-            if client is not None:
-                client._drop_session()
-                if timed_out:
-                    client._circuit.trip()
-
-        return lost
-
-    def _served_stepper(self) -> Callable[[], float | None]:
-        """The flusher thread's step (weakly bound, like _on_lost)."""
-        ref = weakref.ref(self)
-
-        def step() -> float | None:
-            client = ref()
-            return GONE if client is None else client._served_step()
-
-        return step
-
-    def _served_step(self) -> float | None:
-        """The flusher's turn (served_flush.py): send the Served batch alone once it is
-        SERVED_FLUSH_S old and no request carried it. Returns the seconds until the next
-        turn, or None when nothing is pending. Never waits for the broker: the lock with
-        a timeout (its holder is mid-call, and its request may carry the batch), then a
-        non-blocking write (ServedBatch.send_nowait)."""
-        flush_s = index_path.SERVED_FLUSH_S
-        s = self._session
-        if s is None or flush_s is None or self._circuit.tripped or not s.served.at:
-            return None
-        wait = s.served.at + flush_s - time.monotonic()
-        if wait > 0:
-            return wait
-        if not self._lock.acquire(timeout=flush_s):
-            return 0.0
-        try:
-            s = self._session
-            sock = s.wire.sock if s is not None else None
-            if s is None or sock is None or not s.served.at or self._circuit.tripped:
-                return None
-            try:
-                return None if s.served.send_nowait(sock.fileno()) else flush_s
-            except OSError:
-                return None  # the connection failed: its next request finds out
-        finally:
-            self._lock.release()
-
-    def _drop_session(self) -> None:
-        s, self._session = self._session, None
-        if s is not None:
-            s.close()
-
-    def _drop_maps(self) -> None:
-        m, self._maps = self._maps, None
-        if m is not None:
-            m.close()
-
-    def _call(self, msg: msgspec.Struct) -> Any:
-        """One request; raises BrokerUnavailable or BrokerRefused."""
-        s = self._live()
-        if s is None:
-            raise BrokerUnavailable("not connected")
-        return s.wire.call(msg)
-
-    def _slab(self) -> SlabView:
-        """The slab mapped; a failure to map it is an outage (the connection, and
-        everything it holds, goes; misses are served; reconnecting backs off)."""
-        m = self._maps
-        if m is not None and m.slab is not None:
-            return m.slab
-        if m is None:
-            raise BrokerUnavailable("not connected")
-        try:
-            slab = m.map_slab()
-        except ShmError as exc:
-            self._drop_session()
-            self._redial.attach_failed(exc)
-            raise BrokerUnavailable(str(exc)) from exc
-        self._redial.attached()
-        return slab
-
     def _maybe_mask(self, s: Session, keys: list[str]) -> list[bool] | None:
         """Per key, False where the filter proves a miss; None if it is not usable."""
-        m = self._maps
+        m = self._link.maps
         flt = m.filter if m is not None else None
         if flt is None or time.monotonic() - s.wire.confirmed_at > self.filter_trust_s:
             return None
@@ -313,7 +166,7 @@ class BrokerClient:
 
     def _ask(self, keys: list[str]) -> tuple[list[str], list[bool] | None]:
         """The keys to ask the broker about and the filter's mask (None: ask all)."""
-        s = self._session
+        s = self._link.session
         mask = self._maybe_mask(s, keys) if s is not None else None
         ask, mask = split(keys, mask)
         if mask is not None:
@@ -322,7 +175,7 @@ class BrokerClient:
 
     def _usable_index(self, s: Session | None) -> ResidencyReader | None:
         """The residency index while it may be trusted (the filter's rule)."""
-        m = self._maps
+        m = self._link.maps
         if s is None or m is None or m.index is None:
             return None
         if time.monotonic() - s.wire.confirmed_at > self.filter_trust_s:
@@ -330,7 +183,7 @@ class BrokerClient:
         # A killed broker cannot clear its index, and answering from it would also keep
         # its dead slab mapped: a hang-up on the socket (one poll, ~1 us) is an outage.
         if s.wire.peer_gone():
-            self._drop_session()
+            self._link.drop_session()
             return None
         return m.index
 
@@ -360,8 +213,8 @@ class BrokerClient:
         dtype = dtype_name(tensor.dtype)
         shape = list(tensor.shape)
         nbytes = expected_nbytes(dtype, shape)
-        with self._lock:
-            s = self._live()
+        with self._link.lock:
+            s = self._link.live()
             if s is None:
                 return False
             try:
@@ -374,7 +227,7 @@ class BrokerClient:
                 if reply.status != ReserveStatus.RESERVED:
                     return False
                 try:
-                    self._slab().write(reply.extents, tensor)
+                    self._link.slab().write(reply.extents, tensor)
                 except BaseException:
                     if s.alive:
                         try:
@@ -411,8 +264,8 @@ class BrokerClient:
             descs.append((dtype, shape, expected_nbytes(dtype, shape)))
         if not items:
             return []
-        with self._lock:
-            s = self._live()
+        with self._link.lock:
+            s = self._link.live()
             if s is None:
                 return [False] * len(items)
             stored = [False] * len(items)
@@ -446,7 +299,7 @@ class BrokerClient:
             ]
             done: list[int] = []
             try:
-                slab = self._slab() if todo else None
+                slab = self._link.slab() if todo else None
                 for i, token, extents in todo:
                     assert slab is not None
                     slab.write(extents, items[i][1])
@@ -480,7 +333,7 @@ class BrokerClient:
         """Whether ``key`` can go into the arena: the arena can take it, and the
         trusted filter says the key is absent (a present key would be copied for
         nothing)."""
-        m = self._maps
+        m = self._link.maps
         flt = m.filter if m is not None else None
         return (
             flt is not None
@@ -511,7 +364,7 @@ class BrokerClient:
             return None
         runs, extents = got
         try:
-            self._slab().write(extents, tensor)
+            self._link.slab().write(extents, tensor)
         except BrokerUnavailable:
             raise  # the connection, and with it the arena, is gone
         except BaseException:
@@ -581,14 +434,14 @@ class BrokerClient:
         already on their way (no new request); what the residency index served and the
         broker was not told yet is sent and confirmed with a ping (its frame has no
         reply). False while the broker is unavailable."""
-        with self._lock:
-            s = self._session
+        with self._link.lock:
+            s = self._link.session
             if s is not None and s.served.at:
                 try:
                     s.wire.call(Ping())  # the pending Served frame goes first
                 except BrokerUnavailable:
                     return False
-            s = self._session
+            s = self._link.session
             if s is None:
                 return False
             if not s.wire.owed:
@@ -611,7 +464,7 @@ class BrokerClient:
         cp = _copy()
         dev = cp.torch.device(device)
         cp.check_device(dev)
-        with self._lock:
+        with self._link.lock:
             # The index first (a get usually follows a has() hit), then the filter for
             # what it lacks, then the broker for what the filter cannot rule out.
             local = self._get_local(_as_list(keys), dev)
@@ -634,12 +487,12 @@ class BrokerClient:
     def _get_local(self, keys: list[str], dev: torch.device) -> list[torch.Tensor | None] | None:
         """The index's copies (None where the broker must be asked), or None when the
         index served nothing. Posts the Served frame."""
-        s = self._session
+        s = self._link.session
         index = self._usable_index(s)
         if index is None or s is None:
             return None
         try:
-            slab = self._slab()
+            slab = self._link.slab()
         except BrokerUnavailable:
             return None
         own = None
@@ -657,10 +510,10 @@ class BrokerClient:
     def _get_asked(self, ask: list[str], dev: torch.device) -> list[torch.Tensor | None]:
         """get_many's round trip for ``ask``: a Get, the copies, a posted Release."""
         try:
-            s = self._live()
+            s = self._link.live()
             if s is None:
                 return [None] * len(ask)
-            return reads.get_asked(s.wire, self._slab, ask, dev)
+            return reads.get_asked(s.wire, self._link.slab, ask, dev)
         except BrokerUnavailable:
             return [None] * len(ask)
 
@@ -676,13 +529,13 @@ class BrokerClient:
         cp = _copy()
         if not out.is_cpu:
             cp.check_device(out.device)
-        with self._lock:
+        with self._link.lock:
             wrote = False
-            s = self._session
+            s = self._link.session
             index = self._usable_index(s)  # first: a get usually follows a has() hit
             if index is not None and s is not None:
                 try:
-                    slab = self._slab()
+                    slab = self._link.slab()
                 except BrokerUnavailable:
                     return False
                 if key in s.arena.own:
@@ -700,15 +553,15 @@ class BrokerClient:
                     return True
                 self.index_retries += wrote or wrote_index
                 wrote = wrote or wrote_index
-            s = self._session
+            s = self._link.session
             mask = self._maybe_mask(s, [key]) if s is not None else None
             if mask is not None and not mask[0]:
                 self.local_misses += 1
                 hit = False
             else:
                 try:
-                    s = self._live()
-                    hit = s is not None and reads.get_into_asked(s.wire, self._slab, key, out, cp)
+                    s = self._link.live()
+                    hit = s is not None and reads.get_into_asked(s.wire, self._link.slab, key, out, cp)
                 except BrokerUnavailable:
                     hit = False
             if wrote and not hit:
@@ -722,16 +575,14 @@ class BrokerClient:
         (or until this client disconnects). Keys the broker's membership filter rules
         out are answered here, without a round trip. ``wait_ms > 0``: the broker answers
         within about that long, a key its remote store has not answered by then False."""
-        with self._lock:
+        with self._link.lock:
             ask, mask = self._ask(keys)
             if not ask:
                 return [False] * len(keys)
             # A lease needs the broker; past _INDEX_HAS_MAX keys one round trip costs less
             # than reading the index key by key (~1-3 us each from Python).
-            s = self._session
-            index = (
-                self._usable_index(s) if lease_ms <= 0 and len(ask) <= _INDEX_HAS_MAX else None
-            )
+            s = self._link.session
+            index = self._usable_index(s) if lease_ms <= 0 and len(ask) <= _INDEX_HAS_MAX else None
             if index is not None and s is not None:
                 known = index_path.has_known(index, ask)
                 n = known.count(True)
@@ -741,14 +592,14 @@ class BrokerClient:
                     if n < len(ask):
                         rest = [k for k, kn in zip(ask, known, strict=True) if not kn]
                         try:
-                            more: HasReply = self._call(Has(rest, lease_ms, wait_ms))
+                            more: HasReply = self._link.call(Has(rest, lease_ms, wait_ms))
                         except BrokerUnavailable:
                             more = HasReply([False] * len(rest))
                         it = iter(more.hits)
                         known = [True if kn else next(it) for kn in known]
                     return known if mask is None else _expand(mask, known, False)
             try:
-                reply: HasReply = self._call(Has(ask, lease_ms, wait_ms))
+                reply: HasReply = self._link.call(Has(ask, lease_ms, wait_ms))
             except BrokerUnavailable:
                 return [False] * len(keys)
             return reply.hits if mask is None else _expand(mask, reply.hits, False)
@@ -763,15 +614,15 @@ class BrokerClient:
         asked of the broker, which asks its remote store for the keys it does not know
         (an entry another node published just now; protocol.Lookup.fresh)."""
         miss = EntryInfo(LookupState.MISS)
-        with self._lock:
-            s = self._session
+        with self._link.lock:
+            s = self._link.session
             mask = self._maybe_mask(s, keys) if s is not None and not fresh else None
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
             self.local_misses += len(keys) - len(ask)
             if not ask:
                 return [miss] * len(keys)
             try:
-                reply: LookupReply = self._call(Lookup(ask, lease_ms, wait_ms, fresh))
+                reply: LookupReply = self._link.call(Lookup(ask, lease_ms, wait_ms, fresh))
             except BrokerUnavailable:
                 return [miss] * len(keys)
             if mask is None or len(ask) == len(keys):
@@ -786,8 +637,8 @@ class BrokerClient:
         alone may hold its connection for ``wait_ms`` plus the client's ``timeout_s``."""
         if not keys:
             return []
-        with self._lock:
-            s = self._live()
+        with self._link.lock:
+            s = self._link.live()
             if s is None:
                 return None
             sock = s.wire.sock
@@ -807,8 +658,8 @@ class BrokerClient:
         """End this client's leases on ``keys`` (sent without waiting for the reply)."""
         if not keys:
             return
-        with self._lock:
-            s = self._session
+        with self._link.lock:
+            s = self._link.session
             if s is None:
                 return  # leases died with the connection
             try:
@@ -819,9 +670,9 @@ class BrokerClient:
     def shutdown(self) -> bool:
         """Ask the broker to stop (its owner or root only). True if it accepted;
         raises BrokerRefused if it refused."""
-        with self._lock:
+        with self._link.lock:
             try:
-                self._call(Shutdown())
+                self._link.call(Shutdown())
                 return True
             except BrokerUnavailable:
                 return False
@@ -830,9 +681,9 @@ class BrokerClient:
         return self.delete_many([key])[0]
 
     def delete_many(self, keys: list[str]) -> list[bool]:
-        with self._lock:
+        with self._link.lock:
             try:
-                reply: DeleteReply = self._call(Delete(list(keys)))
+                reply: DeleteReply = self._link.call(Delete(list(keys)))
                 return reply.deleted
             except BrokerUnavailable:
                 return [False] * len(keys)
@@ -841,26 +692,26 @@ class BrokerClient:
         """Empty the broker's local tiers (slab, disk); ``shared`` also removes its key
         prefix from the remote store, for every broker using it. Owner or root only
         (BrokerRefused otherwise); False while the broker is unavailable."""
-        with self._lock:
+        with self._link.lock:
             try:
-                self._call(Clear(shared=shared))
+                self._link.call(Clear(shared=shared))
                 return True
             except BrokerUnavailable:
                 return False
 
     def stats(self) -> dict[str, Any]:
         """The broker's counters; {} while it is unavailable."""
-        with self._lock:
+        with self._link.lock:
             try:
-                reply: StatsReply = self._call(Stats())
+                reply: StatsReply = self._link.call(Stats())
                 return dict(reply.stats)
             except BrokerUnavailable:
                 return {}
 
     def ping(self) -> bool:
-        with self._lock:
+        with self._link.lock:
             try:
-                reply: PongReply = self._call(Ping())
+                reply: PongReply = self._link.call(Ping())
                 return reply.epoch == self.epoch
             except BrokerUnavailable:
                 return False
@@ -868,54 +719,59 @@ class BrokerClient:
     # ------------------------------------------------------------ state and seams
 
     @property
+    def reconnects(self) -> int:
+        """Connections made after the first (a restarted or recovered broker)."""
+        return self._link.reconnects
+
+    @property
     def connected(self) -> bool:
-        return self._session is not None
+        return self._link.session is not None
 
     @property
     def tripped(self) -> bool:
         """True while a hung broker is being probed: calls answer misses at once."""
-        return self._circuit.tripped
+        return self._link.circuit.tripped
 
     @property
     def timeouts(self) -> int:
         """Outages that cost a timeout (one per outage)."""
-        return self._circuit.timeouts
+        return self._link.circuit.timeouts
 
     @property
     def epoch(self) -> str | None:
-        return self._hello.epoch if self._hello else None
+        return self._link.hello.epoch if self._link.hello else None
 
     @property
     def handshake(self) -> HelloReply | None:
         """The broker's answer to the last handshake (segment names, limits), or None
         after close()."""
-        return self._hello
+        return self._link.hello
 
     @property
     def mappings(self) -> Mappings | None:
         """The current broker epoch's mapped segments (``filter``, ``index``,
         ``journal``, ``slab``), or None while none are mapped (an outage)."""
-        return self._maps
+        return self._link.maps
 
     def slab(self) -> SlabView:
         """The broker's slab, mapped now if it is not yet (for tools and tests that
         write a reservation themselves). Raises BrokerUnavailable during an outage."""
-        with self._lock:
-            if self._live() is None:
+        with self._link.lock:
+            if self._link.live() is None:
                 raise BrokerUnavailable("not connected")
-            return self._slab()
+            return self._link.slab()
 
     def request(self, msg: msgspec.Struct) -> Any:
         """Send one protocol request and return its reply (tools and tests; the
         methods above are the API). Raises BrokerUnavailable or BrokerRefused."""
-        with self._lock:
-            return self._call(msg)
+        with self._link.lock:
+            return self._link.call(msg)
 
     def post(self, msg: msgspec.Struct, keys: tuple[str, ...] = ()) -> None:
         """Send one protocol request without waiting; its reply is read before the next
         one. ``keys``: keys it writes (never ruled out locally until it is handled)."""
-        with self._lock:
-            s = self._live()
+        with self._link.lock:
+            s = self._link.live()
             if s is None:
                 raise BrokerUnavailable("not connected")
             s.wire.post(msg)
@@ -925,22 +781,20 @@ class BrokerClient:
         """Replace this connection's socket (and every later one's) by ``wrap(sock)``,
         an object with the socket's methods: counting round trips in tests, timing
         syscalls in benchmarks."""
-        with self._lock:
-            self._wrap = wrap
-            s = self._session
+        with self._link.lock:
+            self._link.wrap = wrap
+            s = self._link.session
             if s is not None:
                 s.wire.wrap(wrap)
 
     def close(self) -> None:
-        self._circuit.stop()
-        self._flusher.stop()
-        with self._lock:
-            s = self._session
+        self._link.stop_threads()
+        with self._link.lock:
+            s = self._link.session
             if s is not None and (s.posted or s.served.at):
                 self.flush()  # this client's last puts (and hits) are in before it goes
-            self._drop_session()
-            self._drop_maps()
-            self._hello = None
+            self._link.release()
+            self._link.hello = None
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -951,8 +805,7 @@ class BrokerClient:
     def __del__(self) -> None:
         # Unmapping here (not left to the GC) keeps the order: CUDA unregistration first.
         try:
-            self._flusher.stop()
-            self._drop_session()
-            self._drop_maps()
+            self._link.stop_threads()
+            self._link.release()
         except Exception:
             pass
