@@ -293,3 +293,85 @@ def test_v2_runner_with_lora_never_promises_a_load():
     assert loads_off_reason(v1_lora) == ""  # V1 builds it inside _execute_mm_encoder
     v2 = SimpleNamespace(parallel_config=parallel, lora_config=None, use_v2_model_runner=True)
     assert loads_off_reason(v2) == ""
+
+
+PP_RUNNERS = [
+    pytest.param(False, False, id="v1-sync"),
+    pytest.param(True, False, id="v2-sync"),
+    pytest.param(True, True, id="v2-async"),
+]
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling"), PP_RUNNERS)
+def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_scheduling):
+    """PP=2: vLLM's scheduler with use_pp and its batch queue (as many batches in
+    flight as max_concurrent_batches; chunked prefills keep a request in several),
+    the runner the first PP rank's (the only one with EC hooks and the encoder). A
+    failed load is encoded in its step; every request reads the encoder's output.
+    With the V1 runner the first rank's EC output never reaches the scheduler (vLLM
+    drops it on a non-last PP rank): the loads' leases are not ended by a report but
+    at lease_ms, which costs nothing in correctness (a later load is served)."""
+    e = engines(
+        v2=v2, async_scheduling=async_scheduling, pp=2, max_num_batched_tokens=24, lease_ms=300
+    )
+    assert e.depth == (3 if async_scheduling else 2)
+    x, y = "p1" * 32, "p2" * 32
+    store(e, x, y)
+    delete_when_loaded(e, broker, x)
+    requests = [
+        make_request("a", [x, y], max_tokens=3),
+        make_request("bystander", ["p3" * 32], max_tokens=3),
+        make_request("again", [y, "p4" * 32], max_tokens=2),
+    ]
+    for r in requests:
+        e.add(r)
+    e.run(max_steps=80)
+    assert not e.errors
+    assert_answers_unchanged(e, requests)
+    assert e.worker.load_failures == 1 and e.worker.reencoded == 1 and e.worker.loads >= 1
+    reported = not e.sched_connector._inflight
+    assert reported == bool(v2), "the V1 runner's EC output reached the scheduler under PP?"
+    # Reports lost or not, a later request's load is promised and served.
+    z = "p5" * 32
+    store(e, z)
+    loads = e.worker.loads
+    later = make_request("later", [z, x], text=5)  # another prompt: no prefix-cache hit
+    e.add(later)
+    e.run(max_steps=40)
+    assert not e.errors
+    assert_answers_unchanged(e, [later])
+    assert e.worker.loads == loads + 1 and e.worker.load_failures == 1
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
+def test_failed_load_in_one_data_parallel_rank(engines, broker, v2, async_scheduling):
+    """DP=2 on one host: two engines (each DP rank its own scheduler, connectors and
+    runner, as vLLM's DP engine cores), one broker, stepped in turn. Rank 0 loads the
+    item; the entry is gone before rank 1's worker loads it (its own lookup promised
+    it): rank 1 encodes it in the step and stores it again; rank 0 is untouched. No
+    state crosses DP ranks but the broker's entries, so a failed load stays a rank's
+    own, re-encoded like any other."""
+    ranks = [engines(v2=v2, async_scheduling=async_scheduling) for _ in range(2)]
+    x = "d1" * 32
+    store(ranks[0], x)
+    delete_when_loaded(ranks[1], broker, x)
+    per_rank = [
+        [make_request(f"r{i}-a", [x], max_tokens=2), make_request(f"r{i}-b", ["d2" * 32])]
+        for i in range(2)
+    ]
+    for e, requests in zip(ranks, per_rank, strict=True):
+        for r in requests:
+            e.add(r)
+    for _ in range(50):
+        busy = [e for e in ranks if e.has_work() or e._inflight]
+        if not busy:
+            break
+        for e in busy:
+            e.step()
+    for e, requests in zip(ranks, per_rank, strict=True):
+        assert not e.errors
+        assert_answers_unchanged(e, requests)
+    assert (ranks[0].worker.loads, ranks[0].worker.load_failures) == (1, 0)
+    assert (ranks[1].worker.load_failures, ranks[1].worker.reencoded) == (1, 1)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.get(ranks[1].sched_connector.key(x)) is not None, "rank 1 did not store it again"

@@ -24,7 +24,17 @@ What is vLLM's own code here, and what is emulated:
 Executors: ``together`` pickles the SchedulerOutput as one message (multiprocess
 executor's MessageQueue), ``inprocess`` passes the object (uni / external_launcher),
 ``apart`` ships the connector metadata in its own message (what a vLLM change or
-another executor would do)."""
+another executor would do).
+
+Pipeline parallel (``pp``): vLLM's scheduler with ``pipeline_parallel_size`` set
+(``use_pp``), as many batches in flight as vLLM's ``max_concurrent_batches`` (the
+EngineCore's batch queue), the runner being the first PP rank's (the only one that
+runs the EC hooks and the encoder). With the V1 runner, its EC output never reaches
+the scheduler (0.32/0.33's V1 runner returns IntermediateTensors on a non-last PP
+rank and drops ``ec_connector_output``; the last rank runs no EC hook); the V2
+runner passes it on. Data parallel: one ``Engine`` per DP rank (each its own
+scheduler, connectors and runner, as vLLM's DP engine cores), stepped in turn;
+each installs its worker connector as vLLM's process-global EC agent for its step."""
 
 from __future__ import annotations
 
@@ -80,6 +90,7 @@ def make_config(
     priority: bool = False,
     max_num_batched_tokens: int = 512,
     long_prefill_token_threshold: int = 0,
+    pp: int = 1,
     **extra: object,
 ) -> VllmConfig:
     sc = SchedulerConfig(
@@ -106,6 +117,7 @@ def make_config(
     # Triton"); on GPUs both are on by default. The scheduler reads async_scheduling
     # from here and use_v2_model_runner (a property) once, at init: Engine sets it.
     config.scheduler_config.async_scheduling = async_scheduling
+    config.parallel_config.pipeline_parallel_size = pp  # the scheduler reads it at init
     V2_RUNNER[id(config)] = v2
     return config
 
@@ -332,9 +344,18 @@ class Engine:
             log_stats=True,
         )
         self.scheduler.use_v2_model_runner = self.v2
-        ec_transfer_state.ensure_ec_transfer_shutdown()
+        # Another Engine's worker connector (a DP rank) stays open: that Engine owns it.
+        ec_transfer_state._EC_CONNECTOR_AGENT = None
         ec_transfer_state.ensure_ec_transfer_initialized(config)
         self.worker = ec_transfer_state.get_ec_transfer()
+        pp = config.parallel_config.pipeline_parallel_size
+        # vLLM's max_concurrent_batches (config/vllm.py) for this runner
+        if config.scheduler_config.async_scheduling:
+            self.depth = pp + 1 if self.v2 else max(pp, 2)
+        else:
+            self.depth = pp
+        # The V1 runner on a first PP rank that is not the last drops its EC output.
+        self.ec_output_reaches_scheduler = pp == 1 or self.v2
         if next_src is not None:
             encoder_cache_cls = load_encoder_cache_033(next_src)
             updates = encoder_input_updates_033(next_src, self.scheduler)
@@ -364,7 +385,9 @@ class Engine:
 
     def close(self) -> None:
         self.sched_connector.shutdown()
-        ec_transfer_state.ensure_ec_transfer_shutdown()
+        self.worker.shutdown()
+        if ec_transfer_state._EC_CONNECTOR_AGENT is self.worker:
+            ec_transfer_state._EC_CONNECTOR_AGENT = None
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -386,7 +409,10 @@ class Engine:
         if self.before_worker is not None:
             self.before_worker(so)
         shipped = self.ship(so)
+        ec_transfer_state._EC_CONNECTOR_AGENT = self.worker  # this engine's (DP rank's)
         ec_output, gathered = self.runner.execute(shipped)
+        if not self.ec_output_reaches_scheduler:
+            ec_output = None
         for req_id in so.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
             for f in request.mm_features:
@@ -406,8 +432,7 @@ class Engine:
             ec_connector_output=pickle.loads(pickle.dumps(ec_output)),
         )
         self._inflight.append((so, out))
-        depth = 2 if self.config.scheduler_config.async_scheduling else 1
-        while len(self._inflight) >= depth or (self._inflight and not self.has_work()):
+        while len(self._inflight) >= self.depth or (self._inflight and not self.has_work()):
             self._update(*self._inflight.popleft())
         return so
 

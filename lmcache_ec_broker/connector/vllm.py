@@ -66,8 +66,9 @@ loads it, the worker has the runner encode the item in the same step: the
 metadata carries a reference to the step's ``scheduled_encoder_inputs`` (the same
 dict the runner reads right after ``start_load_caches``; one pickled message keeps
 the identity), and the failed ``(request, item index)`` is added to it. Under
-tensor parallelism the ranks first agree (a max all-reduce over the TP group's CPU
-group) so that every rank runs the encoder on the same items. Nothing is ever
+tensor parallelism the ranks first agree (through shared memory with a bounded wait
+when the TP ranks share a host, else a max all-reduce over the TP group's CPU group:
+connector/tp_agree.py) so that every rank runs the encoder on the same items. Nothing is ever
 inserted that the model did not compute; no request is failed; see
 docs/design.md, "A load that fails".
 
