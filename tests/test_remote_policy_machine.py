@@ -20,7 +20,10 @@ The invariants are the policy's promises (its module docstring):
   then ask the broker instead of answering a local miss; ``partial`` is cleared
   only by a listing that fit under the filter's cap;
 - a breaker with ``threshold`` failures in a row is not closed; a successful probe
-  closes it.
+  closes it;
+- a failed write that may still land (``land_late``) is remembered until it cannot,
+  whatever later writes of its key do, so that a delete or clear ending before it
+  lands is run once more.
 """
 
 from __future__ import annotations
@@ -512,6 +515,26 @@ class PolicyMachine(RuleBasedStateMachine):
         self.was_partial = pol.partial
 
     @invariant()
+    def late_writes_remembered(self) -> None:
+        """A failed write that may still land is remembered until it can no longer land
+        (``uncertain``), or a delete of its key is set to run after that: whatever
+        happens to the key meanwhile (a later write STORED, a delete, a clear), so that
+        a delete or clear that ends before it lands is run once more. (Checked here, not
+        only by ``deleted_keys_stay_away``: the whole sequence that brings the key back
+        -- late write, delete, landing -- is rarely drawn; this breaks a step after the
+        cause.)"""
+        pol = self.policy
+        for until, w in self.late:
+            if self.clock.now >= until:
+                continue
+            if pol.uncertain.get(w.key, 0.0) >= until:
+                continue
+            assert any(
+                isinstance(j, DeleteJob) and w.key in j.keys and j.not_before >= until
+                for j in [*pol.queue, *pol.running]
+            ), f"a failed write of {w.key} may still land but the policy forgot it"
+
+    @invariant()
     def deleted_keys_stay_away(self) -> None:
         """Once no job of a deleted key is queued or running, the store lacks it."""
         pol = self.policy
@@ -640,3 +663,30 @@ def test_a_fetch_that_read_before_a_delete_is_not_served() -> None:
     m.complete_fetch(0, "early")  # the value it read before the delete arrives
     assert m.policy.counters["remote_hits"] == hits
     assert "k0" not in m.policy.known
+
+
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_late_write_outlived_by_a_stored_one_is_deleted_again(how: str) -> None:
+    """The machine's counterexample, replayed without its database: a write of k2 times
+    out with its bytes still on the wire; a second write of k2 is STORED; the key is
+    deleted (or the namespace cleared); then the first write lands. The STORED write
+    does not make the first one's landing impossible (it may land after anything), so
+    the delete must still run once more when it can no longer land."""
+    m = PolicyMachine()
+    m.background("rescan")
+    m.complete_oldest("ok")
+    m.put("k2", 1)
+    m.complete(0, "late")  # the write times out; its bytes are still on the wire
+    m.put("k2", 1)
+    m.complete_oldest("ok")  # the second write is STORED
+    m.late_writes_remembered()  # the first may still land: not forgotten
+    m.delete(None if how == "clear" else ["k2"])
+    m.complete_oldest("ok")  # the delete (clear) ends
+    m.land_late(0)  # ... and then the first write lands
+    m.deleted_keys_stay_away()
+    m.time_passes(LATE_WRITE_TIMEOUTS * TIMEOUT + 0.1)
+    (follow_up,) = m.runner.pending
+    assert isinstance(follow_up, DeleteJob) and follow_up.follow_up
+    m.complete(0, "ok")
+    assert "k2" not in m.store.data
+    m.deleted_keys_stay_away()

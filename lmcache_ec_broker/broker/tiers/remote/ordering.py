@@ -15,6 +15,11 @@ Invariants:
 - Every accepted write is in ``pending_writes`` and counts in ``pending_bytes`` until
   ``_end_write`` records its one outcome; writes beyond ``write_queue`` entries or
   ``max_pending_bytes`` are dropped at once (counted), never waited for.
+- A write that FAILED after its bytes may have left keeps its key in ``uncertain``
+  for ``LATE_WRITE_TIMEOUTS`` x ``timeout_s``, whatever later writes of the key do
+  (a STORED one does not stop it landing); a delete or clear that ends meanwhile
+  runs once more for that key when it can no longer land (``_follow_up``), and the
+  key's ``deleting`` count stays up (lookups miss it) until then.
 - ``own_stored`` is told once per write that ended STORED, ``own_deleted`` once per
   ended delete of a key, in the order the store saw them.
 """
@@ -121,12 +126,16 @@ class WriteOrdering(PolicyPart):
         self.pending_bytes -= job.meta.nbytes
         self.live.discard(job)
         if outcome is Outcome.FAILED and sent:  # its bytes may still be on the wire
-            self.uncertain[job.key] = self.clock() + LATE_WRITE_TIMEOUTS * self.limits.timeout_s
+            # Kept until it expires or a follow-up delete takes it -- not dropped when a
+            # later write of the key is STORED: the failed one may still land after that,
+            # and after a delete or clear that follows (it would bring the key back).
+            now = self.clock()
+            self.uncertain[job.key] = now + LATE_WRITE_TIMEOUTS * self.limits.timeout_s
             self.uncertain.move_to_end(job.key)
-            while len(self.uncertain) > GONE_CAP:
+            while self.uncertain and (
+                len(self.uncertain) > GONE_CAP or next(iter(self.uncertain.values())) <= now
+            ):  # oldest first: the same delay each, so expired ones lead
                 self.uncertain.popitem(last=False)
-        elif outcome is Outcome.STORED:
-            self.uncertain.pop(job.key, None)
         if outcome in (Outcome.STORED, Outcome.PRESENT) and not job.superseded:
             if outcome is Outcome.STORED:
                 self.refused.pop(job.key, None)
