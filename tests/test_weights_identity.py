@@ -72,18 +72,20 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     static = model_id(str(m1))
     assert r["static"] == static
 
-    # Start: scheduler and worker agree on the file-based field.
+    # Start: scheduler and worker agree on the file-based field. (The scheduler's stats
+    # carry the workers' counters too, from their metadata: "puts_stored" beside
+    # "w_puts_stored", the worker's own.)
     assert r["start"] == [static, static]
-    assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1}
-    assert r["again"] == {"ec_hits": 1, "w_loads": 1}
+    assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
+    assert r["again"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
     # reset_encoder_cache alone, an update of the language model only: unchanged.
     assert r["after_reset_encoder_cache"] == [static, static]
     assert r["after_lm_only_update"] == [static, static]
-    assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1}
+    assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
     # collective_rpc + model.load_weights of a vision tensor: a new field, misses.
     (changed, worker_changed) = r["after_visual_load_weights"]
     assert changed == worker_changed and changed.startswith(static + "~w")
-    assert r["visual_request"] == {"ec_misses": 1, "w_puts_stored": 1}
+    assert r["visual_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     # The weight-transfer session: unknown (misses, no store) until it finishes.
     assert r["after_start_weight_update"][0] == ""
     assert r["session_request"] == {"ec_misses": 1}
@@ -92,9 +94,9 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     (m2_field, _) = r["after_reload_m2"]
     assert m2_field.startswith(static + "~w") and m2_field != changed
     assert r["after_reload_m2"] == [m2_field, m2_field]
-    assert r["m2_request"] == {"ec_misses": 1, "w_puts_stored": 1}
+    assert r["m2_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     assert r["after_reload_m1"] == [static, static]
-    assert r["m1_request"] == {"ec_hits": 1, "w_loads": 1}
+    assert r["m1_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
     # Sleep and wake-up with the same weights: unchanged.
     assert r["after_sleep_wake"] == [static, static]
     # Cost (docs/design.md, "Keys"): the fingerprint after a reload is a small part of it.
