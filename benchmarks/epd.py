@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import die_with_parent, percentile, stop_process, table  # noqa: E402
+from lmcache_ec_broker.testing.ports import free_ports  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"
 PROXY = REPO / "examples" / "epd" / "proxy.py"
@@ -56,28 +57,6 @@ ENCODER_RAN = re.compile(r"EC encoder ran: mm_hash=(\S+)")
 CONFIGS = ("agg", "epd", "epd-lookup", "example")
 WORKLOADS = ("unique", "zipf")
 PROMPTS = ["describe the image", "what colours are in it?", "write a caption"]
-
-
-def free_ports(n: int) -> int:
-    import socket
-
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65000:
-            continue
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout: float = 120) -> None:

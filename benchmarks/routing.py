@@ -82,6 +82,7 @@ sys.path.insert(
 from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
 from benchmarks._common import die_with_parent, percentile, stop_process, table  # noqa: E402
+from lmcache_ec_broker.testing.ports import free_ports
 
 PROMPTS = [
     "describe the image",
@@ -95,31 +96,6 @@ SCENARIOS = ("local", "remote", "evict")
 TIER_WEIGHT = {"slab": 1.0, "disk": 0.7, "remote": 0.4}
 EC_PUT = re.compile(r"EC put: stored \d+ bytes for mm_hash=(\S+)")
 EC_LOAD = re.compile(r"EC load: loaded \d+ bytes for mm_hash=(\S+)")
-
-
-def free_ports(n: int) -> int:
-    """A base port p with p .. p+n-1 free on 127.0.0.1."""
-    import socket
-
-    for _ in range(500):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for q in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 class NodeBroker:

@@ -96,14 +96,7 @@ STAT_FIELDS = (
     "ec_deferred",
     "promotion_failures",
     "invalid_deleted",
-    "loads",
-    "load_failures",
-    "reencoded",
-    "puts_stored",
-    "put_errors",
-    "puts_skipped",
-    "published",
-    "publish_failures",
+    *WORKER_STAT_FIELDS,
     "broker_timeouts",
 )
 

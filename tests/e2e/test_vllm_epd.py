@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ pytest.importorskip("vllm")
 from counting_ec_connector import ENCODER_RAN  # noqa: E402
 
 from lmcache_ec_broker.testing.media import image_part, mp4_data_url, video_part  # noqa: E402
+from lmcache_ec_broker.testing.ports import free_ports
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
     SLOW_HOST_BUDGETS,
@@ -60,27 +60,6 @@ MEDIA_ARGS = [
     "--media-io-kwargs", json.dumps({"video": {"video_backend": "opencv", "num_frames": FRAMES}}),
 ]  # fmt: skip
 E_ACCESS = re.compile(r'"POST /v1/chat/completions HTTP/1\.1" 200')
-
-
-def free_ports(n: int) -> int:
-    """A base port p with p .. p+n-1 free on 127.0.0.1 now (events: PUB p, ROUTER p+1)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65000:
-            continue
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
