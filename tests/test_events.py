@@ -34,6 +34,7 @@ from lmcache_ec_broker.events.schema import (
     snapshot_decoder,
 )
 from lmcache_ec_broker.events.tracker import ResidencyTracker
+from lmcache_ec_broker.testing.ports import free_ports
 
 zmq = pytest.importorskip("zmq")
 
@@ -47,25 +48,7 @@ def key(h: str, model: str = FP_MODEL) -> str:
 
 def port_pair() -> int:
     """A port p with p and p + 1 free on 127.0.0.1 (and p + 2 for a lookup port)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 65000:
-            continue
-        try:
-            socks = []
-            for q in (p, p + 1, p + 2):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port triple")
+    return free_ports(3)
 
 
 def events_env(port: int, node: str, lookup: bool = True, **extra: str) -> dict[str, str]:
