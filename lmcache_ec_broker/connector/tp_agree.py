@@ -64,8 +64,8 @@ class LocalAgreement:
         self.shared = shared
 
     def union(self, hashes: list[str], failed: set[str]) -> set[str]:
-        mine = [i for i, h in enumerate(hashes) if h in failed]
-        agreed = self.shared.agree(tp_shm.bits_of(len(hashes), mine))
+        mine = [i for i, h in enumerate(hashes) if h in failed] if failed else None
+        agreed = self.shared.agree(tp_shm.bits_of(len(hashes), mine) if mine else 0)
         if agreed is None:
             log.warning(
                 "EC TP agreement: a rank was more than %g s late for this step; every rank "
@@ -74,6 +74,8 @@ class LocalAgreement:
                 len(hashes),
             )
             return set(hashes)
+        if not agreed:
+            return set()  # the usual step: no rank failed a load
         return {hashes[i] for i in tp_shm.indices_of(len(hashes), agreed)}
 
 

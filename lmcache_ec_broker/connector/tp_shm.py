@@ -156,31 +156,33 @@ class SharedAgreement:
         ``wait_s``). Every rank gets the same answer for the same step."""
         self._step += 1
         t = self._step
-        with self._locked():
+        fd = self._fd
+        # The lock is taken and released inline (no context manager): this is the
+        # engine step's critical path, and the whole call is a few microseconds.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
             decided = self._decided(t)
             if decided is _NONE:
                 self._write_slot(t, bits)
-                decided = self._union_if_all(t)
-            if decided is not _NONE:
+                decided = self._union_if_all(t)  # sets done when it decides
+            else:
                 self._set_done(t)
-                return self._count(decided)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        if decided is not _NONE:
+            return self._count(decided)
         self._poll(t)
-        with self._locked():
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
             decided = self._decided(t)
             if decided is _NONE:
                 decided = self._abort(t)
             self._set_done(t)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
         return self._count(decided)
 
     # ------------------------------------------------------------ internals
-
-    @contextlib.contextmanager
-    def _locked(self):  # type: ignore[no-untyped-def]
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _slot(self, rank: int) -> int:
         return LINE * (1 + rank)
@@ -208,12 +210,17 @@ class SharedAgreement:
         _SEQ.pack_into(self._mm, self._slot(self.rank) + 8, t)
 
     def _union_if_all(self, t: int) -> int | object:
+        """Under the lock, with this rank's slot at t: if every slot is at t, write and
+        return their union (this rank's ``done`` first, the entry last: a waiter that
+        sees the entry finds the lock about to be free, never held for more work)."""
+        mm = self._mm
         union = 0
         for q in range(self.world):
-            off = self._slot(q)
-            if _SEQ.unpack_from(self._mm, off)[0] != t:
+            off = LINE * (1 + q)
+            if _SEQ.unpack_from(mm, off)[0] != t:
                 return _NONE
-            union |= int.from_bytes(self._mm[off + 16 : off + LINE], "little")
+            union |= int.from_bytes(mm[off + 16 : off + LINE], "little")
+        self._set_done(t)
         self._write_entry(t, 0, union)  # every rank is at t: all done >= t-1 (inv. 4)
         return union
 
