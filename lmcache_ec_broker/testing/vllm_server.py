@@ -41,6 +41,30 @@ CPU_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # /reset_encoder_cache
 }
 
+# The worker's place. On a GPU, vLLM runs a one-rank engine's worker inside the
+# EngineCore process (the "uni" executor); the CPU platform moves it to a process of
+# its own ("mp") unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py), and
+# that process costs a third import of vLLM per start (about 10 of 31 s on the 2-core
+# CI host). So one-rank servers run the GPU's layout; a server started with an
+# explicit executor or more than one rank keeps vLLM's own choice (the tests of the
+# multiprocess executor ask for "mp").
+IN_ENGINE_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_MULTI_RANK_FLAGS = (
+    "--distributed-executor-backend",
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+)
+
+
+def worker_in_engine(args: list[str]) -> bool:
+    """Whether a server with these arguments runs its worker inside the EngineCore."""
+    return not any(a.split("=", 1)[0] in _MULTI_RANK_FLAGS for a in args)
+
+
 SMALL_MODEL_ARGS = [
     "--enforce-eager",
     "--dtype",
@@ -202,7 +226,8 @@ class VllmServer:
         self.args = [*SMALL_MODEL_ARGS, *(extra_args or [])]
         if ec_config is not None:
             self.args += ["--ec-transfer-config", ec_config]
-        self.env = {**os.environ, **CPU_ENV, **(env or {})}
+        layout = IN_ENGINE_WORKER_ENV if worker_in_engine(self.args) else {}
+        self.env = {**os.environ, **CPU_ENV, **layout, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         # vLLM-named /dev/shm entries this server's processes were seen using, and
         # those that existed before it started.
