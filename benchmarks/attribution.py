@@ -186,8 +186,12 @@ def measure(
     port: int,
     waited: tuple[str, ...],
     posted: tuple[str, ...],
+    settle: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
-    """Run ``call(i)`` iters times; phases as means in microseconds."""
+    """Run ``call(i)`` iters times; phases as means in microseconds. ``settle`` (the
+    client's flush) returns once the broker has handled every request the calls posted,
+    so their broker time is in the histogram read after them (on a loaded host the
+    broker may not have run yet when the last call returns)."""
     for i in range(min(200, iters)):  # warm-up (page faults, caches, the broker idle again)
         call(i)
     before = broker_seconds(port)
@@ -200,6 +204,8 @@ def measure(
         send += timers.send
         wait += timers.wait
         copy += timers.copy
+    if settle is not None:
+        settle()
     after = broker_seconds(port)
 
     def spent(ops: tuple[str, ...]) -> float:
@@ -437,6 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             port,
                             waited,
                             posted,
+                            settle=client.flush,
                         )
                     )
                 key = f"put-{label}-0"

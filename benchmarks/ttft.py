@@ -279,6 +279,13 @@ def main() -> int:
         action="store_true",
         help="leave out the 'warm (other node)' column (third instance, own broker, Redis)",
     )
+    p.add_argument(
+        "--connector-extra",
+        type=json.loads,
+        default={},
+        help="JSON merged into the instances' ec_connector_extra_config, e.g. "
+        '\'{"scheduler_budget_ms": 2000}\' (a loaded test host; default: production values)',
+    )
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
     reps = args.reps or (3 if args.modality == "image" else 2)
@@ -319,7 +326,9 @@ def main() -> int:
                     VllmServer(
                         setup.model,
                         work / f"{name}.log",
-                        ec_config=ec_transfer_config("ec_both", br.socket_path),
+                        ec_config=ec_transfer_config(
+                            "ec_both", br.socket_path, **args.connector_extra
+                        ),
                         extra_args=setup.server_args,
                         env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                     ).start()

@@ -90,8 +90,11 @@ def fleet(plain_qwen2vl: VllmServer) -> Iterator[dict]:
                 ec_config=cfg,
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
             )
-        for s in servers.values():  # one at a time: a 2-core host thrashes otherwise
+        # All at once: a start is mostly single-threaded imports, so starts overlap on the
+        # cores (each server runs its worker inside its EngineCore: two processes each).
+        for s in servers.values():
             s.start()
+        for s in servers.values():
             s.wait_ready(timeout=900)
         plain_qwen2vl.wait_ready(timeout=900)
         yield {"redis": srv, "brokers": brokers, "servers": {**servers, "plain": plain_qwen2vl}}

@@ -179,8 +179,11 @@ def fleet() -> Iterator[dict[str, Any]]:
                 extra_args=[*MEDIA_ARGS, *extra],
                 env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
             )
-        for s in servers.values():  # one at a time: a 2-core host thrashes otherwise
+        # All at once: a start is mostly single-threaded imports, so starts overlap on the
+        # cores (each server runs its worker inside its EngineCore: two processes each).
+        for s in servers.values():
             s.start()
+        for s in servers.values():
             s.wait_ready(timeout=900)
         e, pd = servers["e"], servers["pd"]
         for name, lookup in (("proxy", None), ("lookup_proxy", helpers["aggregator"].url)):

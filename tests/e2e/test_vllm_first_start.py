@@ -28,7 +28,12 @@ from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.vllm import make_key
 from lmcache_ec_broker.testing import hf_cache
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
-from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config, png_data_url
+from lmcache_ec_broker.testing.vllm_server import (
+    SLOW_HOST_BUDGETS,
+    VllmServer,
+    ec_transfer_config,
+    png_data_url,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 HERE = Path(__file__).resolve().parent
@@ -78,6 +83,7 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
             broker.socket_path,
             connector="ColdCacheECBrokerConnector",
             module="cold_hf_cache_connector",
+            **SLOW_HOST_BUDGETS,
         ),
         extra_args=["--distributed-executor-backend", "mp"],
         env={
@@ -98,7 +104,7 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
     b = VllmServer(
         REPO_ID,
         tmp_path / "b.log",
-        ec_config=ec_transfer_config("ec_both", broker.socket_path),
+        ec_config=ec_transfer_config("ec_both", broker.socket_path, **SLOW_HOST_BUDGETS),
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(1 % cores)},
     )
     servers.append(b.start())

@@ -39,7 +39,7 @@ from lmcache_ec_broker.testing.tiny_qwen2vl import (
     build_tiny_qwen2vl,
     video_tokens,
 )
-from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config
+from lmcache_ec_broker.testing.vllm_server import SLOW_HOST_BUDGETS, VllmServer, ec_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -128,7 +128,11 @@ def servers(broker: BrokerProcess, workdir: Path) -> Iterator[dict[str, VllmServ
     fleet: dict[str, VllmServer] = {}
 
     def server(name: str, model: Path, args: list[str], connected: bool = True) -> None:
-        cfg = ec_transfer_config("ec_both", broker.socket_path) if connected else None
+        cfg = (
+            ec_transfer_config("ec_both", broker.socket_path, **SLOW_HOST_BUDGETS)
+            if connected
+            else None
+        )
         # vLLM binds every instance's OpenMP thread to core 0 by default: spread them.
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(len(fleet) % cores)}
         fleet[name] = VllmServer(model, workdir / f"{name}.log", cfg, args, env=env)
