@@ -62,10 +62,11 @@ Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
   exactly one of them copy.
 
 If an entry the scheduler counted as a hit is gone (or wrong) when the worker
-loads it, the worker has the runner encode the item in the same step: the
-metadata carries a reference to the step's ``scheduled_encoder_inputs`` (the same
-dict the runner reads right after ``start_load_caches``; one pickled message keeps
-the identity), and the failed ``(request, item index)`` is added to it. Under
+loads it, the worker has the runner encode the item in the same step: it adds the
+failed ``(request, item index)`` to the ``scheduled_encoder_inputs`` of the
+``SchedulerOutput`` the runner is executing (found in the frame of vLLM's EC wrapper
+that calls ``start_load_caches``, ``runner_step.py``), so this holds however the
+metadata travels (one message with the output, or apart from it). Under
 tensor parallelism the ranks first agree (through shared memory with a bounded wait
 when the TP ranks share a host, else a max all-reduce over the TP group's CPU group:
 connector/tp_agree.py) so that every rank runs the encoder on the same items. Nothing is ever
