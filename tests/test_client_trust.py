@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import posix_ipc
 import pytest
 import torch
@@ -122,6 +123,31 @@ def test_client_refuses_a_squatter_of_another_uid_and_names_it(squat, caplog) ->
     stats = sq.stop()
     assert stats["uid"] == NOBODY and stats["connections"] >= 1
     assert stats["frames"] == 0, "the client sent something to an untrusted peer"
+
+
+@needs_root
+def test_the_squatter_counts_what_it_never_ran_to_read(squat) -> None:
+    """The squatter's counts (which the test above relies on: "nothing was sent") include
+    the connections and frames still in the kernel's queues when it stops. Seen failing
+    first: a squatter that never ran between the client's connect and its stop counted
+    no connection (the CI run of 2026-12-02 05:07, beside the vllm tests)."""
+    import signal
+    import socket
+
+    from lmcache_ec_broker.protocol import FRAME_HEADER, Ping
+
+    sq = squat(uid=NOBODY)
+    sq.proc.send_signal(signal.SIGSTOP)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(sq.sock)
+            body = msgspec.msgpack.encode(Ping())
+            raw.sendall(FRAME_HEADER.pack(len(body)) + body)
+        sq.proc.send_signal(signal.SIGTERM)  # handled first thing when it runs again
+    finally:
+        sq.proc.send_signal(signal.SIGCONT)
+    stats = sq.stop()
+    assert stats["connections"] == 1 and stats["frames"] == 1, stats
 
 
 @needs_root
