@@ -171,7 +171,9 @@ def test_publish_is_bounded_by_its_wait(nodes: Nodes) -> None:
         t0 = time.monotonic()
         assert c.publish(["slow"], 200) == [PublishState.TIMEOUT]
         took = time.monotonic() - t0
-        assert 0.19 <= took < 1.0, took
+        # At its wait, not at the master's return (never, while it is stopped); the
+        # upper bound leaves room for a loaded host (CI runs this beside vLLM tests).
+        assert 0.19 <= took < 5.0, took
         assert c.stats()["publish_timeouts"] == 1
     finally:
         os.kill(pid, signal.SIGCONT)
