@@ -61,7 +61,10 @@ class Nodes:
         from test_remote_mooncake import NetnsBroker
 
         env.setdefault("LMCACHE_EC_MOONCAKE_KEY_POLL_S", KEY_POLL_S)
-        env.setdefault("LMCACHE_EC_REMOTE_TIMEOUT_S", "2.0")
+        # Long enough for a Mooncake put on a loaded CI host (with 2 s a warm-up put
+        # beside the vLLM tests timed out and its publish answered FAILED); no test here
+        # waits for this timeout to fire.
+        env.setdefault("LMCACHE_EC_REMOTE_TIMEOUT_S", "15.0")
         b = NetnsBroker(self, name, **env)  # type: ignore[arg-type]  # duck-typed Env
         self.brokers.append(b)
         c = BrokerClient(b.socket_path, timeout_s=10.0)
@@ -98,7 +101,7 @@ def _listed(producer: BrokerClient, consumer: BrokerClient) -> None:
     """Both brokers up and the consumer's filter complete (its first key listing
     done): an absent key is then a local miss, never asked of the broker."""
     assert producer.put("warm-up", tensor(999))
-    assert producer.publish(["warm-up"], 10_000) == [PublishState.PUBLISHED]
+    assert producer.publish(["warm-up"], 30_000) == [PublishState.PUBLISHED]
 
     def proves_absent() -> bool:
         before = consumer.local_misses
@@ -163,7 +166,7 @@ def test_publish_is_bounded_by_its_wait(nodes: Nodes) -> None:
     the item), and counts it. Once the master runs again, a publish succeeds."""
     c = nodes.broker("e")
     assert c.put("warm-up", tensor(998))
-    assert c.publish(["warm-up"], 10_000) == [PublishState.PUBLISHED]
+    assert c.publish(["warm-up"], 30_000) == [PublishState.PUBLISHED]
     pid = nodes.master.proc.pid  # type: ignore[union-attr]
     os.kill(pid, signal.SIGSTOP)
     try:
