@@ -51,6 +51,16 @@ SIZE = 1 << 20
 FILL = 0xAB
 
 
+def split_frames(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The complete frames' bodies at the start of ``buf``, and the rest."""
+    bodies = []
+    while len(buf) >= 4 and len(buf) >= 4 + FRAME_HEADER.unpack_from(buf)[0]:
+        (n,) = FRAME_HEADER.unpack_from(buf)
+        bodies.append(buf[4 : 4 + n])
+        buf = buf[4 + n :]
+    return bodies, buf
+
+
 def answer(msg: object, segment: str, announce: int) -> msgspec.Struct:
     if isinstance(msg, Hello):
         return HelloReply(
@@ -93,13 +103,6 @@ def main() -> None:
     srv.listen(16)
     stats = {"uid": os.getuid(), "connections": 0, "frames": 0}
 
-    def count_frames(buf: bytes) -> int:
-        n = 0
-        while len(buf) >= 4 and len(buf) >= 4 + FRAME_HEADER.unpack_from(buf)[0]:
-            buf = buf[4 + FRAME_HEADER.unpack_from(buf)[0] :]
-            n += 1
-        return n
-
     def stop(*_: object) -> None:
         # Count what the kernel already holds for us, whether or not this process ran
         # since: connections still in the listen backlog (a client may connect, be
@@ -122,7 +125,7 @@ def main() -> None:
                 if not data:
                     break
                 buf += data
-            stats["frames"] += count_frames(buf)
+            stats["frames"] += len(split_frames(buf)[0])
         print(json.dumps(stats), flush=True)
         srv.close()
         os.unlink(args.socket)
@@ -152,13 +155,9 @@ def main() -> None:
                 bufs.pop(s, None)
                 s.close()
                 continue
-            buf = bufs[s] + data
-            while len(buf) >= 4:
-                (n,) = FRAME_HEADER.unpack_from(buf)
-                if len(buf) < 4 + n:
-                    break
-                msg = dec.decode(buf[4 : 4 + n])
-                buf = buf[4 + n :]
+            bodies, buf = split_frames(bufs[s] + data)
+            for frame in bodies:
+                msg = dec.decode(frame)
                 stats["frames"] += 1
                 body = enc.encode(answer(msg, args.segment, args.announce_size))
                 s.sendall(FRAME_HEADER.pack(len(body)) + body)
