@@ -371,21 +371,33 @@ def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
 
 def test_a_big_key_listing_does_not_stall_the_event_loop(server, node) -> None:
     """500k keys listed at start: they are folded into the filter in slices, so the
-    broker keeps answering meanwhile (folding 300k in one go held the loop 0.9-1.3 s)."""
+    broker keeps answering meanwhile (folding 300k in one go held the loop 0.9-1.3 s).
+
+    The listing arrives whole (from the store's thread), so a broker that folded it in
+    one go answers with 0 known keys and then with all of them; every answer with a
+    count in between is a request served mid-fold. Counting those instead of bounding
+    a wait keeps the test true on a loaded machine (a 0.8 s bound failed at 947 ms
+    beside the vllm half of CI, 2026-12-02)."""
     n = 500_000
     server.cli("debug", "populate", str(n), PREFIX + "bulk", "16")
     a = node(server.url("unix"), remote_filter_keys=600_000)
+    mid_fold: set[int] = set()
     worst = 0.0
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline, "the listing never finished"
         t0 = time.perf_counter()
-        known = rstats(a)["remote_known_keys"]  # every request is timed
+        known = rstats(a)["remote_known_keys"]
         worst = max(worst, time.perf_counter() - t0)
         if known >= n:
             break
+        if known > 0:
+            mid_fold.add(known)
         time.sleep(0.005)
-    assert worst < 0.8, f"a request waited {worst * 1000:.0f} ms while keys were folded"
+    assert len(mid_fold) >= 3, (
+        f"the broker answered only {len(mid_fold)} request(s) while folding {n} keys "
+        f"(slowest answer {worst * 1000:.0f} ms): the listing held the event loop"
+    )
 
 
 @pytest.mark.parametrize("server", KINDS, indirect=True)
