@@ -43,11 +43,19 @@ def wait_until(pred: Callable[[], T], what: str, timeout: float = 20.0, interval
         time.sleep(interval)
 
 
+# A test's own look at a broker (stats, a probe put/get) waits as long as a starved
+# host may need: CI runs the vllm tests niced beside the rest of the suite, and
+# another job may run beside that, so a live broker can take seconds to answer. The
+# client's default 5 s would read such a pause as an outage (an empty ``stats``).
+# Tests of the outage handling itself pass their own, short, deadlines.
+PATIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
+
+
 def broker_stats(socket_path: str) -> dict:
     """One ``stats`` call through a fresh client ({} while no broker answers)."""
     from lmcache_ec_broker import BrokerClient
 
-    with BrokerClient(socket_path) as c:
+    with BrokerClient(socket_path, **PATIENT) as c:
         return c.stats()
 
 

@@ -36,6 +36,7 @@ import torch
 
 # Unguarded on purpose: CI installs vLLM, so these tests must fail without it, never skip.
 import vllm  # noqa: F401
+from conftest import PATIENT
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.model_id import model_id
@@ -104,7 +105,7 @@ class Broker:
             self.proc.wait(30)
 
     def stats(self) -> dict:
-        with BrokerClient(self.socket_path) as c:
+        with BrokerClient(self.socket_path, **PATIENT) as c:
             stats = c.stats()
         assert stats, "broker did not answer stats"
         return stats
@@ -430,7 +431,7 @@ def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, 
     (mm_hash,) = [h for h in a.ec_puts() if h not in known]
     key = make_key(model_id(model), mm_hash, "bfloat16")
     wrong = torch.zeros(17, SPEC.hidden_size, dtype=torch.bfloat16)
-    with BrokerClient(broker.socket_path) as c:
+    with BrokerClient(broker.socket_path, **PATIENT) as c:
         assert c.delete(key), "the instance does not use the key the test computed"
         assert c.put(key, wrong)
 
@@ -440,7 +441,7 @@ def test_wrong_entry_under_the_real_key_is_replaced_not_served(servers, broker, 
     assert f"EC broker entry for mm_hash={mm_hash} is invalid for this model" in log
     assert mm_hash not in a.ec_loads()
     assert a.ec_put_hashes().count(mm_hash) == 2, "the right entry was not stored again"
-    with BrokerClient(broker.socket_path) as c:
+    with BrokerClient(broker.socket_path, **PATIENT) as c:
         got = c.get(key)
     assert got is not None and got.shape == (16, SPEC.hidden_size)
     broker.wait_unpinned()

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import PATIENT
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
@@ -59,7 +60,7 @@ def test_encoder_instance_does_not_encode_an_item_its_broker_holds(make_broker, 
         extra_args=["--mm-encoder-only"],
     )
     image = png_data_url(32)
-    with e, BrokerClient(broker.socket_path) as c:
+    with e, BrokerClient(broker.socket_path, **PATIENT) as c:
         assert encode_on(e, image) == 200
         assert len(e.ec_put_hashes()) == 1, e.log_tail()
         first = c.stats()
