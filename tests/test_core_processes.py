@@ -43,7 +43,9 @@ def spawn_client(sock: str, cmd: str, *specs: str, env: dict | None = None) -> s
     )
 
 
-def assert_nothing_held(c: BrokerClient, timeout: float = 5.0) -> dict:
+def assert_nothing_held(c: BrokerClient, timeout: float = 30.0) -> dict:
+    # A wait for a condition: 30 s so that a broker starved of CPU on a loaded CI host
+    # still gets to release what a closed or killed client held.
     deadline = time.monotonic() + timeout
     while True:
         st = c.stats()
@@ -183,7 +185,7 @@ def test_kill9_client_mid_copy_leaks_nothing(make_broker, cmd: str) -> None:
             p.wait()
             # The broker notices the closed socket on its own schedule: wait for it to
             # count the dead client gone (bounded), then check it released everything.
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while c.stats()["clients"] != 1:
                 assert time.monotonic() < deadline, f"the killed client is still counted: {c.stats()}"
                 time.sleep(0.02)

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -63,6 +62,17 @@ def events_env(port: int, node: str, lookup: bool = True, **extra: str) -> dict[
     return env
 
 
+def cli_stats(socket_path: str) -> dict:
+    """``lmcache-ec-broker stats --json``, asked again until it answers: the CLI waits 2 s
+    for the broker, which a broker starved of CPU on a loaded CI host can overrun."""
+
+    def ask() -> dict | None:
+        out = run_cli("stats", "--json", "--socket", socket_path)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    return wait_until(ask, "an answer to lmcache-ec-broker stats", timeout=60)
+
+
 def put(client: BrokerClient, h: str, kib: int = 64, model: str = FP_MODEL) -> None:
     t = torch.full((kib * 512,), 1.0, dtype=torch.bfloat16)  # kib KiB
     assert client.put(key(h, model), t)
@@ -84,6 +94,10 @@ class Sub:
     def __init__(self, port: int) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
+        # A test that fails before close() leaves this to the garbage collector: with the
+        # default linger, the context's term() then blocked the next test forever (seen:
+        # a whole module hung inside an unrelated import).
+        self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"encoder-cache/v1/")
         self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.replay = f"tcp://127.0.0.1:{port + 1}"
@@ -105,7 +119,7 @@ class Sub:
         d.send_multipart((b"", body))
         out = []
         while True:
-            assert d.poll(5000), "no answer from the replay socket"
+            assert d.poll(30_000), "no answer from the replay socket"  # a loaded host
             frames = d.recv_multipart()
             out.append(frames[1:])
             if frames[2] == END_SEQ or len(body) != 8:
@@ -119,8 +133,7 @@ class Sub:
 
 
 def test_events_are_off_by_default(broker) -> None:
-    out = run_cli("stats", "--json", "--socket", broker.socket_path)
-    stats = json.loads(out.stdout)
+    stats = cli_stats(broker.socket_path)
     assert not [k for k in stats if k.startswith("events_")]
     assert "residency events" not in broker.read_log()
 
@@ -160,7 +173,7 @@ def test_stream_stored_evicted_deleted_in_vllm_wire_format(make_broker) -> None:
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(sub.msgs[-1][2]))
     assert isinstance(raw, list) and isinstance(raw[0], float) and isinstance(raw[1], list)
     assert all("type" in e for e in raw[1])
-    stats = json.loads(run_cli("stats", "--json", "--socket", b.socket_path).stdout)
+    stats = cli_stats(b.socket_path)
     assert stats["events_unparsed_keys"] == 1 and stats["events_dropped"] == 0
     sub.close()
 
@@ -191,7 +204,9 @@ def test_late_subscriber_snapshot_then_stream_and_replay(make_broker) -> None:
     for i in range(3):
         put(client, f"s{i}")
     sub = Sub(port)  # joins after the puts
-    time.sleep(0.3)
+    # Subscribed once a heartbeat arrives (every 0.2 s): s3's event below cannot be
+    # lost to a subscription still on its way (a 0.3 s sleep was a window for that).
+    wait_until(lambda: (sub.pump(), sub.events(Heartbeat))[1], "a heartbeat", timeout=30)
     ((topic, seq_b, payload),) = sub.request(msgspec.msgpack.encode(SnapshotRequest()))
     snap = snapshot_decoder.decode(payload)
     assert parse_topic(topic) == ("node-s", "")
@@ -333,7 +348,13 @@ def test_full_queue_drops_counts_and_leaves_a_sequence_gap() -> None:
         pub.close_now()
 
 
-def start_aggregator(*ports: int, down_after: float = 2.0) -> tuple[subprocess.Popen, str]:
+# A broker is down for the aggregator after 6 s without a heartbeat (one every 0.2 s):
+# 30 missed beats, so a live broker starved of CPU on a loaded CI host is not taken for
+# dead (2 s was within reach of scheduling delays there); a killed one still is.
+DOWN_AFTER_S = 6.0
+
+
+def start_aggregator(*ports: int, down_after: float = DOWN_AFTER_S) -> tuple[subprocess.Popen, str]:
     http_port = port_pair()
     args = [sys.executable, "-m", "lmcache_ec_broker.events.aggregator", "--port", str(http_port)]
     args += ["--down-after", str(down_after)]
@@ -396,7 +417,11 @@ def test_aggregator_follows_brokers_through_eviction_restart_and_reconnect(
         )
         # restart A without a disk (kill -9: no farewell; the heartbeat timeout drops it)
         a.kill9()
-        wait_until(lambda: where(base, "fill19") == [[]], "A's entries gone after the timeout")
+        wait_until(
+            lambda: where(base, "fill19") == [[]],
+            "A's entries gone after the timeout",
+            timeout=DOWN_AFTER_S + 30,
+        )
         make_broker("--shm-size", "1MiB", socket_path=a_sock, env=events_env(pa, "node-a", False))
         wait_until(lambda: get_json(f"{base}/v1/nodes")["nodes"]["node-a"]["up"], "A back (empty)")
         assert where(base, "fill19") == [[]]
@@ -523,7 +548,11 @@ def test_remote_tier_published_only_for_what_this_broker_wrote_or_deleted(make_b
         got = cb.get(key("r1"))
         assert got is not None and got.numel() == 64 * 512
         wait_until(lambda: ("r1", "slab", "CPU") in tiers(sb, EncoderCacheStored), "B's slab")
-        time.sleep(0.5)  # a heartbeat or two more: nothing else may follow
+        # Two heartbeats more (in order with B's other events): nothing else may follow.
+        beats = len(sb.events(Heartbeat))
+        wait_until(
+            lambda: (sb.pump(), len(sb.events(Heartbeat)) >= beats + 2)[1], "two more heartbeats"
+        )
         assert tiers(sb, EncoderCacheStored) == [("r1", "slab", "CPU")]
         assert where(f"http://127.0.0.1:{pb + 2}", "r1")[0][0]["tiers"] == {"slab": 65536}
 

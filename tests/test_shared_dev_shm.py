@@ -50,7 +50,7 @@ RUNNER = textwrap.dedent(
     for n, line in enumerate(sys.stdin):
         if line.strip() == "check":
             t = torch.arange(256, dtype=torch.float32) + n
-            with BrokerClient(path, timeout_s=5) as c:
+            with BrokerClient(path, timeout_s=30) as c:  # a loaded host: a wait, not a window
                 ok = c.put(f"k{n}", t) and torch.equal(c.get(f"k{n}"), t)
             print("ok" if ok else "failed", flush=True)
         elif line.strip() == "stop":

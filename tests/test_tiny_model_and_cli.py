@@ -241,16 +241,21 @@ def test_vllm_server_notices_another_process_answering_on_its_port():
     http = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
     other = subprocess.Popen(http, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)  # fmt: skip
-    ours = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    ours = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         import time
         import urllib.request
 
-        for _ in range(200):
+        # Until it answers (not a count of tries: on a loaded CI host its start may
+        # take longer than 200 tries' worth, and the checks below need it listening).
+        deadline = time.monotonic() + 60
+        while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).close()
                 break
             except OSError:
+                assert time.monotonic() < deadline, "the other server never answered"
+                assert other.poll() is None, "the other server exited"
                 time.sleep(0.05)
         server = vs.VllmServer("unused-model", "/dev/null", port=port)
         server.proc = ours  # type: ignore[assignment]
