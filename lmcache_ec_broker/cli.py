@@ -154,6 +154,15 @@ def _parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--socket", dest="socket_path", help="Unix socket path")
+        sp.add_argument(
+            "--reply-timeout",
+            type=_positive_seconds,
+            default=2.0,
+            metavar="SECONDS",
+            help="how long to wait for the broker to connect and answer each request "
+            "(default 2; on a busy host a live broker can take longer, and a readiness "
+            "probe wants it below the probe's own timeout)",
+        )
         if name == "stats":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ping":
@@ -354,7 +363,7 @@ def _start_hint(path: str) -> str:
     )
 
 
-def _no_broker(path: str, causes: list[BaseException]) -> str:
+def _no_broker(path: str, causes: list[BaseException], timeout: float | None = None) -> str:
     from .connector.client import BrokerImpostor
 
     cause = causes[0] if causes else None
@@ -369,8 +378,12 @@ def _no_broker(path: str, causes: list[BaseException]) -> str:
             f"lmcache-ec-broker: cannot connect to the broker at {path}: permission denied for "
             f"uid {os.getuid()}; its socket_mode/socket_group or allowed_uids must admit you"
         )
-    elif isinstance(cause, TimeoutError | socket.timeout):
-        why = "it did not answer in time"
+    elif isinstance(cause, TimeoutError | socket.timeout) or (cause is None and timeout):
+        waited = f"within {timeout:g} s" if timeout else "in time"
+        return (
+            f"lmcache-ec-broker: the broker at {path} did not answer {waited}; if it is busy "
+            "(a loaded host), wait longer with --reply-timeout SECONDS"
+        )
     elif cause is not None:
         why = str(cause)
     else:
@@ -378,11 +391,22 @@ def _no_broker(path: str, causes: list[BaseException]) -> str:
     return f"lmcache-ec-broker: no broker answers at {path}: {why}; {_start_hint(path)}"
 
 
-def _client(args: argparse.Namespace, timeout: float = 2.0) -> BrokerClient | None:
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _client(args: argparse.Namespace) -> BrokerClient | None:
     """A connected client, or None after saying on stderr why there is none."""
     from .connector.client import BrokerClient, BrokerRefused
 
     path = args.socket_path or default_socket_path()
+    timeout = args.reply_timeout
     held = _Held()
     logger = logging.getLogger("lmcache_ec_broker")
     logger.addHandler(held)
@@ -396,7 +420,7 @@ def _client(args: argparse.Namespace, timeout: float = 2.0) -> BrokerClient | No
             return None
         if not c.connected:
             c.close()
-            print(_no_broker(path, held.causes()), file=sys.stderr)
+            print(_no_broker(path, held.causes(), timeout), file=sys.stderr)
             return None
         return c
     finally:
@@ -410,7 +434,7 @@ def _stats(args: argparse.Namespace) -> int:
     stats = c.stats()
     c.close()
     if not stats:
-        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        print(_no_broker(c.socket_path, [], args.reply_timeout), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -450,7 +474,7 @@ def _ping(args: argparse.Namespace) -> int:
     stats = c.stats() if ok else {}
     c.close()
     if not ok or not stats:
-        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        print(_no_broker(c.socket_path, [], args.reply_timeout), file=sys.stderr)
         return 1
     store, up, reason = remote_state(stats)
     where = f"broker on {c.socket_path} (epoch {epoch[:12] if epoch else '?'})"
@@ -588,7 +612,7 @@ def _clear(args: argparse.Namespace) -> int:
     try:
         before = c.stats()
         if not before:  # it went away after connecting
-            print(_no_broker(c.socket_path, []), file=sys.stderr)
+            print(_no_broker(c.socket_path, [], args.reply_timeout), file=sys.stderr)
             return 1
         store = before.get("remote_store")
         prefix = before.get("remote_key_prefix")
@@ -618,7 +642,7 @@ def _clear(args: argparse.Namespace) -> int:
     finally:
         c.close()
     if not done:
-        print(_no_broker(c.socket_path, []), file=sys.stderr)
+        print(_no_broker(c.socket_path, [], args.reply_timeout), file=sys.stderr)
         return 1
     disk = before.get("disk_entries", 0)
     what = f"{before.get('entries', 0)} slab entries" + (

@@ -23,7 +23,12 @@ T = TypeVar("T")
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``lmcache-ec-broker ARGS`` in a real process; output captured as text."""
+    """``lmcache-ec-broker ARGS`` in a real process; output captured as text. The
+    commands that talk to a broker wait up to 30 s for its answers (``--reply-timeout``,
+    unless the test passes its own): a live broker on a loaded host can take longer than
+    the CLI's default 2 s."""
+    if args and args[0] in ("ping", "stats", "stop", "clear") and "--reply-timeout" not in args:
+        args = (*args, "--reply-timeout", "30")
     return subprocess.run(
         [sys.executable, "-m", "lmcache_ec_broker.cli", *args],
         capture_output=True,

@@ -216,6 +216,35 @@ def test_stop_by_an_admitted_other_uid_is_refused(make_broker, sock_dir) -> None
 # ------------------------------------------------------------ one-shot commands, no broker
 
 
+def test_reply_timeout_waits_for_a_busy_broker_and_names_itself_when_it_runs_out(broker) -> None:
+    """A broker that answers late (here: stopped for 3 s, past the default 2 s) is
+    waited for with ``--reply-timeout``; one that does not answer within it is reported
+    as not answering in time, with the flag as the fix."""
+    import signal
+    import time
+
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        r = cli("ping", "--reply-timeout", "0.5", "--socket", broker.socket_path)
+        assert r.returncode == 1
+        assert "did not answer within 0.5 s" in r.stderr, r.stderr
+        assert "--reply-timeout" in r.stderr and "Traceback" not in r.stderr
+        patient = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_ec_broker.cli", "ping", "--reply-timeout", "120",
+             "--socket", broker.socket_path],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(3.0)  # the stop outlasts the default 2 s reply timeout
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    out, err = patient.communicate(timeout=120)
+    assert patient.returncode == 0, err
+    assert out.startswith("ok: broker on"), out
+    for bad in ("0", "-1", "soon", "inf"):
+        r = cli("ping", "--reply-timeout", bad, "--socket", broker.socket_path)
+        assert r.returncode == 2 and "expected a number of seconds above 0" in r.stderr, r.stderr
+
+
 def _stale_socket(path: str) -> None:
     s = socket.socket(socket.AF_UNIX)
     s.bind(path)  # bound, never listening: what a kill -9'd broker leaves behind

@@ -427,6 +427,10 @@ def test_the_daemonsets_probes_pass_against_a_live_broker(broker) -> None:
         argv = container[probe]["exec"]["command"]
         assert argv[:2] == ["lmcache-ec-broker", "ping"], argv
         args = argv[2:]
+        # The CLI gives up on the broker before Kubernetes gives up on the CLI (which
+        # also needs time to start Python).
+        wait = float(args[args.index("--reply-timeout") + 1])
+        assert wait + 1.5 <= container[probe]["timeoutSeconds"], (probe, wait)
         args[args.index("--socket") + 1] = broker.socket_path
         r = run_cli("ping", *args)
         assert r.returncode == 0, (probe, r.stdout, r.stderr)
