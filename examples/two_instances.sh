@@ -157,7 +157,7 @@ PY
 done
 
 echo "--- broker"
-"${LMCB[@]}" stats --socket "$SOCK" | grep -E '^(entries|hits|misses|has_hits) '
+"${LMCB[@]}" stats --reply-timeout 10 --socket "$SOCK" | grep -E '^(entries|hits|misses|has_hits) '
 
 # vLLM logs the connector's counters with its next periodic stats line.
 echo "--- vLLM's EC Transfer metrics (waiting up to ${METRICS_WAIT}s for the next stats line)"

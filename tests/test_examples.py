@@ -505,9 +505,9 @@ def test_the_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, sock_di
             assert proc.poll() is None, (tmp_path / "broker.log").read_text()
             import json
 
-            stats = json.loads(run(cli, "stats", "--json", "--socket", sock).stdout)
+            stats = json.loads(run(cli, "stats", "--json", "--reply-timeout", "30", "--socket", sock).stdout)
             assert stats["entries"] == 0 and stats["capacity_bytes"] == 64 * MiB, stats
-            r = run(cli, "stop", "--socket", sock)
+            r = run(cli, "stop", "--reply-timeout", "30", "--socket", sock)
             assert r.returncode == 0, r.stderr
             assert proc.wait(30) == 0
         finally:
