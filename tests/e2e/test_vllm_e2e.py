@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -525,10 +526,15 @@ def test_hung_broker_costs_the_engine_nearly_nothing(servers, broker):
         os.kill(broker.proc.pid, signal.SIGCONT)
     assert got == want
     extra = sum(with_connector) - sum(without)
-    # Loose on a shared 2-core host; "hung" has the production budgets, 50 ms + 200 ms,
-    # paid once per outage.
-    assert extra < 3.0, f"{with_connector=} {without=}"
-    assert max(with_connector[1:]) < max(without) + 1.0, f"{with_connector=} {without=}"
+    # "hung" has the production budgets, 50 ms + 200 ms, paid once per outage; the
+    # defect cost 10 s for the first request and 5 s for each later one (45 s in all
+    # here). The bounds sit far from both, so a loaded host (CI runs this beside the
+    # rest of the suite) cannot flip them: a total under 8 s, and the median of the
+    # later requests (one slow outlier is the host, not the broker) under 2 s above
+    # the plain server's.
+    assert extra < 8.0, f"{with_connector=} {without=}"
+    later = statistics.median(with_connector[1:]) - statistics.median(without[1:])
+    assert later < 2.0, f"{with_connector=} {without=}"
     assert "did not answer within" in hung.log_text()
 
 
