@@ -10,14 +10,19 @@ is kept: later bytes wait for held ones. Used by the remote-tier tests and by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
+import re
 import socket
 import threading
 import time
 
 _SET = b"$3\r\nSET\r\n"
 _MESSAGE = b"$7\r\nmessage\r\n"  # a pub/sub push (RESP2 array or RESP3 push)
+_NAME = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n")  # a RESP array's command name
+_SCAN_START = b"$4\r\nSCAN\r\n$1\r\n0\r\n"  # SCAN from cursor 0: a key listing begins
+_SCAN_END = b"*2\r\n$1\r\n0\r\n"  # SCAN's reply with cursor 0: the listing ended
 
 
 def _command(name: str) -> bytes:
@@ -39,6 +44,11 @@ class DelayProxy:
         self.held = 0  # commands held (counter)
         self.sets_cut = 0  # connections cut at a SET
         self.holding = threading.Event()  # a command is being held right now
+        # commands forwarded to the store, by upper-case name (counted as they are sent
+        # on: tests wait on these counts instead of guessing how long a step takes)
+        self.forwarded: collections.Counter[str] = collections.Counter()
+        self.scans_started = 0  # key listings begun (SCAN from cursor 0), forwarded
+        self.scans_ended = 0  # SCAN replies with cursor 0 (a listing's last page), delivered
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind(("127.0.0.1", 0))
@@ -117,6 +127,9 @@ class DelayProxy:
                     time.sleep(hold)
                     self.holding.clear()
                 server.sendall(data)
+                for name in _NAME.findall(data):
+                    self.forwarded[name.decode().upper()] += 1
+                self.scans_started += data.count(_SCAN_START)
         except OSError:
             pass
         self._cut(client, server)
@@ -142,6 +155,7 @@ class DelayProxy:
                     else:
                         client.sendall(data)
                     self.pushes_delivered += push
+                    self.scans_ended += data.startswith(_SCAN_END)
             except OSError:
                 pass
             self._cut(client, server)

@@ -241,6 +241,20 @@ class RedisServer:
             raise RuntimeError(f"redis-cli {args}: {out.stderr or out.stdout}")
         return out.stdout.strip()
 
+    def sleeping(self) -> bool:
+        """Is the server inside ``DEBUG SLEEP`` now (its main thread in nanosleep, not
+        waiting in epoll)? What a test waits for after sending one, instead of a fixed
+        pause that a loaded host may not have spent starting the redis-cli that sends it."""
+        assert self.proc is not None
+        try:
+            with open(f"/proc/{self.proc.pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return True
+            with open(f"/proc/{self.proc.pid}/syscall") as f:
+                return f.read().split(" ", 1)[0] in ("35", "230")  # x86-64 (clock_)nanosleep
+        except OSError:
+            return False
+
     def ping(self) -> bool:
         try:
             return self.cli("ping", check=False) == "PONG"

@@ -207,7 +207,7 @@ def test_root_is_admitted_by_a_broker_of_another_user(sock_dir) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a condition, not a window: a loaded host's start
         while not os.path.exists(path):
             assert broker.poll() is None, broker.stderr.read()
             assert time.monotonic() < deadline

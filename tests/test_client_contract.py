@@ -185,7 +185,10 @@ def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
     once (no reconnect, no second wait) until the background probe hears the broker
     again after SIGCONT; then the same client serves hits again."""
     b = make_broker("--shm-size", "64MiB")
-    c = BrokerClient(b.socket_path, timeout_s=0.2, probe_interval_s=0.1)
+    # timeout_s 3: a call that waited for it stands well apart from one answered at
+    # once, whatever the load (with 0.2 s, a later call had to answer within 20 ms)
+    timeout_s = 3.0
+    c = BrokerClient(b.socket_path, timeout_s=timeout_s, probe_interval_s=0.1)
     # A key too long for the residency index (KEY_CAP): every call on it needs the
     # broker, so each one meets the hung broker (an indexed hit would be served from
     # the slab without waiting, if its commit was handled before the SIGSTOP).
@@ -205,12 +208,15 @@ def test_a_hung_broker_costs_one_timeout_per_outage(make_broker) -> None:
                     t0 = time.perf_counter()
                     assert calls(hit)[name](c) == OUTAGE[name], name
                     waits.append(time.perf_counter() - t0)
-            assert 0.15 < waits[0] < 1.0, waits[0]  # the one timeout of this outage
-            assert max(waits[1:]) < 0.02, f"later calls waited: {max(waits[1:]):.3f} s"
+            # the one timeout of this outage (a loaded host adds to it, never takes off)
+            assert timeout_s * 0.9 < waits[0] < timeout_s + 10, waits[0]
+            # answered at once: under a third of a timeout leaves a loaded host room,
+            # and a call that waited for the timeout again takes all of it
+            assert max(waits[1:]) < timeout_s / 3, f"later calls waited: {max(waits[1:]):.3f} s"
             assert c.tripped and c.timeouts == 1
         finally:
             os.kill(b.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while c.tripped:
             assert time.monotonic() < deadline, "the probe did not find the broker again"
             time.sleep(0.02)

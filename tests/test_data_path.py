@@ -325,7 +325,7 @@ def test_a_client_that_exits_right_after_put_leaves_its_entry(broker) -> None:
     with BrokerClient(broker.socket_path) as c:
         # The dead client's frames and its EOF reach the broker on another connection
         # than ours: wait until its reservation is gone (committed, or freed if lost).
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a condition, not a window: room for a loaded host
         while c.stats()["reserved_entries"] and time.monotonic() < deadline:
             time.sleep(0.01)
         got = c.get("exit-after-put")

@@ -7,7 +7,7 @@ both reaching it through a delaying proxy (tests/delay_proxy.py): every SET is h
 loaded host's subscriber thread). The producer's side does what the vLLM connector
 of an ``ec_producer`` does at the end of a step -- put, then ``publish`` (wait until
 the store holds the entries) -- and the consumer's side what an ``ec_consumer``'s
-scheduler does right after: a ``fresh`` lookup within the scheduler's wait (25 ms).
+scheduler does right after: a ``fresh`` lookup with a wait (the connector's is 25 ms).
 
 The guarantee test asserts a hit every time; the control shows that each half alone
 (the old put-and-answer, a publish without a fresh lookup, a fresh lookup without a
@@ -29,10 +29,18 @@ from lmcache_ec_broker.protocol import LookupState, PublishState  # noqa: E402
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 
-SET_HOLD_S = 0.05  # each remote write reaches the store this late
-PUSH_DELAY_S = 0.5  # each announcement reaches the other brokers this late
-SCHEDULER_WAIT_MS = 25  # the connector's lookup wait (scheduler_budget_ms / 2)
-ROUNDS = 25
+# The race is opened by slow steps, not by a fast host: a remote write reaches the
+# store 1 s late and an announcement the other brokers 3 s late -- longer than any
+# loaded host takes from a put (or a publish) to the consumer's lookup, so each
+# control loses for its reason every round. (Was 50 ms and 0.5 s: a busy host's
+# lookup could come after the write had landed.) The consumer's lookup waits up to
+# 2 s for the store (the connector's scheduler waits 25 ms, scheduler_budget_ms / 2):
+# what is tested is whether the store holds the entry and the lookup asks it, not
+# whether a loaded host answers within 25 ms.
+SET_HOLD_S = 1.0  # each remote write reaches the store this late
+PUSH_DELAY_S = 3.0  # each announcement reaches the other brokers this late
+LOOKUP_WAIT_MS = 2000  # the consumer's lookup wait
+ROUNDS = 10
 
 
 def tensor(seed: int) -> torch.Tensor:
@@ -61,7 +69,8 @@ def node(make_broker, tmp_path) -> Iterator[Callable[[str], BrokerClient]]:
 
     def make(url: str) -> BrokerClient:
         cfg = tmp_path / f"node{len(clients)}.yaml"
-        cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 2.0\n")
+        # 10 s: a write held 1 s on the wire ends in time on a loaded host
+        cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 10.0\n")
         b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
         c = BrokerClient(b.socket_path, timeout_s=10.0)
         clients.append(c)
@@ -91,7 +100,7 @@ def _round(
     assert producer.put(key, tensor(seed))
     if publish:
         assert producer.publish([key], 10_000) == [PublishState.PUBLISHED]
-    info = consumer.lookup([key], wait_ms=SCHEDULER_WAIT_MS, fresh=fresh)[0]
+    info = consumer.lookup([key], wait_ms=LOOKUP_WAIT_MS, fresh=fresh)[0]
     return info.state != LookupState.MISS
 
 
@@ -150,14 +159,17 @@ def test_publish_is_bounded_by_its_wait(server, node) -> None:
     """A write still on the wire at wait_ms is TIMEOUT, answered by then (the
     instance answers; its PD instance would encode the item), and counted."""
     with DelayProxy(server.port) as slow:
-        slow.hold_s["SET"] = 3.0
+        slow.hold_s["SET"] = 30.0
         c = node(slow.url(server.password))
         assert c.put("slow", tensor(2))
         t0 = time.monotonic()
         assert c.publish(["slow"], 200) == [PublishState.TIMEOUT]
-        # Answered before the write could land (a loaded host may add a second or so
-        # to the 200 ms; a publish that waited for the write would take the 3 s hold).
-        assert time.monotonic() - t0 < 3.0
+        # Answered before the write could land: a publish that waited for the write
+        # would take the 30 s hold (or the 10 s remote_timeout_s that fails it: then
+        # it is not TIMEOUT either). 5 s leaves a loaded host ample room over the
+        # 200 ms (was: a 3 s hold and a 3 s bound, which a busy host's second or two
+        # could reach).
+        assert time.monotonic() - t0 < 5.0
         assert c.stats()["publish_timeouts"] == 1
 
 
@@ -170,14 +182,14 @@ def test_publish_writes_an_entry_whose_write_behind_was_dropped(
         slow.hold_s["SET"] = 0.3
         cfg = tmp_path / "q1.yaml"
         cfg.write_text(
-            f"remote_url: '{slow.url(server.password)}'\nremote_timeout_s: 2.0\n"
+            f"remote_url: '{slow.url(server.password)}'\nremote_timeout_s: 10.0\n"
             "remote_write_queue: 1\n"
         )
         b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
         with BrokerClient(b.socket_path, timeout_s=10.0) as c:
             assert c.put("first", tensor(3)) and c.put("second", tensor(4))
-            assert c.publish(["first"], 5000) == [PublishState.PUBLISHED]
+            assert c.publish(["first"], 30_000) == [PublishState.PUBLISHED]
             assert c.stats()["remote_write_drops"] == 1  # "second" found the queue full
             assert server.cli("exists", "lmcache-ec:second") == "0"
-            assert c.publish(["second"], 5000) == [PublishState.PUBLISHED]
+            assert c.publish(["second"], 30_000) == [PublishState.PUBLISHED]
             assert server.cli("exists", "lmcache-ec:second") == "1"

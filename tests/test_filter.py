@@ -261,15 +261,20 @@ def test_broker_publishes_filter_and_client_answers_misses_locally(broker) -> No
 
 
 def test_local_miss_is_fast(broker) -> None:
+    """A miss the filter answers costs no round trip: counted on both sides (the
+    broker heard none of the 2000), not timed -- a per-call bound of 50 us measured
+    this process's share of a loaded host as much as the client's path."""
     with BrokerClient(broker.socket_path) as c:
         c.ping()
+        before = c.stats()
         t0 = time.perf_counter()
         for i in range(2000):
             c.has([f"k{i}"])
         per_call = (time.perf_counter() - t0) / 2000
-        # Generous bound for a loaded 2-core machine; a round trip costs >= ~15 us here.
-        assert per_call < 50e-6, per_call
+        after = c.stats()
         assert c.local_misses == 2000
+        asked = (after["has_misses"] + after["has_hits"]) - (before["has_misses"] + before["has_hits"])
+        assert asked == 0, f"the broker was asked {asked} times ({per_call * 1e6:.1f} us a call)"
 
 
 def test_filter_is_trusted_only_while_the_broker_is_confirmed(make_broker, sock_dir) -> None:
@@ -283,7 +288,7 @@ def test_filter_is_trusted_only_while_the_broker_is_confirmed(make_broker, sock_
         b1.kill9()
         b2 = make_broker("--shm-size", "64MiB", socket_path=sock)
         _put_in_other_process(sock, "k")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a stale filter trusted for ever never gets there
         while time.monotonic() < deadline and c.has(["k"]) != [True]:
             time.sleep(0.05)
         assert c.has(["k"]) == [True]

@@ -56,10 +56,12 @@ class Env:
 
 
 @pytest.fixture
-def mc(tmp_path) -> Iterator[Env]:
+def mc(request, tmp_path) -> Iterator[Env]:
     ns = MooncakeNetns()
     try:
-        master = MooncakeMaster(ns, str(tmp_path), lease_ttl_ms=1500)
+        # a test may ask for its own lease TTL (indirect parametrization)
+        lease_ttl_ms = getattr(request, "param", 1500)
+        master = MooncakeMaster(ns, str(tmp_path), lease_ttl_ms=lease_ttl_ms)
         env = Env(ns, master, str(tmp_path))
         yield env
         for d in env.drivers:
@@ -400,16 +402,21 @@ def test_master_down_at_start(mc: Env) -> None:
 
 
 @needs_mooncake
+@pytest.mark.parametrize("mc", [10_000], indirect=True)
 def test_delete_waits_out_a_readers_lease(mc: Env) -> None:
     """Mooncake refuses to remove an object read within its lease TTL (-706): the
-    tier stops answering hits at once and removes it when the lease ends."""
+    tier stops answering hits at once and removes it when the lease ends.
+
+    The lease lasts 10 s (the other tests' master: 1.5 s): A's delete must come
+    while B's lease holds, and on a loaded host the two driver calls between B's read
+    and A's delete may take longer than 1.5 s (the delete then meets no lease)."""
     a, b = mc.driver(), mc.driver()
     assert a.call("put", key="k", dtype="uint8", shape=[4096], seed=1)["started"]
     assert b.call("lookup", keys=["k"])["metas"][0] is not None  # B's read: a lease
     assert a.call("delete", keys=["k"])["held"] == [True]
     assert a.call("lookup", keys=["k"])["metas"] == [None]
-    until(lambda: a.call("stats")["stats"]["remote_lease_conflicts"] >= 1)
-    until(lambda: "t:k" not in mc.master.keys())
+    until(lambda: a.call("stats")["stats"]["remote_lease_conflicts"] >= 1, tries=600)
+    until(lambda: "t:k" not in mc.master.keys(), tries=600)
     assert b.call("lookup", keys=["k"])["metas"] == [None]
 
 

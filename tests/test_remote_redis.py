@@ -93,7 +93,9 @@ def node(make_broker, tmp_path) -> Callable[..., tuple[object, BrokerClient]]:
         lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
         cfg.write_text("\n".join(lines) + "\n")
         b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
-        c = BrokerClient(b.socket_path, timeout_s=5.0)
+        # 30 s: a request the broker answers late on a loaded host is not taken for a
+        # hung broker (the client would answer it a miss itself, hiding what the broker did)
+        c = BrokerClient(b.socket_path, timeout_s=30.0)
         clients.append(c)
         return b, c
 
@@ -732,11 +734,13 @@ def test_a_slow_store_does_not_stall_other_clients() -> None:
             a.put("slow", t)
             wait_until(written(a, 1), what="write")
             wait_until(knows(b, 1), what="announcement")
+            # 12 s asleep: time for a loaded host to start the get and serve the other
+            # client's three requests while it waits (was 6 s, from a 0.3 s pause)
             sleeper = subprocess.Popen(
-                ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "6"], stdout=subprocess.DEVNULL
+                ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "12"], stdout=subprocess.DEVNULL
             )
             try:
-                time.sleep(0.3)  # the store is asleep now
+                wait_until(srv.sleeping, what="the store asleep", timeout=60)
                 got: list[object] = []
                 getter = threading.Thread(target=lambda: got.append(b.get("slow")))
                 getter.start()
@@ -749,7 +753,7 @@ def test_a_slow_store_does_not_stall_other_clients() -> None:
                 assert not getter.is_alive()
                 assert got and got[0] is not None and same(got[0], t)
             finally:
-                sleeper.wait(30)
+                sleeper.wait(60)
             for c in (a, b, other):
                 c.close()
         finally:
@@ -799,27 +803,29 @@ def test_write_queue_bound_drops_instead_of_waiting() -> None:
         sleeper = None
         try:
             with BrokerClient(br.socket_path, timeout_s=30) as a:
+                # asleep for 10 s (was 5 s from a 0.3 s pause): the four puts and the
+                # stats are done while it sleeps, even on a loaded host
                 sleeper = subprocess.Popen(
-                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "5"],
+                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "10"],
                     stdout=subprocess.DEVNULL,
                 )
-                time.sleep(0.3)
+                wait_until(srv.sleeping, what="the store asleep", timeout=60)
                 for i in range(4):
                     assert a.put(f"q{i}", tensor_of(torch.float32, (16,), seed=i))
                 st = remote_stats(a)
                 assert st["remote_pending_writes"] == 1
                 assert st["remote_write_drops"] == 3
-                sleeper.wait(30)
+                sleeper.wait(60)
                 wait_until(lambda: remote_stats(a)["remote_writes"] == 1, what="the queued write")
         finally:
             if sleeper is not None:
-                sleeper.wait(30)
+                sleeper.wait(60)
             br.stop()
             shutil.rmtree(d, ignore_errors=True)
 
 
 def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
-    """remote_timeout_s 1 and a store frozen for 8 s: the get answers (a miss) while the
+    """remote_timeout_s 1 and a store frozen for 15 s: the get answers (a miss) while the
     store is still frozen, and the broker keeps serving."""
     import uuid
 
@@ -846,18 +852,21 @@ def test_remote_timeout_bounds_a_request_on_a_frozen_store() -> None:
                 a.put("frozen", t)
                 wait_until(written(a, 1), what="write")
                 wait_until(knows(b, 1), what="announcement")
+                # asleep for 15 s (was 8 s from a 0.3 s pause): a get bounded by the
+                # 1 s remote_timeout_s is answered long before, even on a loaded host;
+                # one that waited for the store is not
                 sleeper = subprocess.Popen(
-                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "8"],
+                    ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "15"],
                     stdout=subprocess.DEVNULL,
                 )
-                time.sleep(0.3)
+                wait_until(srv.sleeping, what="the store asleep", timeout=60)
                 assert b.get("frozen") is None
                 assert sleeper.poll() is None, "the get waited for the frozen store"
                 assert b.ping()
-                sleeper.wait(30)
+                sleeper.wait(60)
         finally:
             if sleeper is not None:
-                sleeper.wait(30)
+                sleeper.wait(60)
             for br in brokers:
                 br.stop()
             shutil.rmtree(d, ignore_errors=True)
