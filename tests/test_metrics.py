@@ -52,7 +52,8 @@ def _scrape(port: int) -> dict[str, float]:
 
 def _cli_stats(sock: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "lmcache_ec_broker.cli", "stats", "--json", "--socket", sock],
+        [sys.executable, "-m", "lmcache_ec_broker.cli", "stats", "--json", "--reply-timeout", "30",
+         "--socket", sock],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=60,
