@@ -354,13 +354,17 @@ def test_full_queue_drops_counts_and_leaves_a_sequence_gap() -> None:
 DOWN_AFTER_S = 6.0
 
 
-def start_aggregator(*ports: int, down_after: float = DOWN_AFTER_S) -> tuple[subprocess.Popen, str]:
+def start_aggregator(
+    log_dir: str | os.PathLike[str], *ports: int, down_after: float = DOWN_AFTER_S
+) -> tuple[subprocess.Popen, str]:
+    """An aggregator process following the brokers on ``ports``; its log goes to
+    ``log_dir`` (the test's own directory: these logs piled up in /tmp before)."""
     http_port = port_pair()
     args = [sys.executable, "-m", "lmcache_ec_broker.events.aggregator", "--port", str(http_port)]
     args += ["--down-after", str(down_after)]
     for p in ports:
         args += ["--broker", f"tcp://127.0.0.1:{p}"]
-    log = open(f"/tmp/ec-aggregator-{http_port}.log", "w")  # noqa: SIM115 - the child owns it
+    log = open(os.path.join(log_dir, f"ec-aggregator-{http_port}.log"), "w")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
     log.close()
     assert proc.stdout is not None
@@ -383,7 +387,7 @@ def test_aggregator_follows_brokers_through_eviction_restart_and_reconnect(
     disk_args = ["--shm-size", "4MiB", "--local-disk", disk, "--max-local-disk-size", "64MiB"]
     a = make_broker("--shm-size", "1MiB", socket_path=a_sock, env=events_env(pa, "node-a", False))
     b = make_broker(*disk_args, socket_path=b_sock, env=events_env(pb, "node-b", False))
-    agg, base = start_aggregator(pa, pb)
+    agg, base = start_aggregator(sock_dir, pa, pb)
     try:
         ca, cb = BrokerClient(a_sock), BrokerClient(b_sock)
         put(ca, "shared")
@@ -430,7 +434,7 @@ def test_aggregator_follows_brokers_through_eviction_restart_and_reconnect(
         cb2 = BrokerClient(b_sock)
         put(cb2, "while-away")
         cb2.close()
-        agg, base = start_aggregator(pa, pb)
+        agg, base = start_aggregator(sock_dir, pa, pb)
         wait_until(
             lambda: (
                 where(base, "only-b", "while-away")
@@ -657,8 +661,8 @@ def test_broker_lookup_answers_a_deep_body_and_bad_request_lines_with_json(make_
     _assert_json_errors(port + 2)
 
 
-def test_aggregator_answers_a_deep_body_and_bad_request_lines_with_json() -> None:
-    proc, base = start_aggregator(port_pair())
+def test_aggregator_answers_a_deep_body_and_bad_request_lines_with_json(tmp_path) -> None:
+    proc, base = start_aggregator(tmp_path, port_pair())
     try:
         _assert_json_errors(int(base.rsplit(":", 1)[1]))
     finally:
