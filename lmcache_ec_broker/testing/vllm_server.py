@@ -14,10 +14,12 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -233,6 +235,11 @@ class VllmServer:
         # those that existed before it started.
         self.shm_seen: set[str] = set()
         self._shm_before: set[str] = set()
+        # vLLM's ZMQ IPC sockets (ipc://$VLLM_RPC_BASE_PATH/<uuid>) go to a directory
+        # of this server's own, removed when it stops: in the default, /tmp, every
+        # start left a few behind (thousands on a CI host). None while not running, or
+        # when the caller's environment names its own directory.
+        self.rpc_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -253,9 +260,14 @@ class VllmServer:
         ]
         _hold_host_lock()
         self._shm_before = list_vllm_shm()
+        env = self.env
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # short (a Unix socket path holds 107 bytes), under the system's temp dir
+            self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
+            env = {**env, "VLLM_RPC_BASE_PATH": self.rpc_dir}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         return self
 
@@ -325,6 +337,9 @@ class VllmServer:
         appeared = list_vllm_shm() - self._shm_before
         if appeared:
             remove_shm(appeared - vllm_shm_in_use(all_pids()))
+        if self.rpc_dir is not None:  # every process of the group is gone (above)
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def stop(self, timeout: float = 30.0) -> None:
         self.terminate()

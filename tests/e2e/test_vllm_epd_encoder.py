@@ -78,3 +78,7 @@ def test_encoder_instance_does_not_encode_an_item_its_broker_holds(make_broker, 
         assert first["publish_waits"] >= 1 and again["publish_waits"] > first["publish_waits"]
         assert again["publish_failures"] == 0
         assert "Traceback" not in e.log_text()
+        # vLLM's IPC sockets are in the server's own directory, not loose in /tmp
+        rpc_dir = e.rpc_dir
+        assert rpc_dir is not None and os.listdir(rpc_dir), "vLLM made no IPC socket there"
+    assert not os.path.exists(rpc_dir), "the server's IPC sockets outlived it"
