@@ -35,14 +35,8 @@ if TYPE_CHECKING:
 
 
 def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> bool:
-    """Store ``tensor`` under ``key``. True if this call stored it; False if the entry
-    is already present, another writer is storing it, or the broker is unavailable.
-
-    With a put arena (the common case once the connection holds one) nothing is
-    waited for: the tensor is copied into this connection's own blocks and the
-    Place is posted. Such a put returns True also in the rare race where another
-    client stores the same key first (the broker keeps that entry, which by the
-    cache's contract holds the same value, and the blocks return to the arena)."""
+    """BrokerClient.put under the link's lock (its docstring says what the result
+    means): the arena's no-wait placement when it can take the key, else a reserve."""
     from .copy import check_device, dtype_name
 
     check_device(tensor.device)
@@ -84,13 +78,8 @@ def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> boo
 
 
 def put_many(link: ClientLink, trust_s: float, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
-    """Batched put: entries that fit the arena are copied and their Places posted;
-    the others are reserved in one round trip (sent with those Places) and their
-    commits posted in one send. No wait at all when every entry fits the arena.
-
-    One bool per item, as ``put``. If the broker refuses some items, the others
-    are still stored, then the first refusal is raised as ``BrokerRefused``.
-    """
+    """BrokerClient.put_many under the link's lock: the placeable items placed, the
+    rest reserved in one round trip sent with the Places, their commits in one send."""
     from .copy import check_device, dtype_name
 
     descs = []
