@@ -363,7 +363,7 @@ def _start_hint(path: str) -> str:
     )
 
 
-def _no_broker(path: str, causes: list[BaseException], timeout: float | None = None) -> str:
+def _no_broker(path: str, causes: list[BaseException], timeout: float) -> str:
     from .connector.client import BrokerImpostor
 
     cause = causes[0] if causes else None
@@ -378,16 +378,13 @@ def _no_broker(path: str, causes: list[BaseException], timeout: float | None = N
             f"lmcache-ec-broker: cannot connect to the broker at {path}: permission denied for "
             f"uid {os.getuid()}; its socket_mode/socket_group or allowed_uids must admit you"
         )
-    elif isinstance(cause, TimeoutError | socket.timeout) or (cause is None and timeout):
-        waited = f"within {timeout:g} s" if timeout else "in time"
+    elif cause is None or isinstance(cause, TimeoutError | socket.timeout):
         return (
-            f"lmcache-ec-broker: the broker at {path} did not answer {waited}; if it is busy "
-            "(a loaded host), wait longer with --reply-timeout SECONDS"
+            f"lmcache-ec-broker: the broker at {path} did not answer within {timeout:g} s; if "
+            "it is busy (a loaded host), wait longer with --reply-timeout SECONDS"
         )
-    elif cause is not None:
-        why = str(cause)
     else:
-        why = "it did not answer"
+        why = str(cause)
     return f"lmcache-ec-broker: no broker answers at {path}: {why}; {_start_hint(path)}"
 
 
