@@ -82,6 +82,7 @@ from .lifecycle import (
     SocketLock,
     bind_socket,
     claim_socket_path,
+    create_slab,
     is_socket,
     probe_socket,
     resolve_group,
@@ -132,8 +133,8 @@ class BrokerServer:
         self.filter: FilterWriter | None = None
         self.journal: Journal | None = None  # put arenas' placement journal (shm/journal.py)
         self.residency: ResidencyWriter | None = None  # the residency index (shm/residency.py)
-        # Names of the segments this start is about to create (they carry this epoch, so
-        # nobody else's): cleanup() unlinks them by name too, because a stop signal can
+        # Names of the segments this start is about to create (random, and never one
+        # another process took first: lifecycle.create_slab): cleanup() unlinks them by name too, because a stop signal can
         # land after a segment exists but before its object is assigned anywhere.
         self._segment_names: list[str] = []
         self.conn_ids = itertools.count(1)
@@ -402,15 +403,17 @@ class BrokerServer:
                     "removed stale shared-memory segment /dev/shm/%s of a dead broker", name
                 )
             self.access.group_gid = gid
-            name = "/" + segment_prefix(path) + self.epoch[:12]
-            # The named ones: the slab and the put arenas' journal. The filter and the
-            # residency index are sealed memfds (no name; shm/segment.py create_sealed).
-            # remove_stale above still takes an older broker's named -f and -r.
-            self._segment_names = [name, name + "-j"]
-            t0 = time.perf_counter()
-            # 0600 whatever the socket's mode: admitted clients get the segments as
+            # The slab is the one named segment (a random name, retried if taken: issue
+            # 40); the journal, filter and residency index are memfds (no name). 0600
+            # whatever the socket's mode: admitted clients get the segments as
             # descriptors over the socket (connection.py hello), nobody by name.
-            self.segment = Segment.create(name, self.store.capacity_bytes, mode=0o600)
+            # remove_stale above still takes an older broker's named -f, -j and -r.
+            t0 = time.perf_counter()
+            prefix = segment_prefix(path)
+            self.segment = create_slab(
+                prefix, self.epoch[:12], self.store.capacity_bytes, self._segment_names
+            )
+            name = self.segment.name
             log.info(
                 "created shared-memory slab %s (%s, %s blocks, prefaulted in %.2fs)",
                 name,

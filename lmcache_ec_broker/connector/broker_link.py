@@ -38,13 +38,17 @@ def _hello_frame(client_id: str) -> bytes:
 
 
 def _read_hello(sock: socket.socket, limit: int, fds: list[int]) -> object:
-    """The handshake's reply, and into ``fds`` the descriptors that came with it (the
-    caller closes them). Nothing else is in flight: the broker sends nothing more
+    """The handshake's reply, and into ``fds`` the descriptors that came with it,
+    close-on-exec (the caller closes them). Nothing else is in flight: the broker sends nothing more
     before this client's next request."""
     data = b""
     need = FRAME_HEADER.size
     while len(data) < need:
-        chunk, got, _flags, _addr = socket.recv_fds(sock, max(need - len(data), 1 << 12), 8)
+        # Close-on-exec from the moment they arrive (MSG_CMSG_CLOEXEC): a program this
+        # process executes, under another uid or not, inherits none of the segments.
+        chunk, got, _flags, _addr = socket.recv_fds(
+            sock, max(need - len(data), 1 << 12), 8, socket.MSG_CMSG_CLOEXEC
+        )
         fds += got
         if not chunk:
             raise BrokerUnavailable("the broker closed the connection")

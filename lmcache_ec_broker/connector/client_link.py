@@ -199,6 +199,7 @@ class ClientLink:
             slab = m.map_slab()
         except ShmError as exc:
             self.drop_session()
+            self.drop_maps()  # the next connection maps its own descriptors afresh
             self.redial.attach_failed(exc)
             raise BrokerUnavailable(str(exc)) from exc
         self.redial.attached()

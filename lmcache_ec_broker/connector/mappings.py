@@ -9,8 +9,15 @@ a restarting broker needs that room). Its parts:
 - ``filter`` (shm/filter.py): the membership filter, read-only, or None;
 - ``journal`` (shm/journal.py): the put arenas' placement journal, or None;
 - ``index`` (shm/residency.py): the residency index, read-only, or None;
-- the slab (``slab``), mapped on first use (``map_slab``): most has() calls never
-  need it, and mapping and pre-faulting a large slab takes a while.
+- the slab (``slab``): mapped at once from the descriptor the handshake brought
+  (a mapping costs nothing until touched), and pre-faulted and wrapped on first use
+  (``map_slab``): most has() calls never need it, and pre-faulting a large slab
+  takes a while.
+
+Every descriptor the handshake brought is closed here once mapped (the slab's
+included): a client holds only mappings, no segment's descriptor, so nothing it
+forks or executes can reach a segment through one (issue 40, item 2). They arrive
+close-on-exec (broker_link.py) for the moment in between.
 
 Every segment is checked to belong to a trusted uid before it is mapped (fstat).
 A segment that cannot be mapped is left out with a warning (the path it serves
@@ -39,7 +46,7 @@ log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for th
 
 class Mappings:
     __slots__ = ("epoch", "filter", "journal", "index", "slab", "_segment", "_hello", "_arenas",
-                 "_owners", "_prefault", "_slab_fd")  # fmt: skip
+                 "_owners", "_prefault", "_slab_error")  # fmt: skip
 
     def __init__(
         self,
@@ -49,14 +56,13 @@ class Mappings:
         fds: dict[str, int] | None = None,
     ) -> None:
         """``fds``: the descriptors the handshake brought, by label (taken over: closed
-        here once mapped); without one a segment is opened by name, where it has one."""
+        here, mapped or not); without one a segment is opened by name, where it has one."""
         fds = dict(fds or {})
         try:
             self._map(hello, owners, prefault, fds)
         finally:
-            for label, fd in fds.items():
-                if label != "slab":
-                    os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
 
     def _map(
         self, hello: HelloReply, owners: Collection[int], prefault: bool, fds: dict[str, int]
@@ -67,8 +73,16 @@ class Mappings:
         self._prefault = prefault
         self._arenas = bool(hello.put_arena_bytes)
         self.slab: SlabView | None = None
-        self._slab_fd = fds.get("slab")  # kept until the slab is mapped (or closed)
         self._segment: Segment | None = None
+        self._slab_error: ShmError | None = None  # why the slab's descriptor did not map
+        slab_fd = fds.get("slab")
+        if slab_fd is not None:
+            try:  # not pre-faulted yet: map_slab does that on first use
+                self._segment = Segment.attach_fd(
+                    slab_fd, hello.segment_name, hello.segment_size, False, owners
+                )
+            except ShmError as exc:
+                self._slab_error = exc  # an outage when first used, as before
         self.filter: FilterReader | None = None
         self.journal: Journal | None = None
         self.index: ResidencyReader | None = None
@@ -100,17 +114,14 @@ class Mappings:
             from .copy import SlabView
 
             hello = self._hello
-            fd = self._slab_fd
-            if fd is None:
+            if self._slab_error is not None:
+                raise self._slab_error
+            if self._segment is None:
                 self._segment = Segment.attach(
                     hello.segment_name, hello.segment_size, self._prefault, self._owners
                 )
-            else:
-                self._segment = Segment.attach_fd(
-                    fd, hello.segment_name, hello.segment_size, self._prefault, self._owners
-                )
-                self._slab_fd = None
-                os.close(fd)
+            elif self._prefault:
+                self._segment.prefault_shared()
             self.slab = SlabView(self._segment.mm, hello.segment_size)
         return self.slab
 
@@ -124,9 +135,6 @@ class Mappings:
 
     def close(self) -> None:
         """Unmap everything (the slab's CUDA registration goes first, in SlabView.close)."""
-        if self._slab_fd is not None:
-            os.close(self._slab_fd)
-            self._slab_fd = None
         if self.slab is not None:
             self.slab.close()
             self.slab = None

@@ -7,7 +7,8 @@ answer a wrong local "absent". The journal closes that gap.
 
 Two segments, one writer class each (docs/design.md "Shared memory"):
 
-- ``placed`` (``<slab>-j``, 0600, handed to admitted clients over the socket): one
+- ``placed`` (a memfd labelled ``<slab>-j``: no name in /dev/shm that another uid
+  could take first; handed to admitted clients over the socket): one
   little-endian u32 per arena slot, written by the slot's client: its placement count.
   Any admitted client can write any word of it, so nobody trusts it for more than a
   hint: the broker reads it only to decide whose socket to read first, a reader only
@@ -118,7 +119,7 @@ class Journal:
 
     @classmethod
     def create(cls, name: str, nslots: int) -> Journal:
-        placed = Segment.create(name, journal_size(nslots), mode=0o600, prefault=False)
+        placed = Segment.create_memfd(name, journal_size(nslots))
         try:
             settled = Segment.create_sealed(name + "s", settled_size(nslots))
         except BaseException:

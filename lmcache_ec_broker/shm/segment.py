@@ -26,6 +26,16 @@ Invariants kept here:
   is a sealed memfd (``create_sealed``): no path reaches it, and no mapping but the
   one made before sealing can write it (root's included; a reopen through
   /proc/<pid>/fd maps PROT_WRITE only to EPERM).
+- No segment name another uid can take first (issue 40, item 3): /dev/shm is
+  world-writable, so a name derivable from one already visible (the journal's was
+  ``<slab>-j``) could be created by someone else before the broker, and ``O_EXCL``
+  would then keep the broker from starting, at every restart. Only the slab has a
+  name, with a random part, and ``create`` raises ``SegmentExists`` so that the
+  caller retries under a fresh one (broker/lifecycle.py ``create_slab``); every
+  other segment is a memfd (``create_memfd``, ``create_sealed``): no name at all.
+- ``remove_stale`` touches only regular files the broker's uid owns, opened
+  without following links or blocking: another uid's file under the prefix (a
+  FIFO included) is left alone, never unlinked, never waited on.
 - ``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13
   its resource tracker unlinks segments that a process merely attached.
 """
@@ -37,6 +47,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 from collections.abc import Collection
 
 import posix_ipc
@@ -54,6 +65,10 @@ _F_SEAL_FUTURE_WRITE = 0x0010  # Linux >= 5.1; not exported by Python 3.11's fcn
 
 class ShmError(RuntimeError):
     """A shared-memory segment cannot be created or attached; the message says why."""
+
+
+class SegmentExists(ShmError):
+    """``create``: the name is taken (retry under another: see the invariants)."""
 
 
 def _grow_hint(size: int) -> str:
@@ -131,7 +146,8 @@ class Segment:
         self._lock_fd = lock_fd  # the creator's flock (see the invariants); closed last
         self._unlinked = False
         self._shared: dict[bool, int] = {}  # read_only -> descriptor to hand over (share_fd)
-        self._memfd: int | None = None  # a sealed segment's descriptor (create_sealed)
+        self._memfd: int | None = None  # a memfd segment's descriptor (create_memfd/_sealed)
+        self._sealed = False  # the memfd is sealed: no descriptor of it maps writable
 
     @classmethod
     def create_sealed(cls, name: str, size: int, prefault: bool = False) -> Segment:
@@ -160,6 +176,31 @@ class Segment:
             raise
         seg = cls(name, size, mm, owner=True)
         seg._memfd = fd
+        seg._sealed = True
+        seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
+        return seg
+
+    @classmethod
+    def create_memfd(cls, name: str, size: int) -> Segment:
+        """A segment clients write too, with no name anywhere (a memfd, mapped
+        writable here; admitted clients get its descriptor): nobody can take its name
+        first, nor open it by one. ``name`` is a label, as in ``create_sealed``."""
+        if size <= 0:
+            raise ShmError(f"segment size must be positive, got {size} bytes")
+        try:
+            fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise ShmError(f"cannot create segment {name}: {exc}") from exc
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise ShmError(f"cannot create segment {name}: {exc}") from exc
+            raise
+        seg = cls(name, size, mm, owner=True)
+        seg._memfd = fd
         seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
         return seg
 
@@ -170,14 +211,15 @@ class Segment:
         creator's own descriptor: it carries the flock, and a client's mapping keeps
         its open file alive, so a dead broker's segment would look live to the next
         broker's ``remove_stale`` for as long as a client maps it."""
-        if self._memfd is not None:
+        own = self._memfd if self._memfd is not None else self._lock_fd
+        if self._memfd is not None and (self._sealed or not read_only):
             return self._memfd
-        if self._lock_fd is None:
+        if own is None:
             raise ShmError(f"segment {self.name} was not created by this process")
         fd = self._shared.get(read_only)
         if fd is None:
             flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
-            fd = self._shared[read_only] = os.open(f"/proc/self/fd/{self._lock_fd}", flags)
+            fd = self._shared[read_only] = os.open(f"/proc/self/fd/{own}", flags)
         return fd
 
     @classmethod
@@ -216,9 +258,9 @@ class Segment:
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
         except posix_ipc.ExistentialError as exc:
-            raise ShmError(
-                f"shared-memory segment {name} already exists; another broker owns it "
-                "or a dead broker left it (it is removed at start when stale)"
+            raise SegmentExists(
+                f"shared-memory segment {name} already exists; another broker owns it, "
+                "a dead broker left it, or another user took the name first"
             ) from exc
         except (OSError, posix_ipc.Error) as exc:
             raise ShmError(f"cannot create shared-memory segment {name}: {exc}") from exc
@@ -274,12 +316,20 @@ class Segment:
             _populate_shared(mm, size)
         return cls(name, size, mm, owner=False)
 
+    def prefault_shared(self) -> None:
+        """Fault in a segment mapped with ``attach_fd(prefault=False)``, reading only
+        (the attach invariant: others may be copying into it)."""
+        _populate_shared(self.mm, self.size)
+
     def close(self) -> None:
         try:
             self.mm.close()
         except BufferError:
             log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
         if self._memfd is not None:
+            for fd in self._shared.values():
+                os.close(fd)
+            self._shared = {}
             os.close(self._memfd)
             self._memfd = None
 
@@ -335,10 +385,12 @@ def unlink_segment(name: str) -> None:
 
 
 def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink every segment whose name starts with ``prefix`` (no leading slash) and
-    whose creator is dead: its flock can be taken. A segment still locked belongs to
-    a live broker that this one cannot see (another mount namespace sharing
-    /dev/shm): it is left alone, with a warning.
+    """Unlink every segment whose name starts with ``prefix`` (no leading slash),
+    that this uid owns, and whose creator is dead: its flock can be taken. A segment
+    still locked belongs to a live broker that this one cannot see (another mount
+    namespace sharing /dev/shm): it is left alone, with a warning. Anything else
+    under the prefix (another uid's file, a FIFO, a link) is left alone too: never
+    opened in a way that could block, never unlinked (see the invariants).
 
     Only called after the broker has established that no live broker serves the
     socket these segments belong to.
@@ -348,19 +400,33 @@ def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
         names = os.listdir(shm_dir)
     except OSError:
         return removed
+    me = os.geteuid()
     for fname in names:
         if not fname.startswith(prefix):
             continue
+        path = os.path.join(shm_dir, fname)
         try:
-            fd = os.open(os.path.join(shm_dir, fname), os.O_RDONLY | os.O_NOFOLLOW)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+                log.warning(
+                    "/dev/shm/%s has this socket path's name but is not a segment of this "
+                    "user's (uid %d, mode %o); leaving it alone",
+                    fname, st.st_uid, st.st_mode,
+                )  # fmt: skip
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue  # gone already, or not ours to open (nor to unlink)
         try:
+            again = os.fstat(fd)
+            if (again.st_ino, again.st_dev) != (st.st_ino, st.st_dev):
+                continue  # replaced between the look and the open: not what was checked
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
+                    log.warning("cannot lock /dev/shm/%s (%s); leaving it alone", fname, exc)
+                    continue
                 log.warning(
                     "shared-memory segment /dev/shm/%s has this socket path's name but a "
                     "live owner (a broker in another container or mount namespace sharing "

@@ -46,7 +46,6 @@ def make_lower_tiers(config: BrokerConfig, slab_capacity: int) -> list[LowerTier
             DiskTier(
                 config.local_disk,
                 config.max_local_disk_size,
-                file_mode=config.socket_mode,
                 max_pending_bytes=max(slab_capacity // 4, 1),
             )
         )

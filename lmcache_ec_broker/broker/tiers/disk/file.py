@@ -17,8 +17,11 @@ Invariants kept here:
   no key can name a file outside the directory. Escaping is injective; names
   shortened with a hash suffix carry ``~`` (escaped everywhere else), so the two
   kinds never collide, and the stored key is compared on every load.
-- A file is published only complete: temp file (``O_EXCL``), fsync, rename.
-- Nothing is served from a file whose header, size, key or checksum disagree.
+- A file is published only complete: temp file (``O_EXCL``, 0600 whatever the
+  umask), fsync, rename.
+- Nothing is served from a file whose header, size, key or checksum disagree, nor
+  from one another uid owns or may write (``check_trusted``): a checksum is no
+  defence against a writer, who can recompute it (``directory.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,6 +233,22 @@ def read_meta(fd: int) -> FileMeta:
     return FileMeta(key, dtype, shape, nbytes, checksum, 8 + hlen, size)
 
 
+FILE_MODE = 0o600
+
+
+def check_trusted(fd: int) -> None:
+    """Refuse a file the broker's uid does not own or others may write (CorruptFile:
+    it is quarantined, never served); make one others may only read 0600."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise CorruptFile(f"owned by uid {st.st_uid}, not the broker's: another user wrote it")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise CorruptFile(f"mode {mode:04o}: other users could have rewritten it")
+    if mode & 0o077:
+        os.fchmod(fd, FILE_MODE)
+
+
 def open_nofollow(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -236,6 +256,7 @@ def open_nofollow(path: str) -> int:
 def read_meta_path(path: str) -> FileMeta:
     fd = open_nofollow(path)
     try:
+        check_trusted(fd)
         return read_meta(fd)
     finally:
         os.close(fd)
@@ -271,12 +292,11 @@ def write_file(
     dtype: str,
     shape: list[int],
     views: list[memoryview],
-    mode: int = 0o600,
 ) -> tuple[int, int]:
     """Write one entry atomically; returns (file size, inode) of the published file."""
     final = os.path.join(directory, key_to_filename(key))
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         try:
             header = build_header(key, dtype, shape, _PLACEHOLDER)
@@ -314,6 +334,7 @@ def read_into(path: str, key: str, views: list[memoryview]) -> FileMeta:
     """
     fd = open_nofollow(path)
     try:
+        check_trusted(fd)
         meta = read_meta(fd)
         if meta.key != key:
             raise CorruptFile(f"file holds key {meta.key[:80]!r}, not the one requested")

@@ -47,6 +47,7 @@ from ..base import (
     TierMiss,
     TierUnavailable,
 )
+from .directory import prepare_directory
 from .file import (
     LOCK_FILE,
     QUARANTINE_DIR,
@@ -112,14 +113,12 @@ class DiskTier(LowerTier):
         self,
         directory: str,
         capacity_bytes: int,
-        file_mode: int = 0o600,
         max_pending_bytes: int = 64 << 20,
         readers: int = 2,
         quarantine_cap: int | None = None,
     ) -> None:
         self.directory = directory
         self.capacity_bytes = capacity_bytes
-        self.file_mode = file_mode & 0o666
         # Write-behind pins slab entries; past this many bytes in flight new writes
         # are skipped rather than letting pinned entries starve the slab (one write
         # is always allowed, however large).
@@ -159,9 +158,9 @@ class DiskTier(LowerTier):
         """Create/lock the directory and rebuild the index from it (before serving)."""
         d = self.directory
         try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
+            prepare_directory(d)  # 0700, ours: else a TierError naming the fix
             self._lock_fd = os.open(
-                os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+                os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
             )
         except OSError as exc:
             raise TierError(f"cannot use local_disk {d}: {exc.strerror or exc}") from exc
@@ -524,7 +523,6 @@ class DiskTier(LowerTier):
                 job.meta.dtype,
                 list(job.meta.shape),
                 views,
-                self.file_mode,
             )
 
     def _write_done(self, job: _Write, fut: asyncio.Future[tuple[int, int] | None]) -> None:
