@@ -13,14 +13,53 @@ log = logging.getLogger("lmcache_ec_broker.config")
 SOCKET_ENV = "LMCACHE_EC_BROKER_SOCKET"
 
 
-def private_socket_dir() -> str:
-    """The per-user directory of the default socket when there is no XDG_RUNTIME_DIR."""
+def tmp_socket_dir() -> str:
+    """The first choice of the default socket's directory without XDG_RUNTIME_DIR: a
+    predictable name in world-writable /tmp, which another user can take first."""
     return f"/tmp/lmcache-ec-broker-{os.getuid()}"
+
+
+def home_socket_dir() -> str | None:
+    """Where the default socket goes when another user took ``tmp_socket_dir`` first:
+    under $HOME, which others cannot write (None without a usable home)."""
+    home = os.path.expanduser("~")
+    return os.path.join(home, ".lmcache-ec-broker") if os.path.isabs(home) else None
+
+
+def private_socket_dir() -> str:
+    """The per-user directory of the default socket when there is no XDG_RUNTIME_DIR:
+    ``tmp_socket_dir()`` unless it exists and is not this user's directory (another
+    user took the name first, issue 40: that must not keep the broker from starting),
+    then ``home_socket_dir()``. Broker and clients of one uid derive the same one from
+    the file system; both log the switch."""
+    tmp = tmp_socket_dir()
+    try:
+        st = os.lstat(tmp)
+    except OSError:
+        return tmp
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        return tmp
+    home = home_socket_dir()
+    if home is None:
+        return tmp  # check_private_dir refuses it with the fix
+    log.warning(
+        "%s belongs to uid %d (another user took the name first); the default socket "
+        "is in %s instead. Set XDG_RUNTIME_DIR or --socket / %s to choose",
+        tmp, st.st_uid, home, SOCKET_ENV,
+    )  # fmt: skip
+    return home
+
+
+def default_socket_dirs() -> tuple[str, ...]:
+    """Every directory ``private_socket_dir`` may answer (a client checks a socket in
+    any of them: the answer can change between computing a path and connecting)."""
+    home = home_socket_dir()
+    return (tmp_socket_dir(),) if home is None else (tmp_socket_dir(), home)
 
 
 def default_socket_path() -> str:
     """$LMCACHE_EC_BROKER_SOCKET, else $XDG_RUNTIME_DIR/lmcache-ec-broker.sock,
-    else /tmp/lmcache-ec-broker-<uid>/broker.sock (a directory only that user may write:
+    else <private_socket_dir()>/broker.sock (a directory only that user may write:
     a socket directly in world-writable /tmp could be bound first by another user)."""
     env = os.environ.get(SOCKET_ENV)
     if env:
@@ -78,7 +117,7 @@ def ensure_socket_dir(socket_path: str, socket_mode: int = 0o600, gid: int | Non
     missing one (its parent must exist) is created, owned by this user, searchable
     only by whom ``socket_mode`` admits (group, with ``gid``; others)."""
     parent = os.path.dirname(os.path.abspath(socket_path))
-    if parent == private_socket_dir():
+    if parent in default_socket_dirs():
         ensure_private_dir(parent)
         return
     if os.path.isdir(parent):

@@ -260,6 +260,7 @@ NAMESPACE_SCRIPT = textwrap.dedent(
     env = {k: v for k, v in os.environ.items()
            if k not in ("XDG_RUNTIME_DIR", "LMCACHE_EC_BROKER_SOCKET")}
     os.environ.clear(); os.environ.update(env)
+    os.mkdir("/tmp/home", 0o700); os.environ["HOME"] = "/tmp/home"  # inside the namespace
     path = f"/tmp/lmcache-ec-broker-{os.getuid()}/broker.sock"
     out = {}
     cli = [sys.executable, "-m", "lmcache_ec_broker.cli"]
@@ -278,23 +279,36 @@ NAMESPACE_SCRIPT = textwrap.dedent(
         out["default_client"] = c.socket_path == path and c.put("k", t) and torch.equal(c.get("k"), t)
     b.terminate(); b.wait(30)
 
-    # 2. Another user owns the directory first: the broker refuses to start and the
-    #    client refuses the squatter's socket inside it.
+    # 2. Another user owns the directory first (and listens in it): the broker starts
+    #    anyway, in the home fallback, and the default client finds it there; a client
+    #    given the squatter's socket explicitly refuses it.
     os.rmdir(os.path.dirname(path))
     os.mkdir(os.path.dirname(path), 0o700); os.chown(os.path.dirname(path), NOBODY, -1)
-    r = subprocess.run(cli + ["start", "--shm-size", "32MiB"], capture_output=True, text=True,
-                       timeout=60)
-    out["start_rc"], out["start_err"] = r.returncode, r.stderr
     sq = subprocess.Popen([sys.executable, os.path.join(HERE, "squatter.py"), path, "/ecb-sq",
-                           "--uid", str(NOBODY)], stdout=subprocess.PIPE, text=True)
+                           "--uid", str(NOBODY)], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)  # a failure here ends at once
     assert sq.stdout.readline().strip() == "ready"
+    home = "/tmp/home/.lmcache-ec-broker/broker.sock"
+    b = subprocess.Popen(cli + ["start", "--shm-size", "32MiB"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(400):
+        if probe_socket(home, timeout=0.2) or b.poll() is not None:
+            break
+        time.sleep(0.05)
+    out["start_rc"] = b.poll()
+    st = os.stat(os.path.dirname(home))
+    out["home_dir_mode"], out["home_dir_uid"] = st.st_mode & 0o777, st.st_uid
     records = []
     h = logging.Handler(); h.emit = lambda rec: records.append(rec.getMessage())
     logging.getLogger("lmcache_ec_broker").addHandler(h)
     with BrokerClient(timeout_s=30) as c:
+        t = torch.arange(100, dtype=torch.float32)
+        out["fallback_client"] = c.socket_path == home and c.put("k", t) and torch.equal(c.get("k"), t)
+    with BrokerClient(path, timeout_s=30) as c:
         out["squatted_put"] = c.put("k", torch.ones(64, dtype=torch.uint8))
         out["squatted_connected"] = c.connected
     out["client_warnings"] = records
+    b.terminate(); out["start_err"] = b.communicate(timeout=30)[1]
     sq.terminate()
     out["squatter"] = json.loads(sq.communicate(timeout=60)[0].strip().splitlines()[-1])
     out["left_in_shm"] = sorted(os.listdir("/dev/shm"))
@@ -304,7 +318,7 @@ NAMESPACE_SCRIPT = textwrap.dedent(
 
 
 @needs_root
-def test_default_path_broker_makes_a_private_dir_and_a_squatted_dir_is_refused() -> None:
+def test_default_path_broker_makes_a_private_dir_and_moves_out_of_a_squatted_one() -> None:
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1)")
     probe = subprocess.run(
@@ -357,7 +371,12 @@ def test_default_path_broker_makes_a_private_dir_and_a_squatted_dir_is_refused()
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["dir_mode"] == 0o700 and out["dir_uid"] == 0
     assert out["default_client"] is True
-    assert out["start_rc"] != 0 and f"belongs to uid {NOBODY}" in out["start_err"], out
+    # Fails on the old code: a directory another uid took first kept the broker from
+    # starting (issue 40, item 3); now both sides move to $HOME/.lmcache-ec-broker.
+    assert out["start_rc"] is None, out
+    assert f"belongs to uid {NOBODY} (another user took the name first)" in out["start_err"]
+    assert out["home_dir_mode"] == 0o700 and out["home_dir_uid"] == 0
+    assert out["fallback_client"] is True
     assert out["squatted_put"] is False and out["squatted_connected"] is False
     assert any(f"uid {NOBODY}" in w for w in out["client_warnings"]), out["client_warnings"]
     assert out["squatter"]["frames"] == 0

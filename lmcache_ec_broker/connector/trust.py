@@ -9,7 +9,7 @@ import socket
 from collections.abc import Collection
 
 from ..peercred import peer_cred
-from ..private_dirs import check_private_dir, private_socket_dir
+from ..private_dirs import check_private_dir, default_socket_dirs
 from .errors import BrokerImpostor
 
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"
@@ -19,7 +19,7 @@ def check_peer(sock: socket.socket, socket_path: str, trusted: Collection[int]) 
     """Before sending or mapping anything: is the listener on ``sock`` a broker we trust?
     Raises BrokerImpostor naming the uid otherwise."""
     parent = os.path.dirname(os.path.abspath(socket_path))
-    if parent == private_socket_dir():
+    if parent in default_socket_dirs():
         try:
             check_private_dir(parent, trusted)
         except ValueError as exc:
