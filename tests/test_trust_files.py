@@ -337,3 +337,53 @@ def test_a_taken_slab_name_is_retried_and_never_unlinked(sock_dir) -> None:
         assert os.stat(taken).st_uid == NOBODY.pw_uid
     finally:
         unlink_segment("/" + os.path.basename(taken))
+
+
+def test_disk_files_others_could_reach_are_quarantined_and_unreachable_ones_kept(
+    tmp_path,
+) -> None:
+    # An older broker's files took socket_mode: in a directory others could enter, a
+    # file they could write (or one they own) is never served; in a directory that was
+    # private all along the same mode is harmless and only narrowed to 0600. Fails on
+    # the old code: every file was served, whatever its owner and mode.
+    import mmap
+
+    from lmcache_ec_broker.broker.tiers.disk.file import key_to_filename, slab_views, write_file
+    from lmcache_ec_broker.broker.tiers.disk.tier import DiskTier
+
+    def fill(d: str, modes: dict[str, int]) -> None:
+        os.mkdir(d, 0o700)
+        dir_fd = os.open(d, os.O_RDONLY)
+        mm = mmap.mmap(-1, 4096)
+        try:
+            for key, mode in modes.items():
+                with slab_views(mm, [(0, 16)]) as views:
+                    write_file(d, dir_fd, key, "float32", [4], views)
+                os.chmod(os.path.join(d, key_to_filename(key)), mode)
+        finally:
+            os.close(dir_fd)
+            mm.close()
+
+    def indexed(d: str) -> list[str]:
+        tier = DiskTier(d, 1 << 20)
+        tier.open()
+        try:
+            return sorted(tier.index)
+        finally:
+            tier.close()
+
+    shared = str(tmp_path / "was-open")
+    fill(shared, {"loose": 0o666, "read-only": 0o644, "theirs": 0o600})
+    os.chown(os.path.join(shared, key_to_filename("theirs")), NOBODY.pw_uid, NOBODY.pw_gid)
+    os.chmod(shared, 0o755)
+    assert indexed(shared) == ["read-only"]
+    assert _mode(shared) == 0o700
+    assert sorted(os.listdir(os.path.join(shared, "quarantine"))) == sorted(
+        key_to_filename(k) for k in ("loose", "theirs")
+    )
+    private = str(tmp_path / "was-private")
+    fill(private, {"loose": 0o666, "read-only": 0o644})
+    assert indexed(private) == ["loose", "read-only"]
+    assert all(
+        _mode(os.path.join(private, key_to_filename(k))) == 0o600 for k in ("loose", "read-only")
+    )

@@ -11,7 +11,9 @@ who can reach the files. So, invariants kept here (issue 40, item 1):
 - An existing directory must belong to the broker's uid. One that another uid can
   write (group or others) is refused with the fix named: files planted there
   would be served. One that others may only read or enter is set to 0700, and the
-  log says so (nothing in it can have been written by them).
+  log says so; a file in it that others could write (an older broker's, made with
+  ``socket_mode``) is then quarantined, not served: they could reach it. In a
+  directory that was private all along, such a file is only made 0600.
 - No ancestor lets another uid swap the directory: each is owned by root or the
   broker's uid, and not writable by group or others unless sticky (as /tmp).
 """
@@ -57,8 +59,9 @@ def _check_ancestors(path: str) -> None:
         parent = up
 
 
-def check_private_dir(path: str, what: str = "local_disk") -> None:
-    """``path`` exists: refuse it or make it 0700 (the module's invariants)."""
+def check_private_dir(path: str, what: str = "local_disk") -> bool:
+    """``path`` exists: refuse it or make it 0700 (the module's invariants). True if
+    it was private already (no other uid could reach its files)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         st = os.stat(path)  # an operator's symlink; the target is what is checked
@@ -84,10 +87,13 @@ def check_private_dir(path: str, what: str = "local_disk") -> None:
             "%s %s had mode %04o: other users could read its entries; set it to 0700",
             what, path, mode,
         )  # fmt: skip
+        return False
+    return True
 
 
-def prepare_directory(path: str) -> None:
-    """Create ``path`` (and missing parents) 0700, or check the existing one.
+def prepare_directory(path: str) -> bool:
+    """Create ``path`` (and missing parents) 0700, or check the existing one. True if
+    no other uid could reach its files before (created now, or private already).
     TierError names the problem and the fix."""
     path = os.path.abspath(path)
     try:
@@ -101,7 +107,8 @@ def prepare_directory(path: str) -> None:
                 os.mkdir(d, PRIVATE_DIR_MODE)  # a umask can only narrow it
             except FileExistsError:
                 pass  # made meanwhile: checked below like any existing one
-        check_private_dir(path)
+        private = check_private_dir(path)
         _check_ancestors(os.path.realpath(path))
+        return private
     except OSError as exc:
         raise TierError(f"cannot use local_disk {path}: {exc.strerror or exc}") from exc

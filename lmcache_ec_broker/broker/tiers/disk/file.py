@@ -236,14 +236,15 @@ def read_meta(fd: int) -> FileMeta:
 FILE_MODE = 0o600
 
 
-def check_trusted(fd: int) -> None:
-    """Refuse a file the broker's uid does not own or others may write (CorruptFile:
-    it is quarantined, never served); make one others may only read 0600."""
+def check_trusted(fd: int, unreachable: bool = False) -> None:
+    """Refuse a file the broker's uid does not own (CorruptFile: it is quarantined,
+    never served), or one others may write unless ``unreachable`` (its directory was
+    private all along: nobody else could get to it); make a loose one 0600."""
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         raise CorruptFile(f"owned by uid {st.st_uid}, not the broker's: another user wrote it")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
+    if mode & 0o022 and not unreachable:
         raise CorruptFile(f"mode {mode:04o}: other users could have rewritten it")
     if mode & 0o077:
         os.fchmod(fd, FILE_MODE)
@@ -253,10 +254,11 @@ def open_nofollow(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def read_meta_path(path: str) -> FileMeta:
+def read_meta_path(path: str, unreachable: bool = False) -> FileMeta:
+    """``unreachable``: as in ``check_trusted``."""
     fd = open_nofollow(path)
     try:
-        check_trusted(fd)
+        check_trusted(fd, unreachable)
         return read_meta(fd)
     finally:
         os.close(fd)

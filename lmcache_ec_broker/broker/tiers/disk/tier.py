@@ -144,6 +144,7 @@ class DiskTier(LowerTier):
         self._events: TierEvents | None = None
         self._lock_fd = -1
         self._dir_fd = -1
+        self._was_private = True  # no other uid could reach the files before open()
         self._closing = False
         self._inflight: set[asyncio.Future[Any]] = set()
         self._warned: dict[str, float] = {}
@@ -158,7 +159,8 @@ class DiskTier(LowerTier):
         """Create/lock the directory and rebuild the index from it (before serving)."""
         d = self.directory
         try:
-            prepare_directory(d)  # 0700, ours: else a TierError naming the fix
+            # 0700, ours: else a TierError naming the fix.
+            self._was_private = prepare_directory(d)
             self._lock_fd = os.open(
                 os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
             )
@@ -251,7 +253,7 @@ class DiskTier(LowerTier):
                     continue
                 seen += 1
                 try:
-                    meta = read_meta_path(de.path)
+                    meta = read_meta_path(de.path, unreachable=self._was_private)
                     if key_to_filename(meta.key) != name:
                         raise CorruptFile("file name does not match the key it holds")
                     st = de.stat(follow_symlinks=False)
