@@ -162,7 +162,9 @@ class DiskTier(LowerTier):
             # 0700, ours: else a TierError naming the fix.
             self._was_private = prepare_directory(d)
             self._lock_fd = os.open(
-                os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+                os.path.join(d, LOCK_FILE),
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
             )
         except OSError as exc:
             raise TierError(f"cannot use local_disk {d}: {exc.strerror or exc}") from exc
