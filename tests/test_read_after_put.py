@@ -3,8 +3,8 @@ process, every ``has()``/``get()``/``delete()`` sent afterwards from any process
 the entry, whatever order the broker reads its connections' frames in.
 
 The broker handles a request that reads keys only after the frames the writers of those
-keys already sent (server.settle_reservations); a request it handles *while* settling
-for another connection must be settled too. With real brokers from the CLI: one order
+keys already sent (server.settle_reservations); a request it reads *while* settling
+for another connection must be settled too (it is deferred, then settled: never nested). With real brokers from the CLI: one order
 forced with SIGSTOP (deterministic), and a ring of four real client processes."""
 
 from __future__ import annotations
