@@ -16,7 +16,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Has/Lookup carry wait_ms; 3: Lookup.fresh, Publish
+PROTOCOL_VERSION = 4  # 3: Lookup.fresh, Publish; 4: journal held/distrusted words
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 

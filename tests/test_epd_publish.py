@@ -16,6 +16,7 @@ publish) loses the race under these delays, so the guarantee test can fail.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,8 +25,19 @@ from delay_proxy import DelayProxy
 from redis_servers import REDIS_SERVER, RedisServer
 
 torch = pytest.importorskip("torch")
+from rawproto import RawConn  # noqa: E402
+
 from lmcache_ec_broker import BrokerClient  # noqa: E402
-from lmcache_ec_broker.protocol import LookupState, PublishState  # noqa: E402
+from lmcache_ec_broker.protocol import (  # noqa: E402
+    Abort,
+    LookupState,
+    OkReply,
+    Publish,
+    PublishReply,
+    PublishState,
+    Reserve,
+    ReserveReply,
+)
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 
@@ -193,3 +205,61 @@ def test_publish_writes_an_entry_whose_write_behind_was_dropped(
             assert server.cli("exists", "lmcache-ec:second") == "0"
             assert c.publish(["second"], 30_000) == [PublishState.PUBLISHED]
             assert server.cli("exists", "lmcache-ec:second") == "1"
+
+
+# Zero-byte reservations within today's limits (none caps their count yet; the
+# per-uid entry cap of issue 40 item 7 is another branch's): the polling showed at
+# this count already (each key's task woke every 20 ms: 150,000 wake-ups a second).
+MANY_RESERVED = 3000
+PUBLISH_WAIT_MS = 1500
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_publish_waiting_for_many_reservations_does_not_poll(broker) -> None:
+    # Issue 40 item 7. Fails on the old code: the broker burned a CPU for the whole
+    # wait (each waiting key polled every 20 ms) and an honest client's ping+has
+    # waited behind it. Now the request sleeps until a reservation ends: the broker
+    # uses almost no CPU while it waits, and an abort wakes it at once.
+    hostile = RawConn(broker.socket_path, timeout=30.0)
+    waiter = RawConn(broker.socket_path, timeout=30.0)
+    try:
+        keys = [f"zero-{i}" for i in range(MANY_RESERVED)]
+        for k in keys:  # pipelined: all sent, then all replies read
+            hostile.send(Reserve(k, 0, "uint8", [0]))
+        tokens = []
+        for k in keys:
+            got = hostile.recv()
+            assert isinstance(got, ReserveReply) and got.status == "reserved", (k, got)
+            tokens.append(got.token)
+        with BrokerClient(broker.socket_path, timeout_s=10.0) as honest:
+            assert honest.ping()
+            cpu0, t0 = _cpu_s(broker.pid), time.monotonic()
+            waiter.send(Publish(keys, PUBLISH_WAIT_MS))
+            lat = []
+            for _ in range(100):
+                t = time.perf_counter()
+                assert honest.ping() and honest.has(["zero-absent"]) == [False]
+                lat.append(time.perf_counter() - t)
+            reply = waiter.recv()
+            wall, cpu = time.monotonic() - t0, _cpu_s(broker.pid) - cpu0
+        assert reply == PublishReply([PublishState.TIMEOUT] * MANY_RESERVED)
+        assert wall >= PUBLISH_WAIT_MS / 1000 * 0.9
+        lat.sort()
+        print(f"broker cpu {cpu:.2f} s over {wall:.2f} s; honest ping+has p50 "
+              f"{lat[50] * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms")  # fmt: skip
+        # The polling took ~a whole CPU for the wait; sleeping takes a few ms (10 ms ticks).
+        assert cpu < 0.1 * wall, (cpu, wall)
+        # An abort wakes a waiting publish at once (no 20 ms tick, no wait_ms).
+        waiter.send(Publish([keys[0]], 30_000))
+        t1 = time.monotonic()
+        assert hostile.call(Abort(tokens[0])) == OkReply()
+        assert waiter.recv() == PublishReply([PublishState.ABSENT])
+        assert time.monotonic() - t1 < 10.0
+    finally:
+        hostile.close()
+        waiter.close()

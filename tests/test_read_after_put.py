@@ -3,8 +3,8 @@ process, every ``has()``/``get()``/``delete()`` sent afterwards from any process
 the entry, whatever order the broker reads its connections' frames in.
 
 The broker handles a request that reads keys only after the frames the writers of those
-keys already sent (server.settle_reservations); a request it handles *while* settling
-for another connection must be settled too. With real brokers from the CLI: one order
+keys already sent (server.settle_reservations); a request it reads *while* settling
+for another connection must be settled too (it is deferred, then settled: never nested). With real brokers from the CLI: one order
 forced with SIGSTOP (deterministic), and a ring of four real client processes."""
 
 from __future__ import annotations
@@ -158,3 +158,56 @@ def test_a_ring_of_four_processes_sees_every_put_of_its_neighbour(make_broker, s
     with BrokerClient(b.socket_path) as c:
         st = c.stats()
     assert st["evictions"] == 0, st  # a miss would have had an excuse: none was evicted
+
+
+CHAIN = 1024  # as many connections as the broker's default max_connections
+
+
+def test_a_chain_of_settles_as_long_as_the_connection_limit_drops_no_frame(make_broker) -> None:
+    # Issue 40 item 4: connection i asks for the key connection i + 1 reserved, for
+    # 1024 connections, all frames in their sockets before the broker runs (SIGSTOP),
+    # the chain's head first in its ready list. The old code settled each request inside
+    # the previous one's settle: past ~197 connections Python's recursion limit unwound
+    # the chain, dropping frames already read -- the last connection's posted Commit
+    # (its put had returned True) never became visible, and requests went unanswered
+    # (each recv below timed out). Now no request is handled inside another's settle:
+    # every connection gets every reply, in order, and the put is visible.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * CHAIN + 512  # the broker inherits this limit: its side of each socket too
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    b = make_broker("--shm-size", "64MiB", "--max-connections", str(CHAIN + 8))
+    conns = [RawConn(b.socket_path, timeout=30.0) for _ in range(CHAIN)]
+    try:
+        tokens = []
+        for i, c in enumerate(conns):
+            got = c.call(Reserve(f"chain-{i}", 16, "uint8", [16]))
+            assert isinstance(got, ReserveReply) and got.status == "reserved", (i, got)
+            tokens.append(got.token)
+        last = conns[-1]
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            for i in range(CHAIN - 1):
+                conns[i].send(Has([f"chain-{i + 1}"]))  # head first: first in the ready list
+            last.send(Commit(tokens[-1]))  # posted: the honest client's put returned True
+            last.send(Has(["chain-absent"]))  # ... and its next call
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        for i in range(CHAIN - 2):
+            assert conns[i].recv() == HasReply([False]), i  # still reserved: not there yet
+        assert conns[CHAIN - 2].recv() == HasReply([True])  # the Commit came first
+        assert last.recv() == OkReply()
+        assert last.recv() == HasReply([False])
+        with BrokerClient(b.socket_path) as other:
+            assert other.has([f"chain-{CHAIN - 1}"]) == [True]
+        for i, c in enumerate(conns[:-1]):  # every connection still answers, in order
+            assert c.call(Commit(tokens[i])) == OkReply(), i
+    finally:
+        for c in conns:
+            c.close()
+    log = b.read_log()
+    assert "RecursionError" not in log and "Traceback" not in log, log[-3000:]

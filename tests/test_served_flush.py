@@ -241,3 +241,31 @@ def test_the_flusher_thread_ends_with_its_client(broker) -> None:
     del dropped, c
     gc.collect()
     wait_until(lambda: flushers() == base, "the flusher threads to end", timeout=30)
+
+
+def test_a_served_frame_counts_each_key_once_and_only_keys_it_could_read(broker) -> None:
+    # Issue 40 item 8. Fails on the old code: a Served frame naming one key 50,000
+    # times added 50,000 hits and 50,000 x its bytes to bytes_loaded. Now each key
+    # counts at most once per frame, and only a key the residency index holds (the
+    # only ones a client can copy without asking): a READY entry too long to index
+    # was never served from the index, so naming it counts nothing either.
+    from rawproto import RawConn
+
+    from lmcache_ec_broker.protocol import Ping, PongReply, Served
+
+    long_key = "L" * (R.KEY_CAP + 1)  # accepted by the broker, not indexed
+    t = torch.ones(256)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put("served-k", t) and c.put(long_key, t) and c.flush()
+        before = c.stats()
+        hostile = RawConn(broker.socket_path)
+        try:
+            n = 50_000
+            hostile.send(Served(["served-k"] * n, [t.nbytes] * n, 0))
+            hostile.send(Served([long_key] * 10, [t.nbytes] * 10, 0))
+            assert isinstance(hostile.call(Ping()), PongReply)  # both handled by now
+        finally:
+            hostile.close()
+        after = c.stats()
+    assert after["hits"] - before["hits"] == 1
+    assert after["bytes_loaded"] - before["bytes_loaded"] == t.nbytes

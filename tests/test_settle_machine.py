@@ -20,9 +20,11 @@ evicted (the slab is far larger than the keys), so there is no other excuse.
 
 On the old code (a request read inside another connection's settle was not settled)
 ``test_the_order_the_issue_reproduced`` fails (all six variants); the random search
-reaches nested settles (~80 per 400 examples) but did not hit the three-connection
+reaches such reads (~80 per 400 examples) but did not hit the three-connection
 order that misses within 400 examples, so it is the explicit run that fails first and
-the search that guards the rest of the order space."""
+the search that guards the rest of the order space. Since issue 40 item 4 such a
+request is deferred and handled after the one being settled (never nested), which
+this model checks the same way: every reply, in order, no miss."""
 
 from __future__ import annotations
 

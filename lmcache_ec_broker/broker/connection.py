@@ -15,7 +15,10 @@ Invariants kept here:
 - nothing but a ``Hello`` of this protocol version is handled before the greeting;
 - a request that reads keys first settles reservations other connections posted
   the commits of (``BrokerServer.settle_reservations``), so a get after another
-  client's put returned finds the entry.
+  client's put returned finds the entry;
+- such a request read *during* another connection's settle is deferred, never
+  handled nested: the connection holds it (and reads nothing more) until the
+  server's ``run_deferred`` resumes it, after the request being settled.
 
 What a request does is ``BrokerServer.dispatch``'s business (``server.py``).
 """
@@ -74,6 +77,7 @@ MAX_QUEUED_FRAMES = 64
 # Requests whose keys are settled first (see BrokerServer.settle_reservations): a
 # delete made after another client's put returned must find that entry too.
 _READS_KEYS = (Has, Get, Lookup, Delete, Publish)
+_SETTLES = (*_READS_KEYS, Reserve)  # a Reserve settles its key too
 # The most common reply (Release, Commit, Unlease, ...) is a constant: encoded once.
 _OK_FRAME = encode_frame(msgspec.msgpack.Encoder(), OkReply())
 
@@ -95,6 +99,8 @@ class Host(Protocol):
     filter: FilterWriter | None
     journal: Journal | None
     residency: ResidencyWriter | None
+    settling_for: int
+    deferred: collections.deque[Connection]
 
     def encode_frame(self, msg: msgspec.Struct) -> bytes: ...
     def settle_reservations(self, conn: int, keys: Collection[str]) -> None: ...
@@ -102,6 +108,7 @@ class Host(Protocol):
         self, conn: int, msg: object, peer_uid: int = -1
     ) -> msgspec.Struct | Awaitable[msgspec.Struct] | None: ...
     def observe(self, op: str, started: float) -> None: ...
+    def run_deferred(self) -> None: ...
     def handover(self) -> tuple[list[str], list[int]]: ...
 
 
@@ -194,16 +201,23 @@ class Connection(asyncio.Protocol):
 
     def drain_pending(self) -> bool:
         """Read and handle everything this client sent so far (the journal's stall
-        excuse, shm/journal.py). True only if all of it was read (the socket answered
-        EAGAIN) and nothing is left queued behind a slow request."""
+        excuse, shm/journal.py). True if none of it can be an honest client's Place
+        left unhandled: all of it was read (the socket answered EAGAIN) and handled or
+        held behind a request the client waits for -- or the connection is busy with
+        such a request or does not read its replies (an honest client sends nothing
+        after a request it waits for until the reply, and reads its replies: its Places
+        before that request were handled when it was read). False if it could not be
+        read to the end (closed, or more than 64 reads' worth)."""
         t = self.transport
         for _ in range(64):
-            if self.busy or self.closed or self.paused or t is None or t.is_closing():
+            if self.closed or t is None or t.is_closing():
                 return False
+            if self.busy or self.paused:
+                return True
             try:
                 data = os.read(self.fd, 1 << 16)
             except BlockingIOError:
-                return not self.queued
+                return True
             except OSError:
                 return False
             if not data:
@@ -253,6 +267,31 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def handle_frame(self, body: bytes) -> None:
+        self._handle(body)
+        srv = self.server
+        if srv.deferred and not srv.settling_for:
+            srv.run_deferred()  # requests read during this one's settle, in turn
+
+    def defer(self, body: bytes) -> None:
+        """Hold ``body`` (a request that settles, read during another connection's
+        settle) and everything after it until ``resume``: first in the queue, as
+        behind a slow request (``busy``: read_pending reads no more meanwhile)."""
+        self.busy = True
+        self.queued.appendleft(body)
+        self.server.deferred.append(self)
+
+    def resume(self) -> None:
+        """Handle what waited behind a slow or deferred request, in order."""
+        self.busy = False
+        while self.queued and not self.busy and not self.closed:
+            self._handle(self.queued.popleft())
+        if not self.busy and not self.closed:
+            self._drain()  # frames left in the read buffer while the queue was full
+            if self.queue_paused and not self.busy:
+                self.queue_paused = False
+                self._update_reading()
+
+    def _handle(self, body: bytes) -> None:
         srv = self.server
         started = time.perf_counter()
         try:
@@ -267,10 +306,13 @@ class Connection(asyncio.Protocol):
                 return
             self.hello(msg)
             return
-        if isinstance(msg, _READS_KEYS):
-            srv.settle_reservations(self.conn_id, msg.keys)
-        elif isinstance(msg, Reserve):
-            srv.settle_reservations(self.conn_id, (msg.key,))
+        if isinstance(msg, _SETTLES):
+            if srv.settling_for:  # read inside another connection's settle: not now
+                self.defer(body)
+                return
+            srv.settle_reservations(
+                self.conn_id, (msg.key,) if isinstance(msg, Reserve) else msg.keys
+            )
         try:
             reply = srv.dispatch(self.conn_id, msg, self.peer_uid)
         except Exception as exc:  # a bug must not take the broker down for everyone
@@ -295,15 +337,11 @@ class Connection(asyncio.Protocol):
             log.exception("internal error handling %s", op)
             reply = ErrorReply(ErrorCode.INTERNAL, f"internal broker error: {exc!r}")
         self.send(reply)
-        self.server.observe(op, started)
-        self.busy = False
-        while self.queued and not self.busy and not self.closed:
-            self.handle_frame(self.queued.popleft())
-        if not self.busy and not self.closed:
-            self._drain()  # frames left in the read buffer while the queue was full
-            if self.queue_paused and not self.busy:
-                self.queue_paused = False
-                self._update_reading()
+        srv = self.server
+        srv.observe(op, started)
+        self.resume()
+        if srv.deferred and not srv.settling_for:
+            srv.run_deferred()
 
     def hello(self, msg: Hello) -> None:
         srv = self.server

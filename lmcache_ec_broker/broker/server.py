@@ -23,6 +23,7 @@ may connect is ``access.py``'s, starting and stopping the process is
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -128,6 +129,7 @@ class BrokerServer:
         # Publish requests (publish.py): told of every commit through the write-behind.
         self.publications = Publications(self.tiers, self.counters)
         self.tiers.writes.on_offered = self.publications.offered
+        self.store.on_abort = self.publications.ended  # no polling (publish.py)
         self.access = AccessPolicy(os.getuid(), config.allowed_uids, None, config.max_connections)
         self.segment: Segment | None = None
         self.filter: FilterWriter | None = None
@@ -156,9 +158,12 @@ class BrokerServer:
         # Each adds keys to stats() (metrics latency summaries).
         self.stats_providers: list[Callable[[], dict[str, int | float]]] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # set while serving
-        # The connections whose request settle_reservations is settling (a stack: a
-        # request read while settling for another is settled in turn).
-        self._settling: set[int] = set()
+        # The connection whose request settle_reservations is settling (0: none), and
+        # the connections whose request was read during such a settle and waits for
+        # its own (``run_deferred``: one after another, never nested).
+        self.settling_for = 0
+        self.deferred: collections.deque[Connection] = collections.deque()
+        self._running_deferred = False
 
     # ---------------------------------------------------------------- wiring
 
@@ -173,20 +178,20 @@ class BrokerServer:
         put arena: the connections whose journal slot shows a placement not handled
         yet are read first (bounded: only those, one read_pending each).
 
-        Nested: a request handled while settling for another connection (read from a
-        writer's socket by read_pending) is settled in turn, before it is answered --
-        its own writers' frames may be pending too. Invariant: a connection is never
-        read while it is on this stack (``_settling``: the connections whose request
-        is being settled), so frames are handled in order, replies leave in order, and
-        the depth is at most the number of connections. Skipping one on the stack
-        loses nothing: its request being handled is one its client waits for, so it
-        sent nothing after it (an honest client's posted Commit/Place precede its next
-        request in its socket; the model in tests/test_settle_machine.py checks this)."""
-        settling = self._settling
-        if conn in settling:
-            return  # cannot happen (a connection on the stack is not read); be safe
+        Never nested (issue 40 item 4): while settling, a request read from a writer's
+        socket that would itself settle (it reads keys, or reserves) is not handled
+        there: its connection defers it (``Connection.defer``; that connection reads
+        nothing more meanwhile), and ``run_deferred`` handles it after the request
+        being settled, one connection after another -- iteration, so the stack stays
+        a few frames deep whatever the number of connections, and no frame read is
+        ever dropped. Deferring loses nothing: a deferred request is one its client
+        waits for, so an honest client sent nothing after it (its posted Commit/Place
+        precede its next request in its socket and are handled here; the model in
+        tests/test_settle_machine.py checks this)."""
+        if self.settling_for:
+            return  # cannot happen (requests that settle are deferred); be safe
         entries = self.store.entries
-        settling.add(conn)
+        self.settling_for = conn
         try:
             missing = False
             for key in keys:
@@ -196,21 +201,34 @@ class BrokerServer:
                     continue
                 if entry.state is not State.RESERVED or entry.owner == conn:
                     continue
-                if entry.owner not in settling:
-                    owner = self.connections.get(entry.owner)
-                    if owner is not None:
-                        owner.read_pending()
+                owner = self.connections.get(entry.owner)
+                if owner is not None:
+                    owner.read_pending()
             if missing and len(self.store.arenas) and self.journal is not None:
                 self._settle_arenas(conn)
         finally:
-            settling.discard(conn)
+            self.settling_for = 0
+
+    def run_deferred(self) -> None:
+        """Handle the requests deferred by settles (``settle_reservations``), in turn,
+        until none is left (one deferred here may defer others: they queue behind).
+        Called after every request a connection handled outside a settle; a call made
+        while this runs (or during a settle) returns at once."""
+        if self._running_deferred or self.settling_for:
+            return
+        self._running_deferred = True
+        try:
+            deferred = self.deferred
+            while deferred:
+                deferred.popleft().resume()
+        finally:
+            self._running_deferred = False
 
     def _settle_arenas(self, conn: int) -> None:
         journal = self.journal
         assert journal is not None
-        settling = self._settling
         for holder, slot in self.store.arenas.holders().items():
-            if holder != conn and holder not in settling and journal.unsettled(slot):
+            if holder != conn and journal.unsettled(slot):
                 owner = self.connections.get(holder)
                 if owner is not None:
                     owner.read_pending()
@@ -301,7 +319,7 @@ class BrokerServer:
             case Release(pins=pins):
                 return store.release(conn, pins) or OkReply()
             case Served(keys=keys, nbytes=nbytes, has_hits=has_hits):
-                store.served(keys, nbytes, has_hits)
+                store.served(*self._served_once(keys, nbytes), has_hits)
                 return None  # posted without a reply: the client owes itself nothing
             case Delete(keys=keys):
                 return DeleteReply(tiers.delete(keys))
@@ -319,6 +337,19 @@ class BrokerServer:
             case Hello():
                 return ErrorReply(ErrorCode.BAD_REQUEST, "hello was already received")
         return ErrorReply(ErrorCode.BAD_REQUEST, f"unsupported request {type(msg).__name__}")
+
+    def _served_once(self, keys: list[str], nbytes: list[int]) -> tuple[list[str], list[int]]:
+        """The keys of a Served frame that count (issue 40 item 8): each at most once
+        per frame (a frame naming one key 50,000 times counts one hit), and only keys
+        the residency index holds now -- the only keys a client can have copied
+        without asking (an unindexed key, one too long or never published, is served
+        by the broker's Get, counted there)."""
+        index = self.residency
+        seen: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if key not in seen and (index is None or index.holds(key)):
+                seen[key] = nbytes[i] if i < len(nbytes) else 0
+        return list(seen), list(seen.values())
 
     def _admit_leases(self, conn: int, keys: list[str]) -> ErrorReply | None:
         return self.store.admit_leases(conn, keys, self.tiers.leases_held(conn))
@@ -506,6 +537,8 @@ class BrokerServer:
         while True:
             await asyncio.sleep(0.1)
             self.tiers.expire_leases()
+            if self.journal is not None:
+                self.journal.sweep()  # distrusted slots whose time is up
 
     async def _shutdown(self) -> None:
         if self._server is not None:

@@ -143,6 +143,9 @@ class Store:
         # Residency events (events/ package): told of every entry that became READY
         # (commit) and every READY entry that left the index (evict, delete, clear).
         self.observer: StoreObserver | None = None
+        # Told the key of every reservation that ends without a commit (abort, its
+        # connection closed): the Publish requests waiting for it (publish.py).
+        self.on_abort: Callable[[str], None] | None = None
         self._clock = clock
         self._ids = itertools.count(1)
         self._lease_heap: list[tuple[float, int]] = []
@@ -561,6 +564,8 @@ class Store:
             self.membership.remove(entry.key)
         self._free_blocks(entry)
         self.counters["aborts"] += 1
+        if self.on_abort is not None:
+            self.on_abort(entry.key)
 
     def get(self, conn: int, keys: list[str], count_misses: bool = True) -> list[Hit | None]:
         """Pin and return each READY key. ``count_misses=False``: the caller (the tier

@@ -120,10 +120,10 @@ class PutArena:
         self._journal.mark_placed(self.slot, self.seq)
 
     def excused(self) -> bool:
-        """Whether the broker excused this connection's last placement's window (it
+        """Whether the broker distrusts this connection's journal slot (a placement
         stayed pending too long): the put must wait for the broker before returning."""
         journal = self._journal
-        return journal is not None and journal.excused(self.slot, self.seq)
+        return journal is not None and journal.excused(self.slot)
 
     def sent(self, keys: list[str], granted: bool) -> None:
         """The Place frames of ``keys`` (and a grant if ``granted``) were sent."""

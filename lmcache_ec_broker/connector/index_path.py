@@ -174,11 +174,11 @@ class ServedBatch:
         self.at = 0.0
         if not keys and not has_hits:
             return out
-        per = self._per
-        return out + b"".join(
-            self._frame(Served(keys[i : i + per], nbytes[i : i + per], has_hits if not i else 0))
-            for i in range(0, max(len(keys), 1), per)
-        )
+        frames = [
+            self._frame(Served(k, n, has_hits if not i else 0))
+            for i, (k, n) in enumerate(_once_each(keys, nbytes, self._per))
+        ]
+        return out + b"".join(frames)
 
     def send_nowait(self, fd: int) -> bool:
         """Write the pending frames to ``fd``, the connection's socket, without ever
@@ -202,3 +202,24 @@ class ServedBatch:
             self._unsent, self.at = data[n:], at
             return False
         return True
+
+
+def _once_each(
+    keys: list[str], nbytes: list[int], per: int
+) -> list[tuple[list[str], list[int]]]:
+    """``keys`` (with their ``nbytes``) cut into Served frames of at most ``per`` keys
+    that each name a key once, in order (at least one frame): the broker counts a key
+    at most once per frame (issue 40 item 8), so a key read twice goes in two."""
+    out: list[tuple[list[str], list[int]]] = []
+    cur_k: list[str] = []
+    cur_n: list[int] = []
+    seen: set[str] = set()
+    for key, n in zip(keys, nbytes, strict=False):
+        if key in seen or len(cur_k) >= per:
+            out.append((cur_k, cur_n))
+            cur_k, cur_n, seen = [], [], set()
+        seen.add(key)
+        cur_k.append(key)
+        cur_n.append(n)
+    out.append((cur_k, cur_n))
+    return out

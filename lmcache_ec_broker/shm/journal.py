@@ -15,9 +15,10 @@ Two segments, one writer class each (docs/design.md "Shared memory"):
   to decide to ask the broker rather than trust its filter.
 - ``settled`` (a sealed memfd, handed over the socket; no path reaches it and no
   mapping but the broker's can write it, root's included): per slot four u32 --
-  ``settled`` (the last placement the broker handled), ``excused`` and ``tentative``
-  (a stopped client's window, below), one spare -- then ``bound``: one more than the
-  highest slot ever handed out, so readers scan ``bound`` slots, not ``nslots``.
+  ``settled`` (the last placement the broker handled), ``distrusted`` and
+  ``tentative`` (the excuse, below), ``held`` (1 while the slot is handed out to a
+  connection) -- then ``bound``: one more than the highest slot ever handed out, so
+  readers scan ``bound`` slots, not ``nslots``.
 
 Protocol:
 - the client writes ``placed = seq`` *after* copying the entry and *before* sending
@@ -25,37 +26,51 @@ Protocol:
 - the broker handles the Place (filter add, entry READY) and *then* writes
   ``settled = seq``;
 - a reader trusts a local filter "absent" only while no other slot is *pending*
-  (``placed != settled`` and ``placed != excused``; read before the filter);
+  (``held``, not ``distrusted``, and ``placed != settled``; read before the filter);
   otherwise it asks the broker, which first reads the pending frames of every
   connection whose slot is unsettled (server.settle_reservations), so the placement
   is handled before the answer.
 
 A slot that shows ``settled`` was written after the filter add, so a filter read
 that follows it sees the key (x86-TSO keeps stores and loads in order). The broker
-zeroes a slot when it hands it to a connection and when that connection closes, and
-raises ``bound`` over a slot *before* the connection learns the slot.
+zeroes a slot's words when it hands it to a connection (then sets ``held``) and when
+that connection closes (``held`` 0), and raises ``bound`` over a slot *before* the
+connection learns the slot.
 
-What a misbehaving client can do with ``placed`` (the only words it can write): make
-readers ask the broker (a round trip each; bounded per slot by the excuse below), or
-make a pending placement of another client look settled until the broker's loop reads
+What a misbehaving client can do with ``placed`` (the only words it can write, any
+slot's): nothing through a slot nobody holds (``held`` is 0: readers skip it, issue
+40 item 5); through a held slot, its own or another's, make readers ask the broker
+(a round trip each) for at most ``STALL_BOUND_S`` of wall clock before the broker
+distrusts that slot (below), again at most once per distrust period; or make a
+pending placement of another client look settled until the broker's loop reads
 that client's frame (microseconds to milliseconds): a missed hit, never a wrong one.
 Its own placements' ``settled`` words, which decide whether it may read its own arena
 blocks (connector/arena_put.py ``own_read``), are out of every client's reach: a
 rewound or forged word can no longer make a client copy blocks another entry reused.
 
-A stopped client (issue 29 item 6) leaves ``placed != settled`` for as long as it is
-stopped, between marking and sending. Its window is *excused* after ``STALL_BOUND_S``
-(the broker's own clock, per slot): when a reader's question makes the broker find
-the slot still pending after reading that client's socket, and the same ``placed``
-value has been pending that long, the broker writes ``tentative = p``, then reads the
-client's socket to the end (every frame it sent so far is handled), and if the slot
-is still pending writes ``excused = p``; readers then skip that slot. The client,
-after sending its Place frames for ``p``, reads ``tentative``/``excused``: if either
-is ``p`` it waits for its replies before ``put`` returns. Why no returned put is ever
-skipped: if the client's check saw neither word, its check (and so its send) came
-before the broker's ``tentative`` store, so the frame was in the socket when the
-broker read it to the end, was handled and settled ``p`` -- no excuse is written;
-otherwise the client waited until the broker handled the frame.
+The excuse (issue 29 item 6, issue 40 item 5): a slot that stays pending -- a client
+stopped between marking and sending, or one rewriting its word -- is *distrusted*
+once the broker has found it pending after reading its client's socket, at readers'
+questions, for ``STALL_BOUND_S`` of wall clock (the broker's clock, per slot,
+whatever ``placed`` values it showed: rewriting the word does not restart the clock,
+nor does showing it settled now and then; only a finding more than
+``STALL_FORGET_S`` after the slot's last one starts afresh). The broker writes ``tentative``,
+reads the client's socket to the end (every frame it sent so far is handled), and if
+the slot is still pending writes ``distrusted``; readers then skip the slot whatever
+its ``placed`` says. The distrust lasts ``DISTRUST_S``, doubling each time the same
+connection earns it again, up to ``DISTRUST_MAX_S`` (``sweep``, on the broker's lease
+sweeper); then readers trust the word again. So a client holds others' fast paths
+down for at most ``STALL_BOUND_S`` per distrust period, and what it costs is its own:
+the client, after sending its Place frames, reads ``tentative``/``distrusted``: if
+either is set it waits for its replies before ``put`` returns (a posted put becomes
+a round trip). Why no returned put is ever skipped: if the client's check saw neither
+word, its check (and so its send) came before the broker's ``tentative`` store, so
+the frame was in the socket when the broker read it to the end, was handled and
+settled -- the slot is not pending, no distrust is written; otherwise the client
+waited until the broker handled the frame. A connection busy with a slow request (or
+not reading its replies) is read no further: an honest client sends nothing after a
+request it waits for, and its Places before it were handled before it went busy, so
+nothing of an honest client's is skipped there either.
 """
 
 from __future__ import annotations
@@ -68,12 +83,18 @@ from .segment import Segment
 
 _WORD = struct.Struct("<I")
 PLACED_BYTES = 4  # per slot, in the ``placed`` segment
-SETTLED_BYTES = 16  # per slot, in the ``settled`` segment: settled, excused, tentative, spare
-_SETTLED, _EXCUSED, _TENTATIVE = 0, 4, 8
+SETTLED_BYTES = 16  # per slot, in the ``settled`` segment: settled, distrusted, tentative, held
+_SETTLED, _DISTRUSTED, _TENTATIVE, _HELD = 0, 4, 8, 12
 _MASK = 0xFFFFFFFF
-# How long one placement may stay pending, by the broker's clock, before a reader's
-# question excuses it (a stopped client then costs others at most about this long).
+# How long a slot may be found pending (after reading its client's socket), by the
+# broker's wall clock and whatever values it shows, before the broker distrusts it: a
+# stopped or misbehaving client costs others at most about this long per distrust.
 STALL_BOUND_S = 0.05
+# A stalled finding this long after the slot's previous one starts its clock afresh.
+STALL_FORGET_S = 1.0
+# How long a distrust lasts: doubling each time the same connection earns one again.
+DISTRUST_S = 1.0
+DISTRUST_MAX_S = 16.0
 
 try:  # the client side has numpy (torch needs it); the broker reads slots one by one
     import numpy as _np
@@ -109,7 +130,12 @@ class Journal:
         self._p = placed.mm
         self._s = settled.mm
         self._bound = 0  # the broker's copy of ``bound``
-        self._since: dict[int, tuple[int, float]] = {}  # broker: slot -> (placed, first seen)
+        # broker: slot -> (first, last) time it was found stalled, with no two findings
+        # more than STALL_FORGET_S apart between; distrusted slot -> when the distrust ends;
+        # slot -> distrusts its current connection earned (the next one lasts longer)
+        self._since: dict[int, tuple[float, float]] = {}
+        self._until: dict[int, float] = {}
+        self._strikes: dict[int, int] = {}
         self._placed = self._words = None
         if _np is not None:
             self._placed = _np.frombuffer(placed.mm, dtype="<u4", count=self.nslots)
@@ -171,14 +197,19 @@ class Journal:
     # ---------------------------------------------------------------- broker side
 
     def reset(self, slot: int) -> None:
+        """Zero ``slot`` (``held`` 0: readers skip it; its connection closed)."""
         self._check(slot)
         _WORD.pack_into(self._p, slot * PLACED_BYTES, 0)
         self._s[slot * SETTLED_BYTES : (slot + 1) * SETTLED_BYTES] = bytes(SETTLED_BYTES)
         self._since.pop(slot, None)
+        self._until.pop(slot, None)
+        self._strikes.pop(slot, None)
 
     def hand_out(self, slot: int) -> None:
-        """Zero ``slot`` and cover it by ``bound``; call before its connection learns it."""
+        """Zero ``slot``, mark it held and cover it by ``bound``; call before its
+        connection learns it."""
         self.reset(slot)
+        _WORD.pack_into(self._s, slot * SETTLED_BYTES + _HELD, 1)
         if slot >= self._bound:
             self._bound = slot + 1
             _WORD.pack_into(self._s, self._bound_at, self._bound)
@@ -192,33 +223,62 @@ class Journal:
     def _word(self, slot: int, at: int) -> int:
         return _WORD.unpack_from(self._s, slot * SETTLED_BYTES + at)[0]
 
+    def _put(self, slot: int, at: int, value: int) -> None:
+        _WORD.pack_into(self._s, slot * SETTLED_BYTES + at, value)
+
     def unsettled(self, slot: int) -> bool:
         """Whether ``slot``'s client says it placed something the broker has not handled
-        (its own word: a hint for whose socket to read first, never trusted further)."""
+        (its own word: a hint for whose socket to read first, never trusted further);
+        never while the slot is distrusted (nobody waits for it then)."""
         self._check(slot)
-        placed = self._placed_word(slot)
-        return placed != self._word(slot, _SETTLED) and placed != self._word(slot, _EXCUSED)
+        if self._word(slot, _DISTRUSTED):
+            return False
+        return self._placed_word(slot) != self._word(slot, _SETTLED)
+
+    def distrusted(self, slot: int) -> bool:
+        """Whether readers skip ``slot`` now (the broker's side of ``excused``)."""
+        return bool(self._word(self._check(slot), _DISTRUSTED))
 
     def stalled(self, slot: int, drain: Callable[[], bool]) -> bool:
         """``slot`` is still pending after its connection's pending frames were read.
-        Once the same placement has been pending ``STALL_BOUND_S``, excuse it (the
-        module docstring's protocol; ``drain`` reads and handles everything the client
-        sent so far and says whether it did). True if the slot is excused now."""
+        Once it has been found so for ``STALL_BOUND_S`` of wall clock (whatever values
+        it showed; findings more than ``STALL_FORGET_S`` apart start afresh),
+        distrust it (the module docstring's protocol; ``drain`` reads and handles
+        everything the client sent so far and says whether it did). True if the slot
+        is distrusted now."""
         self._check(slot)
-        placed = self._placed_word(slot)
         now = time.monotonic()
         seen = self._since.get(slot)
-        if seen is None or seen[0] != placed:
-            self._since[slot] = (placed, now)
+        first = now if seen is None or now - seen[1] > STALL_FORGET_S else seen[0]
+        self._since[slot] = (first, now)
+        if now - first < STALL_BOUND_S:
             return False
-        if now - seen[1] < STALL_BOUND_S:
-            return False
-        base = slot * SETTLED_BYTES
-        _WORD.pack_into(self._s, base + _TENTATIVE, placed)
-        if drain() and self._placed_word(slot) == placed and self.unsettled(slot):
-            _WORD.pack_into(self._s, base + _EXCUSED, placed)
+        self._put(slot, _TENTATIVE, 1)
+        if drain() and self.unsettled(slot):
+            strikes = self._strikes.get(slot, 0)
+            self._strikes[slot] = strikes + 1
+            self._until[slot] = now + min(DISTRUST_S * 2**strikes, DISTRUST_MAX_S)
+            self._put(slot, _DISTRUSTED, 1)
+            self._since.pop(slot, None)
             return True
+        # handled after all (or not readable to the end): no distrust; the window's
+        # flag goes (the client then relies on readers asking, as before)
+        self._put(slot, _TENTATIVE, 0)
         return False
+
+    def sweep(self, now: float | None = None) -> int:
+        """End the distrusts whose time is up (readers trust those slots' words again);
+        how many ended. Cheap: only distrusted slots are looked at."""
+        until = self._until
+        if not until:
+            return 0
+        now = time.monotonic() if now is None else now
+        ended = [slot for slot, t in until.items() if t <= now]
+        for slot in ended:
+            del until[slot]
+            self._put(slot, _DISTRUSTED, 0)
+            self._put(slot, _TENTATIVE, 0)
+        return len(ended)
 
     # ---------------------------------------------------------------- client side
 
@@ -229,16 +289,15 @@ class Journal:
         """The broker's ``settled`` word of ``slot`` (the last placement it handled)."""
         return self._word(self._check(slot), _SETTLED)
 
-    def excused(self, slot: int, seq: int) -> bool:
-        """Whether the broker excused (or is excusing) placement ``seq`` of ``slot``: its
-        put must then wait for the broker before it returns."""
+    def excused(self, slot: int) -> bool:
+        """Whether the broker distrusts (or is about to distrust) ``slot``: readers skip
+        it, so a put just posted from it must wait for the broker before it returns."""
         self._check(slot)
-        seq &= _MASK
-        return self._word(slot, _TENTATIVE) == seq or self._word(slot, _EXCUSED) == seq
+        return bool(self._word(slot, _TENTATIVE) or self._word(slot, _DISTRUSTED))
 
     def any_unsettled(self, own_slot: int = -1) -> bool:
-        """True if a slot other than ``own_slot`` has a placement the broker has not
-        handled (nor excused) yet: a local filter "absent" is then no proof."""
+        """True if a held slot other than ``own_slot``, not distrusted, has a placement
+        the broker has not handled yet: a local filter "absent" is then no proof."""
         (bound,) = _WORD.unpack_from(self._s, self._bound_at)
         bound = min(bound, self.nslots)
         placed, words = self._placed, self._words
@@ -246,11 +305,12 @@ class Journal:
             p = struct.unpack_from(f"<{bound}I", self._p, 0)
             w = struct.unpack_from(f"<{4 * bound}I", self._s, 0)
             for slot in range(bound):
-                if slot != own_slot and p[slot] != w[4 * slot] and p[slot] != w[4 * slot + 1]:
+                at = 4 * slot
+                if slot != own_slot and p[slot] != w[at] and w[at + 3] and not w[at + 1]:
                     return True
             return False
-        pl = placed[:bound]
-        diff = (pl != words[:bound, 0]) & (pl != words[:bound, 1])
+        w = words[:bound]
+        diff = (placed[:bound] != w[:, 0]) & (w[:, 3] != 0) & (w[:, 1] == 0)
         if 0 <= own_slot < bound:
             diff[own_slot] = False
         return bool(diff.any())

@@ -200,6 +200,10 @@ class ResidencyWriter:
         self._seq[slot] = seq
         self._used[slot] = 0
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is indexed now (a client can copy it without asking)."""
+        return key in self._slot_of
+
     @property
     def entries(self) -> int:
         return len(self._slot_of)
