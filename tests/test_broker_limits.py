@@ -187,13 +187,11 @@ def test_a_lapsed_reservation_frees_its_key_and_its_commit_fails_cleanly(make_br
         r = slow.call(Reserve("slow", MiB, "uint8", [MiB]))
         assert isinstance(r, ReserveReply) and r.status == "reserved", r
         with BrokerClient(path, **PATIENT) as c:
-            wait_until(
-                lambda: broker_stats(path)["reservations_expired"] == 1,
-                what="the reservation lapsed",
-            )
-            # The key is free again: another writer stores it ...
+            # The key is free again once the reservation lapsed: another writer stores it
+            # (before, its put found it in_progress for as long as the holder liked) ...
             value = torch.arange(MiB // 4, dtype=torch.float32)
-            assert c.put("slow", value) and c.flush()
+            wait_until(lambda: c.put("slow", value), what="the lapsed key stored by another")
+            assert c.flush() and broker_stats(path)["reservations_expired"] == 1
             # ... while the lapsed blocks stay reserved, not handed to anyone: the slow
             # writer may still be copying into them.
             assert broker_stats(path)["reserved_bytes"] == MiB
