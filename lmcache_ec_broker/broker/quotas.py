@@ -328,12 +328,12 @@ class QuotaBooks:
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> dict[str, int]:
+        top = max((h.held_blocks for h in self._procs.values()), default=0)
         return {
             "client_processes": len(self._procs),
             "client_uids": len(self._uids),
-            "max_held_blocks_process": max(
-                (h.held_blocks for h in self._procs.values()), default=0
-            ),
+            # what the process keeping most of the slab from eviction keeps
+            "top_process_held_bytes": top * self.block_size,
         }
 
     def check(self, expected: dict[int, tuple[int, int, int, int, int, dict[Entry, int]]]) -> None:
