@@ -69,9 +69,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # TP ranks: a few connections per process, tens per uid). "Held" bytes: slab kept
     # from eviction -- open reservations, put arenas, entries it pins or leases.
     max_connections_per_process: int = 64
-    max_connections_per_uid: int = 0  # 0: three quarters of max_connections
+    # Per uid, 0: three quarters of max_connections / of the slab when allowed_uids or
+    # socket_group admit other uids; else all of them (no other uid to protect).
+    max_connections_per_uid: int = 0
     max_held_bytes_per_process: int = 0  # 0: half the slab (also bounds one reservation)
-    max_held_bytes_per_uid: int = 0  # 0: three quarters of the slab
+    max_held_bytes_per_uid: int = 0
     max_reservations_per_process: int = 4096  # open reservations, zero-byte ones included
     max_reservations_per_uid: int = 16384
     max_pins_per_process: int = 1 << 17
@@ -182,12 +184,12 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_connections_per_uid < 0:
             raise ValueError(
-                "max_connections_per_uid must be 0 (three quarters of "
-                f"max_connections) or at least 1, got {self.max_connections_per_uid}"
+                "max_connections_per_uid must be 0 (the default share) or at least 1, "
+                f"got {self.max_connections_per_uid}"
             )
         for name, share in (
             ("max_held_bytes_per_process", "half"),
-            ("max_held_bytes_per_uid", "three quarters"),
+            ("max_held_bytes_per_uid", "the default share"),
         ):
             value = getattr(self, name)
             if value != 0 and not self.block_size <= value <= self.shm_size:

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmcache_ec_broker.broker.quotas import Limits, QuotaLimits
+from lmcache_ec_broker.broker.quotas import PrincipalLimits, QuotaLimits
 from lmcache_ec_broker.broker.store import Entry, State, Store
 from lmcache_ec_broker.protocol import (
     ArenaReply,
@@ -36,10 +36,8 @@ CONNS = (1, 2, 3)
 PEERS = {1: (10, 1000), 2: (10, 1000), 3: (20, 1000)}  # conn -> (pid, uid)
 TTL = 2.0
 LIMITS = QuotaLimits(
-    process=Limits(
-        connections=2, held_blocks=12, reservations=3, pins=6, leases=6, arena_blocks=4
-    ),
-    uid=Limits(connections=3, held_blocks=18, reservations=5, pins=10, leases=10, arena_blocks=24),
+    process=PrincipalLimits(connections=2, held_blocks=12, reservations=3, pins=6, leases=6),
+    uid=PrincipalLimits(connections=3, held_blocks=18, reservations=5, pins=10, leases=10),
 )
 KEYS = [f"k{i}" for i in range(8)]
 
@@ -331,7 +329,6 @@ class StoreMachine(RuleBasedStateMachine):
                 assert h.held_blocks <= lim.held_blocks, (h.who, h.held_blocks)
                 assert h.reservations <= lim.reservations, h.who
                 assert h.pins <= lim.pins and h.leases <= lim.leases, h.who
-                assert h.arena_blocks <= lim.arena_blocks, h.who
 
     @invariant()
     def consistent(self) -> None:

@@ -167,7 +167,11 @@ def test_unlease_ends_leases_so_no_put_is_refused(make_broker):
 
 def test_without_unlease_leases_fill_the_slab(make_broker):
     # The control for the test above: the same stream without unlease is refused.
-    b = make_broker("--shm-size", "1MiB", *NO_ARENA)
+    # (One process may keep the whole slab here: the point is the slab filling up,
+    # not the per-process share, max_held_bytes_per_process, test_broker_limits.py.)
+    b = make_broker(
+        "--shm-size", "1MiB", *NO_ARENA, env={"LMCACHE_EC_MAX_HELD_BYTES_PER_PROCESS": "1MiB"}
+    )  # fmt: skip
     with BrokerClient(b.socket_path) as c:
         assert _cycles(c, 40, unlease=False) > 0
         assert c.stats()["no_space"] > 0

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True, frozen=True)
-class Limits:
+class PrincipalLimits:
     """One principal kind's limits (blocks for bytes)."""
 
     connections: int
@@ -60,13 +60,12 @@ class Limits:
     reservations: int
     pins: int
     leases: int
-    arena_blocks: int
 
 
 @dataclass(slots=True, frozen=True)
 class QuotaLimits:
-    process: Limits
-    uid: Limits
+    process: PrincipalLimits
+    uid: PrincipalLimits
 
     @staticmethod
     def resolve(
@@ -83,33 +82,34 @@ class QuotaLimits:
         pins_per_uid: int = 1 << 19,
         leases_per_process: int = 1 << 17,
         leases_per_uid: int = 1 << 19,
-        arena_bytes: int = 0,
+        other_uids: bool = True,
     ) -> QuotaLimits:
         """The limits with their defaults filled in (0: the default share): held bytes
-        half the slab per process, three quarters per uid; connections per uid three
-        quarters of ``max_connections``; a process's put arenas together at most
-        ``max(arena_bytes, slab / 16)``."""
+        half the slab per process; per uid three quarters of the slab and of
+        ``max_connections`` when ``other_uids`` (the config admits uids besides the
+        broker's own: allowed_uids, socket_group), else the whole of each (one uid
+        has no other to be protected from; root aside, which can read the slab
+        anyway). Put arenas are bounded by the held bytes (and, all together, by a
+        quarter of the slab: ArenaBooks)."""
 
         def blocks(nbytes: int, default: int) -> int:
             return max(1, -(-nbytes // block_size) if nbytes else default)
 
-        arena = max(arena_bytes // block_size, nblocks // 16)
+        share = (lambda n: max(1, n * 3 // 4)) if other_uids else (lambda n: n)
         return QuotaLimits(
-            process=Limits(
+            process=PrincipalLimits(
                 connections=connections_per_process,
                 held_blocks=blocks(held_bytes_per_process, nblocks // 2),
                 reservations=reservations_per_process,
                 pins=pins_per_process,
                 leases=leases_per_process,
-                arena_blocks=arena,
             ),
-            uid=Limits(
-                connections=connections_per_uid or max(1, max_connections * 3 // 4),
-                held_blocks=blocks(held_bytes_per_uid, nblocks * 3 // 4),
+            uid=PrincipalLimits(
+                connections=connections_per_uid or share(max_connections),
+                held_blocks=blocks(held_bytes_per_uid, share(nblocks)),
                 reservations=reservations_per_uid,
                 pins=pins_per_uid,
                 leases=leases_per_uid,
-                arena_blocks=nblocks,  # all arenas together: a quarter (ArenaBooks)
             ),
         )
 
@@ -129,7 +129,7 @@ class QuotaLimits:
             pins_per_uid=cfg.max_pins_per_uid,
             leases_per_process=cfg.max_leases_per_process,
             leases_per_uid=cfg.max_leases_per_uid,
-            arena_bytes=cfg.put_arena_bytes,
+            other_uids=bool(cfg.allowed_uids or cfg.socket_group),
         )
 
 
@@ -139,7 +139,7 @@ class Holdings:
 
     kind: str  # "process" or "uid" (the settings' suffix)
     who: str  # "process (pid 12)", "uid 1000": for refusals
-    limits: Limits
+    limits: PrincipalLimits
     connections: int = 0
     reservations: int = 0
     reserved_blocks: int = 0
@@ -259,17 +259,12 @@ class QuotaBooks:
         return None
 
     def arena_room(self, conn: int) -> int | None:
-        """How many more arena blocks ``conn``'s principals allow (None: no limit)."""
+        """How many more arena blocks ``conn``'s principals' held bytes allow (None:
+        no limit)."""
         pair = self.principals(conn)
         if not pair:
             return None
-        return max(
-            0,
-            min(
-                min(h.limits.arena_blocks - h.arena_blocks for h in pair),
-                min(h.limits.held_blocks - h.held_blocks for h in pair),
-            ),
-        )
+        return max(0, min(h.limits.held_blocks - h.held_blocks for h in pair))
 
     def _held_refusal(self, h: Holdings, code: str, more: int, what: str) -> ErrorReply:
         bs = self.block_size

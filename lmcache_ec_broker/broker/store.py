@@ -166,7 +166,7 @@ class Store:
         self.arenas = ArenaBooks(self.nblocks, block_size, arena_bytes, arena_slots)
         # What each client process and uid holds (quotas.py; invariant 4).
         self.quotas = QuotaBooks(
-            quotas or QuotaLimits.resolve(self.nblocks, block_size, arena_bytes=arena_bytes),
+            quotas or QuotaLimits.resolve(self.nblocks, block_size),
             block_size,
         )
         # Client reservations lapse this long after they were granted (invariant 11).
