@@ -74,8 +74,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_connections_per_uid: int = 0
     max_held_bytes_per_process: int = 0  # 0: half the slab (also bounds one reservation)
     max_held_bytes_per_uid: int = 0
-    max_reservations_per_process: int = 4096  # open reservations, zero-byte ones included
-    max_reservations_per_uid: int = 16384
+    # Open reservations, zero-byte ones included (each is a membership-filter key).
+    # 0: a quarter of the slab's block count per process (at least 64); the block
+    # count per uid (at least 256).
+    max_reservations_per_process: int = 0
+    max_reservations_per_uid: int = 0
     max_pins_per_process: int = 1 << 17
     max_pins_per_uid: int = 1 << 19
     max_leases_per_process: int = 1 << 17
@@ -173,8 +176,6 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def _validate_quotas(self) -> None:
         for name in (
             "max_connections_per_process",
-            "max_reservations_per_process",
-            "max_reservations_per_uid",
             "max_pins_per_process",
             "max_pins_per_uid",
             "max_leases_per_process",
@@ -182,6 +183,9 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_reservations_per_process", "max_reservations_per_uid"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (the default share) or at least 1")
         if self.max_connections_per_uid < 0:
             raise ValueError(
                 "max_connections_per_uid must be 0 (the default share) or at least 1, "

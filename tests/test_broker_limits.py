@@ -6,8 +6,9 @@ How the 2x latency bound is kept from meaning noise on a loaded 2-core VM: the
 honest client's quiet and attacked figures are measured in the same test, in
 alternating blocks (quiet, attacked, attacked, quiet, ...: the hostile closes its
 connections between blocks, so the broker releases all it held, and attacks afresh),
-many samples per block, and the p99 of each phase is taken over all its blocks
-together; so a burst of load from elsewhere lands in both phases alike. A
+each block starting on a full slab (so quiet puts evict as attacked ones do), many
+samples per block, and the p99 of each phase is taken over all its blocks together;
+so a burst of load from elsewhere lands in both phases alike. A
 measurement that misses the bound is repeated (up to three in all) and the test
 fails only if every one misses it: a real starvation (refusals, evicted entries,
 fallbacks to slow paths) shows every time, a noisy minute does not.
@@ -95,6 +96,16 @@ def _retreat(hostile: Hostile, c: BrokerClient) -> None:
     )
 
 
+def _fill(c: BrokerClient, tag: str) -> None:
+    """Fill the slab's free space with evictable entries, so every block, quiet or
+    attacked, runs on a full slab (its puts evict): what is compared is the
+    hostile's effect, not a full slab's against an empty one's."""
+    free = c.stats()["free_bytes"]
+    for i in range(free // MiB):
+        assert c.put(f"fill-{tag}-{i}", torch.zeros(MiB // 4))
+    assert c.flush()
+
+
 def _measure(c: BrokerClient, hostile: Hostile, rounds: int, n: int, attempt: int) -> dict:
     quiet: dict[str, list[float]] = {"put": [], "has": [], "get": []}
     loud: dict[str, list[float]] = {"put": [], "has": [], "get": []}
@@ -104,9 +115,11 @@ def _measure(c: BrokerClient, hostile: Hostile, rounds: int, n: int, attempt: in
         for phase in order:
             if phase == "attack":
                 reports.append(hostile.do("attack"))
+                _fill(c, f"a{attempt}-{r}")
                 _honest_block(c, f"a{attempt}-{r}", n, loud)
                 _retreat(hostile, c)
             else:
+                _fill(c, f"q{attempt}-{r}")
                 _honest_block(c, f"q{attempt}-{r}", n, quiet)
     figures = {op: (_p99(quiet[op]), _p99(loud[op])) for op in quiet}
     return {"figures": figures, "reports": reports}
@@ -117,9 +130,7 @@ def test_a_hostile_process_cannot_starve_an_honest_client(make_broker) -> None:
     # connections (then the honest newcomer ... ) and 100,000 zero-byte reservations,
     # its first reservation took 48 of 64 MiB, and the honest client's puts were
     # refused no_space while it held its reservations.
-    b = make_broker(
-        "--shm-size", "64MiB", env={"LMCACHE_EC_RESERVATION_TTL_S": "2"}
-    )  # fmt: skip
+    b = make_broker("--shm-size", "64MiB")  # reservations lapse after 60 s: never, here
     path = b.socket_path
     with BrokerClient(path, **PATIENT) as c:
         for i, key in enumerate(PROTECTED):
@@ -138,20 +149,13 @@ def test_a_hostile_process_cannot_starve_an_honest_client(make_broker) -> None:
             # The huge first reservation: refused, the held-bytes limit named.
             assert "max_held_bytes_per_process" in got["huge"], got
             # Zero-byte reservations: counted, refused at the limit.
-            assert got["zero_byte"] <= 4096, got
+            assert got["zero_byte"] <= 256, got  # a quarter of the 1024 blocks
             assert "max_reservations_per_process" in (got["refusals"]["zero_byte"] or ""), got
             # Everything it keeps from eviction together: at most half the slab.
             st = broker_stats(path)
             assert st["top_process_held_bytes"] <= 32 * MiB, st
             assert st["max_held_bytes_per_process"] == 32 * MiB
             print("hostile attack:", json.dumps(got))
-            # Reservations lapse (reservation_ttl_s 2 here): keys free, blocks kept.
-            wait_until(
-                lambda: broker_stats(path)["reservations_expired"] >= got["zero_byte"],
-                what="the hostile's reservations lapsed",
-            )
-            assert broker_stats(path)["lapsed_reservations"] >= got["zero_byte"]
-            assert c.put("zero0-0", torch.ones(4))  # a key the hostile had reserved
             _retreat(hostile, c)
 
             # The honest client's figures: quiet and attacked, interleaved.
@@ -166,7 +170,7 @@ def test_a_hostile_process_cannot_starve_an_honest_client(make_broker) -> None:
             else:
                 raise AssertionError(f"honest p99 more than 2x its quiet figure: {figs}")
             for report in res["reports"]:  # every attack met the same limits
-                assert report["connections"] == 64 and report["zero_byte"] <= 4096, report
+                assert report["connections"] == 64 and report["zero_byte"] <= 256, report
         finally:
             hostile.close()
         # It lost no entry it leased, and they hold their bytes.

@@ -482,7 +482,7 @@ def test_limit_keys_are_validated_and_every_one_is_documented(monkeypatch):
 
     for bad, name in (
         ({"max_connections_per_process": 0}, "max_connections_per_process"),
-        ({"max_reservations_per_uid": 0}, "max_reservations_per_uid"),
+        ({"max_reservations_per_uid": -1}, "max_reservations_per_uid"),
         ({"max_held_bytes_per_uid": 3 * GiB}, "max_held_bytes_per_uid"),
         ({"reservation_ttl_s": 0.0}, "reservation_ttl_s"),
     ):

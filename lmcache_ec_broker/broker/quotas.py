@@ -32,7 +32,10 @@ Invariants (``check`` recomputes them from the store's own records):
   hold (reservations, lapsed ones included, arena blocks, pins, leases), and its
   held blocks count each entry it pins or leases once;
 - an admission never lets a principal past a limit: a request that would is
-  refused whole, with the setting to raise named, and changes nothing.
+  refused whole, with the setting to raise named, and changes nothing. One
+  exception, so that any entry the slab holds can be read: a principal that holds
+  nothing may pin or lease what one request asks, whatever its size (reservations
+  have no such exception: a first reservation is bounded too).
   (Promotions from a lower tier are charged when their entry lands, so one request
   may overshoot by what it promoted; the next is refused.)
 """
@@ -76,8 +79,8 @@ class QuotaLimits:
         connections_per_uid: int = 0,
         held_bytes_per_process: int = 0,
         held_bytes_per_uid: int = 0,
-        reservations_per_process: int = 4096,
-        reservations_per_uid: int = 16384,
+        reservations_per_process: int = 0,
+        reservations_per_uid: int = 0,
         pins_per_process: int = 1 << 17,
         pins_per_uid: int = 1 << 19,
         leases_per_process: int = 1 << 17,
@@ -85,7 +88,11 @@ class QuotaLimits:
         other_uids: bool = True,
     ) -> QuotaLimits:
         """The limits with their defaults filled in (0: the default share): held bytes
-        half the slab per process; per uid three quarters of the slab and of
+        half the slab per process; open reservations a quarter of the slab's block
+        count per process (at least 64), the block count per uid (at least 256): each,
+        zero-byte ones too, is a key in the membership filter, which is sized per
+        block (shm/filter.py), so more would make every client's misses ask the
+        broker; per uid three quarters of the slab and of
         ``max_connections`` when ``other_uids`` (the config admits uids besides the
         broker's own: allowed_uids, socket_group), else the whole of each (one uid
         has no other to be protected from; root aside, which can read the slab
@@ -100,14 +107,14 @@ class QuotaLimits:
             process=PrincipalLimits(
                 connections=connections_per_process,
                 held_blocks=blocks(held_bytes_per_process, nblocks // 2),
-                reservations=reservations_per_process,
+                reservations=reservations_per_process or max(64, nblocks // 4),
                 pins=pins_per_process,
                 leases=leases_per_process,
             ),
             uid=PrincipalLimits(
                 connections=connections_per_uid or share(max_connections),
                 held_blocks=blocks(held_bytes_per_uid, share(nblocks)),
-                reservations=reservations_per_uid,
+                reservations=reservations_per_uid or max(256, nblocks),
                 pins=pins_per_uid,
                 leases=leases_per_uid,
             ),
@@ -241,7 +248,10 @@ class QuotaBooks:
                     f"{h.limits.pins} (max_pins_per_{h.kind}): release the pins of earlier "
                     "gets (BrokerClient does after each copy) or raise the limit",
                 )
-            if (more := h.new_blocks(entries)) and h.held_blocks + more > h.limits.held_blocks:
+            if (
+                h.held_blocks
+                and h.held_blocks + (more := h.new_blocks(entries)) > h.limits.held_blocks
+            ):
                 return self._held_refusal(h, ErrorCode.TOO_MANY_PINS, more, "pin")
         return None
 
@@ -254,7 +264,10 @@ class QuotaBooks:
                     f"the limit is {h.limits.leases} (max_leases_per_{h.kind}): end leases "
                     "with unlease once loaded, use a shorter lease_ms, or raise the limit",
                 )
-            if (more := h.new_blocks(entries)) and h.held_blocks + more > h.limits.held_blocks:
+            if (
+                h.held_blocks
+                and h.held_blocks + (more := h.new_blocks(entries)) > h.limits.held_blocks
+            ):
                 return self._held_refusal(h, ErrorCode.TOO_MANY_LEASES, more, "lease")
         return None
 

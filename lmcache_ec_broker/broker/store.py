@@ -104,6 +104,8 @@ STORE_COUNTERS = (
 SERVED_HAS_HITS_MAX = 1024
 # What any counter shows (stats, metrics) at most: msgpack's and Prometheus' u64.
 COUNTER_MAX = (1 << 64) - 1
+# Reservations one sweep lapses at most (a few microseconds each).
+LAPSES_PER_SWEEP = 256
 
 
 class Store:
@@ -394,9 +396,13 @@ class Store:
         if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
             return err
         existing = self.entries.get(key)
-        if existing is not None and existing.state is State.RESERVED and existing.expires_at:
-            self.expire_reservations()  # its holder's time may be up: the key is free then
-            existing = self.entries.get(key)
+        if (
+            existing is not None
+            and existing.state is State.RESERVED
+            and 0 < existing.expires_at <= self._clock()
+        ):
+            self._lapse(existing)  # its holder's time is up: the key is free now
+            existing = None
         if existing is not None:
             if existing.state is State.READY:
                 self.lru.touch(key)
@@ -646,23 +652,27 @@ class Store:
         if self.membership is not None:
             self.membership.remove(entry.key)
 
-    def expire_reservations(self) -> int:
-        """Lapse every client reservation whose time is up (invariant 11): its key
-        leaves the index now, its blocks stay with the holder until it commits,
-        aborts or closes. Returns how many lapsed."""
+    def expire_reservations(self, most: int = LAPSES_PER_SWEEP) -> int:
+        """Lapse client reservations whose time is up (invariant 11), at most ``most``
+        per call (the sweep runs every 0.1 s: a flood of reservations lapsing at once
+        must not stall the loop): its key leaves the index now, its blocks stay with
+        the holder until it commits, aborts or closes. Returns how many lapsed."""
         now = self._clock()
         heap = self._reservation_heap
         lapsed = 0
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and lapsed < most:
             _, token = heapq.heappop(heap)
             entry = self.reservations.get(token)
             if entry is None or entry.lapsed:
                 continue  # committed or aborted since
-            entry.lapsed = True
-            self._unindex_reservation(entry)
-            self.counters["reservations_expired"] += 1
+            self._lapse(entry)
             lapsed += 1
         return lapsed
+
+    def _lapse(self, entry: Entry) -> None:
+        entry.lapsed = True
+        self._unindex_reservation(entry)
+        self.counters["reservations_expired"] += 1
 
     def get(self, conn: int, keys: list[str], count_misses: bool = True) -> list[Hit | None]:
         """Pin and return each READY key. ``count_misses=False``: the caller (the tier
