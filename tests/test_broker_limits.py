@@ -160,7 +160,7 @@ def test_a_hostile_process_cannot_starve_an_honest_client(make_broker) -> None:
 
             # The honest client's figures: quiet and attacked, interleaved.
             for attempt in range(3):
-                res = _measure(c, hostile, rounds=4, n=150, attempt=attempt)
+                res = _measure(c, hostile, rounds=6, n=100, attempt=attempt)
                 figs = res["figures"]
                 print(f"attempt {attempt}: p99 quiet/attacked (us):", {
                     op: (round(q * 1e6), round(a * 1e6)) for op, (q, a) in figs.items()
