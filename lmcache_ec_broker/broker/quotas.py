@@ -171,6 +171,20 @@ class Holdings:
         return n
 
 
+def _past_held(h: Holdings, entries: list[Entry]) -> int | None:
+    """The blocks pinning ``entries`` would add to ``h``'s held bytes if that takes it
+    past its limit, else None (a principal holding nothing may: see the invariants).
+    The cheap bound first: most requests are far from the limit."""
+    held = h.held_blocks
+    if not held:
+        return None
+    room = h.limits.held_blocks - held
+    if sum(map(_blocks, entries)) <= room:
+        return None
+    more = h.new_blocks(entries)
+    return more if more > room else None
+
+
 def _blocks(entry: Entry) -> int:
     return sum(length for _, length in entry.runs)
 
@@ -248,10 +262,7 @@ class QuotaBooks:
                     f"{h.limits.pins} (max_pins_per_{h.kind}): release the pins of earlier "
                     "gets (BrokerClient does after each copy) or raise the limit",
                 )
-            if (
-                h.held_blocks
-                and h.held_blocks + (more := h.new_blocks(entries)) > h.limits.held_blocks
-            ):
+            if (more := _past_held(h, entries)) is not None:
                 return self._held_refusal(h, ErrorCode.TOO_MANY_PINS, more, "pin")
         return None
 
@@ -264,10 +275,7 @@ class QuotaBooks:
                     f"the limit is {h.limits.leases} (max_leases_per_{h.kind}): end leases "
                     "with unlease once loaded, use a shorter lease_ms, or raise the limit",
                 )
-            if (
-                h.held_blocks
-                and h.held_blocks + (more := h.new_blocks(entries)) > h.limits.held_blocks
-            ):
+            if (more := _past_held(h, entries)) is not None:
                 return self._held_refusal(h, ErrorCode.TOO_MANY_LEASES, more, "lease")
         return None
 
