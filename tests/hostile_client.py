@@ -10,12 +10,13 @@ tests/test_broker_limits.py, one JSON line per command:
 - ``retreat``: closes every connection (the broker releases all it held).
 - ``quit``.
 
-    python hostile_client.py SOCKET KEY [KEY ...]
+    python hostile_client.py [--as UID GID] SOCKET KEY [KEY ...]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from rawproto import RawConn
@@ -132,7 +133,14 @@ def retreat() -> dict:
 
 
 def main() -> None:
-    path, keys = sys.argv[1], sys.argv[2:]
+    args = sys.argv[1:]
+    if args[0] == "--as":  # drop to another uid (the test runs as root), imports done
+        uid, gid = int(args[1]), int(args[2])
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        args = args[3:]
+    path, keys = args[0], args[1:]
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "attack":

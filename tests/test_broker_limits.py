@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import PATIENT, broker_stats, wait_until
 from rawproto import RawConn
@@ -37,10 +39,11 @@ PROTECTED = [f"protected{i}" for i in range(10)]  # the honest client's leased e
 class Hostile:
     """tests/hostile_client.py as a real process, one JSON line per command."""
 
-    def __init__(self, path: str, keys: list[str]) -> None:
+    def __init__(self, path: str, keys: list[str], as_user: tuple[int, int] | None = None) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+        drop = ["--as", *map(str, as_user)] if as_user else []
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "hostile_client.py"), path, *keys],
+            [sys.executable, os.path.join(HERE, "hostile_client.py"), *drop, path, *keys],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -208,3 +211,36 @@ def test_a_lapsed_reservation_frees_its_key_and_its_commit_fails_cleanly(make_br
             assert st["reserved_bytes"] == 0 and st["lapsed_reservations"] == 0, st
     finally:
         slow.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_one_uids_processes_together_stop_at_the_uids_share(make_broker) -> None:
+    # Seen failing on the old code: nothing counted per uid, so two processes of
+    # one uid held what two uids would (here until the slab was full, no_space).
+    # Two hostile processes of uid nobody (admitted by allowed_uids): the first keeps
+    # its process's share (half of 64 MiB), the second only what is left of the uid's
+    # (three quarters, as other uids are admitted), refused naming the uid's setting;
+    # another uid (root, the honest one here) keeps its own room.
+    nobody = pwd.getpwnam("nobody")
+    b = make_broker(
+        "--shm-size", "64MiB", "--allowed-uids", str(nobody.pw_uid), "--socket-mode", "0666"
+    )  # fmt: skip
+    os.chmod(os.path.dirname(b.socket_path), 0o755)  # nobody must reach the socket
+    hostiles = [Hostile(b.socket_path, [], as_user=(nobody.pw_uid, nobody.pw_gid)) for _ in range(2)]
+    try:
+        first, second = (h.do("attack") for h in hostiles)
+        assert first["reserved_mib"] == 32, first
+        assert second["reserved_mib"] == 16, second
+        refusal = second["refusals"]["reserve"] or ""
+        assert f"uid {nobody.pw_uid} keeps 48.00 MiB" in refusal, refusal
+        assert "max_held_bytes_per_uid" in refusal, refusal
+        with BrokerClient(b.socket_path, **PATIENT) as c:
+            for i in range(6):  # what the hostile uid left: 16 MiB, 8 of it root's put arena
+                assert c.put(f"honest{i}", torch.full((MiB // 4,), float(i)))
+            assert c.flush()
+            assert all(c.get(f"honest{i}") is not None for i in range(6))
+            st = c.stats()
+            assert st["client_uids"] == 2 and st["max_held_bytes_per_uid"] == 48 * MiB, st
+    finally:
+        for h in hostiles:
+            h.close()
