@@ -63,6 +63,29 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # may hold; a connection holding none may still reserve any entry the slab takes.
     # 0: a quarter of the slab. Bounds what one client holding reservations evicts.
     max_reserved_bytes_per_connection: int = 0
+    # Fairness between client processes and uids (broker/quotas.py; docs/reliability.md
+    # "Limits"): what one process (SO_PEERCRED pid) or one uid holds over all its
+    # connections together. Defaults no production node reaches (vLLM instances with
+    # TP ranks: a few connections per process, tens per uid). "Held" bytes: slab kept
+    # from eviction -- open reservations, put arenas, entries it pins or leases.
+    max_connections_per_process: int = 64
+    # Per uid, 0: three quarters of max_connections / of the slab when allowed_uids or
+    # socket_group admit other uids; else all of them (no other uid to protect).
+    max_connections_per_uid: int = 0
+    max_held_bytes_per_process: int = 0  # 0: half the slab (also bounds one reservation)
+    max_held_bytes_per_uid: int = 0
+    # Open reservations, zero-byte ones included (each is a membership-filter key).
+    # 0: a quarter of the slab's block count per process (at least 64); the block
+    # count per uid (at least 256).
+    max_reservations_per_process: int = 0
+    max_reservations_per_uid: int = 0
+    max_pins_per_process: int = 1 << 17
+    max_pins_per_uid: int = 1 << 19
+    max_leases_per_process: int = 1 << 17
+    max_leases_per_uid: int = 1 << 19
+    # Seconds a client's reservation may stay uncommitted; then its key is free again
+    # and its commit is refused (nothing stored: the client misses and encodes again).
+    reservation_ttl_s: float = 60.0
     # Residency events and lookup (docs/events.md), off by default. The ZMQ PUB socket
     # binds events_host:events_port, its replay/snapshot ROUTER events_port + 1.
     events_port: int = 0  # 0: no events
@@ -142,12 +165,48 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"between block_size ({format_size(self.block_size)}) and shm_size "
                 f"({format_size(self.shm_size)}), got {self.max_reserved_bytes_per_connection}"
             )
+        self._validate_quotas()
         self._validate_access()
         self._validate_remote()
         from .config_events import validate_events
 
         validate_events(self)
         self._refuse_ignored_settings()
+
+    def _validate_quotas(self) -> None:
+        for name in (
+            "max_connections_per_process",
+            "max_pins_per_process",
+            "max_pins_per_uid",
+            "max_leases_per_process",
+            "max_leases_per_uid",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_reservations_per_process", "max_reservations_per_uid"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (the default share) or at least 1")
+        if self.max_connections_per_uid < 0:
+            raise ValueError(
+                "max_connections_per_uid must be 0 (the default share) or at least 1, "
+                f"got {self.max_connections_per_uid}"
+            )
+        for name, share in (
+            ("max_held_bytes_per_process", "half"),
+            ("max_held_bytes_per_uid", "the default share"),
+        ):
+            value = getattr(self, name)
+            if value != 0 and not self.block_size <= value <= self.shm_size:
+                raise ValueError(
+                    f"{name} must be 0 ({share} of the slab) or between block_size "
+                    f"({format_size(self.block_size)}) and shm_size "
+                    f"({format_size(self.shm_size)}), got {value}"
+                )
+        if not 0.1 <= self.reservation_ttl_s <= 3600:
+            raise ValueError(
+                "reservation_ttl_s must be between 0.1 and 3600 seconds, got "
+                f"{self.reservation_ttl_s}"
+            )
 
     def _validate_access(self) -> None:
         """Invariant: every principal the config admits can also pass the file

@@ -50,6 +50,8 @@ _BYTE_SIZES = frozenset(
         "max_frame_bytes",
         "put_arena_bytes",
         "max_reserved_bytes_per_connection",
+        "max_held_bytes_per_process",
+        "max_held_bytes_per_uid",
         "mooncake_global_segment_size",
         "mooncake_local_buffer_size",
     }

@@ -1,6 +1,6 @@
-"""What one client may hold or do: pins and leases per connection are capped, and
-only the broker's owner may clear it. Real broker processes, raw protocol clients
-that misbehave on purpose."""
+"""What one client may hold or do: pins and leases per connection, and per process
+over all its connections, are capped; zero-byte reservations are counted like any
+other. Real broker processes, raw protocol clients that misbehave on purpose."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from lmcache_ec_broker.protocol import (
     Lookup,
     LookupReply,
     Release,
+    Reserve,
+    ReserveReply,
     Unlease,
 )
 from lmcache_ec_broker.protocol import Get as GetMsg
@@ -77,3 +79,53 @@ def test_a_client_that_never_ends_its_leases_is_refused_at_its_lease_cap(make_br
     ok = raw.call(Lookup(keys[10:26], lease_ms=60_000))
     assert isinstance(ok, LookupReply) and len(ok.items) == 16
     raw.close()
+
+
+def test_pins_and_leases_are_capped_per_process_over_its_connections(make_broker) -> None:
+    # Seen failing on the old code: each connection had its own budget and nothing
+    # else, so one process with two connections held twice its share (issue 40).
+    b = make_broker(
+        "--shm-size", "16MiB", "--max-pins-per-connection", "64",
+        env={"LMCACHE_EC_MAX_PINS_PER_PROCESS": "8", "LMCACHE_EC_MAX_LEASES_PER_PROCESS": "8"},
+    )  # fmt: skip
+    keys = [f"k{i}" for i in range(8)]
+    _store(b.socket_path, keys)
+    one, two = RawConn(b.socket_path), RawConn(b.socket_path)
+    try:
+        assert isinstance(one.call(GetMsg(keys[:4])), GetReply)
+        assert isinstance(two.call(GetMsg(keys[4:])), GetReply)
+        refused = two.call(GetMsg(["k0"]))
+        assert isinstance(refused, ErrorReply) and refused.code == "too_many_pins", refused
+        assert "the limit is 8 (max_pins_per_process)" in refused.message, refused.message
+        assert one.call(Has(keys[:6], lease_ms=60_000)) == HasReply([True] * 6)
+        refused = two.call(Has(keys[5:], lease_ms=60_000))
+        assert isinstance(refused, ErrorReply) and refused.code == "too_many_leases", refused
+        assert "max_leases_per_process" in refused.message
+        assert two.call(Has(keys[5:], lease_ms=0)) == HasReply([True] * 3)  # no lease: fine
+    finally:
+        one.close()
+        two.close()
+    st = broker_stats(b.socket_path)
+    assert st["pins"] == 0 and st["reserved_bytes"] == 0, st
+
+
+def test_zero_byte_reservations_are_counted_and_capped(make_broker) -> None:
+    # Seen failing on the old code: zero-byte reservations cost no bytes and were
+    # never refused (issue 40: 60,000 accepted); each is an index entry, a filter
+    # key and a key held in_progress for everyone else.
+    b = make_broker("--shm-size", "16MiB", env={"LMCACHE_EC_MAX_RESERVATIONS_PER_PROCESS": "100"})
+    raw = RawConn(b.socket_path)
+    try:
+        for i in range(150):  # pipelined: the replies are read after
+            raw.send(Reserve(f"zero{i}", 0, "uint8", [0]))
+        replies = [raw.recv() for _ in range(150)]
+        granted = [r for r in replies if isinstance(r, ReserveReply) and r.status == "reserved"]
+        refused = [r for r in replies if isinstance(r, ErrorReply)]
+        assert len(granted) == 100 and len(refused) == 50, (len(granted), refused[:1])
+        assert refused[0].code == "too_many_reservations"
+        assert "zero-byte ones included" in refused[0].message
+        assert "the limit is 100 (max_reservations_per_process)" in refused[0].message
+        st = broker_stats(b.socket_path)
+        assert st["reserved_entries"] == 100 and st["reserve_limit_refusals"] == 50, st
+    finally:
+        raw.close()

@@ -469,3 +469,31 @@ def test_settings_the_backend_uses_are_accepted(tmp_path):
     )
     # The tier off: its settings are left alone (unsetting remote_url turns it off).
     load_config({}, write_yaml(tmp_path, "remote_ttl_s: 60\nmooncake_protocol: tcp\n"))
+
+
+def test_limit_keys_are_validated_and_every_one_is_documented(monkeypatch):
+    # Issue 40, deliverable 7: the per-process and per-uid limits and the reservation
+    # TTL are typed settings, checked at start, each listed in docs/disk-and-config.md.
+    monkeypatch.setenv("LMCACHE_EC_MAX_HELD_BYTES_PER_PROCESS", "256MiB")
+    monkeypatch.setenv("LMCACHE_EC_RESERVATION_TTL_S", "120")
+    cfg, _ = load_config({})
+    assert cfg.max_held_bytes_per_process == 256 * MiB and cfg.reservation_ttl_s == 120
+    from lmcache_ec_broker.config import BrokerConfig
+
+    for bad, name in (
+        ({"max_connections_per_process": 0}, "max_connections_per_process"),
+        ({"max_reservations_per_uid": -1}, "max_reservations_per_uid"),
+        ({"max_held_bytes_per_uid": 3 * GiB}, "max_held_bytes_per_uid"),
+        ({"reservation_ttl_s": 0.0}, "reservation_ttl_s"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            BrokerConfig(**bad).validate()
+    doc = (Path(__file__).parent.parent / "docs" / "disk-and-config.md").read_text()
+    limits = [
+        f.name
+        for f in msgspec.structs.fields(BrokerConfig)
+        if f.name.startswith(("max_connections", "max_pins", "max_leases", "max_reserv", "max_held"))
+        or f.name == "reservation_ttl_s"
+    ]
+    assert len(limits) == 15, limits
+    assert [n for n in limits if f"`{n}`" not in doc] == []

@@ -214,7 +214,10 @@ print(json.dumps({"attached": rounds}))
 
 
 def test_client_prefault_fallback_never_corrupts_concurrent_writes(make_broker, sock_dir) -> None:
-    b = make_broker("--shm-size", "8MiB")
+    # One 6 MiB entry in an 8 MiB slab: past a process's default share (half the
+    # slab, max_held_bytes_per_process), which this test is not about.
+    env = {"LMCACHE_EC_MAX_HELD_BYTES_PER_PROCESS": "8MiB"}
+    b = make_broker("--shm-size", "8MiB", env=env)
     stop = os.path.join(sock_dir, "stop")
     nbytes = 6 << 20  # most pages an attacher touches are being written
     writer = subprocess.Popen(

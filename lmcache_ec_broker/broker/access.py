@@ -3,7 +3,9 @@ clear it.
 
 Admission is decided once per connection from what the kernel recorded at
 ``connect()`` (``SO_PEERCRED``, ``SO_PEERGROUPS``), never from anything the peer
-says. It fails closed: a peer whose credentials cannot be read is refused.
+says. It fails closed: a peer whose credentials cannot be read is refused. The pid
+and uid it reads are what the broker's per-process and per-uid limits charge the
+connection to (``quotas.py``; the store checks those).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ class AccessPolicy:
 
     def admit(
         self, sock: socket.socket | None, open_connections: int
-    ) -> tuple[int, ErrorReply | None]:
-        """(peer uid or -1, refusal or None) for a new connection."""
+    ) -> tuple[int, int, ErrorReply | None]:
+        """(peer pid or 0, peer uid or -1, refusal or None) for a new connection."""
         if open_connections >= self.max_connections:
-            return -1, ErrorReply(
+            return 0, -1, ErrorReply(
                 ErrorCode.TOO_MANY_CONNECTIONS,
                 f"the broker already serves {self.max_connections} connections "
                 "(max_connections); close idle clients or raise the limit",
@@ -43,18 +45,18 @@ class AccessPolicy:
         try:
             if sock is None:
                 raise OSError("the event loop does not expose the connection's socket")
-            _pid, uid, gid = peer_cred(sock)
+            pid, uid, gid = peer_cred(sock)
         except OSError as exc:
-            return -1, ErrorReply(
+            return 0, -1, ErrorReply(
                 ErrorCode.PERMISSION_DENIED, f"cannot read the peer's credentials: {exc}"
             )
         # Root is admitted: it bypasses file permissions and can read any process's
         # memory anyway, so refusing it protects nothing.
         if uid in (self.owner_uid, 0) or uid in self.allowed_uids:
-            return uid, None
+            return pid, uid, None
         if self.group_gid is not None and self.group_gid in peer_groups(sock, gid):
-            return uid, None
-        return uid, ErrorReply(
+            return pid, uid, None
+        return pid, uid, ErrorReply(
             ErrorCode.PERMISSION_DENIED,
             f"uid {uid} may not use this broker (owner uid {self.owner_uid}); "
             "add it to allowed_uids or use socket_group",

@@ -134,11 +134,13 @@ class Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         srv = self.server
         sock = transport.get_extra_info("socket")
-        uid, refusal = srv.access.admit(sock, len(srv.connections))
+        pid, uid, refusal = srv.access.admit(sock, len(srv.connections))
         self.fd = sock.fileno()
         self.peer_uid = uid
         srv.tiers.open_connection(self.conn_id)
         srv.connections[self.conn_id] = self
+        if refusal is None:  # charged to its process and uid, or refused (quotas.py)
+            refusal = srv.store.admit_peer(self.conn_id, pid, uid)
         if refusal is not None:
             self.send(refusal)
             self.close()

@@ -30,6 +30,10 @@ class Entry:
     owner: int = 0  # connection id holding the reservation
     pins: int = 0
     doomed: bool = False  # removed from the index; blocks freed at the last release
+    # A client's reservation: when it lapses (0: never, the broker's own). A lapsed
+    # reservation has left the index; its blocks wait for its holder's commit or abort.
+    expires_at: float = 0.0
+    lapsed: bool = False
 
 
 @dataclass(slots=True, eq=False)

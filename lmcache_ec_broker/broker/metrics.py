@@ -58,8 +58,10 @@ _HELP = {
     "bytes_stored": "bytes committed into the slab",
     "bytes_loaded": "bytes handed out to readers by get()",
     "evictions": "entries evicted from the slab by LRU",
-    "reserve_limit_refusals": "reserves refused: the connection's open reservations held "
-    "max_reserved_bytes_per_connection",
+    "reserve_limit_refusals": "reserves refused at a reservation limit (per connection, "
+    "process or uid: max_reserved_bytes_per_connection, max_held_bytes_per_*, "
+    "max_reservations_per_*)",
+    "reservations_expired": "client reservations that lapsed uncommitted (reservation_ttl_s)",
     "promotions": "entries promoted from a lower tier (disk, remote) into the slab",
     "promotion_failures": "promotions that failed (no space, corrupt or vanished copy, tier down)",
     "entries": "ready entries in the slab",

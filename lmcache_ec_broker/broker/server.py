@@ -13,7 +13,10 @@ leases: past ``max_pins_per_connection`` pins or ``max_leases_per_connection``
 leases its gets and leasing lookups are refused (``too_many_pins``/
 ``too_many_leases``, counted) until it releases some; a client that holds
 reservations: past ``max_reserved_bytes_per_connection`` its reserves are refused
-(``too_many_reservations``, counted), so it cannot evict the whole slab.
+(``too_many_reservations``, counted), so it cannot evict the whole slab; and what
+one client process or uid holds in all its connections together is capped too
+(``quotas.py``: connections, reservations, held bytes, pins, leases), and a
+reservation left uncommitted lapses after ``reservation_ttl_s``.
 
 How the tiers combine is the coordinator's business (``coordinator.py``), who
 may connect is ``access.py``'s, starting and stopping the process is
@@ -90,6 +93,7 @@ from .lifecycle import (
     segment_prefix,
 )
 from .publish import PUBLISH_COUNTERS, Publications
+from .quotas import QuotaLimits
 from .store import Entry, State, Store
 from .tiers import TierError, make_lower_tiers
 
@@ -123,6 +127,8 @@ class BrokerServer:
             arena_bytes=config.put_arena_bytes,
             arena_slots=config.max_connections,
             max_reserved_bytes_per_conn=config.max_reserved_bytes_per_connection,
+            quotas=QuotaLimits.from_config(config, config.shm_size // config.block_size),
+            reservation_ttl_s=config.reservation_ttl_s,
         )
         self.counters = dict.fromkeys(SERVER_COUNTERS, 0)
         self.tiers = Coordinator(self.store, make_lower_tiers(config, self.store.capacity_bytes))
@@ -313,7 +319,7 @@ class BrokerServer:
             case Abort(token=token):
                 return store.abort(conn, token) or OkReply()
             case Get(keys=keys):
-                if (refusal := store.admit_pins(conn, len(keys))) is not None:
+                if (refusal := store.admit_pins(conn, keys)) is not None:
                     return refusal
                 return tiers.get(conn, keys)  # awaitable when promoting from a lower tier
             case Release(pins=pins):
@@ -386,6 +392,13 @@ class BrokerServer:
             max_leases_per_connection=self.store.max_leases_per_conn,
             max_reserved_bytes_per_connection=self.store.max_reserved_blocks_per_conn
             * self.store.block_size,
+            max_held_bytes_per_process=self.store.quotas.limits.process.held_blocks
+            * self.store.block_size,
+            max_held_bytes_per_uid=self.store.quotas.limits.uid.held_blocks
+            * self.store.block_size,
+            max_connections_per_process=self.store.quotas.limits.process.connections,
+            max_connections_per_uid=self.store.quotas.limits.uid.connections,
+            reservation_ttl_s=self.store.reservation_ttl,
         )
         out.update(self.counters)
         out.update(self.tiers.stats())

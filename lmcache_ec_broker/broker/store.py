@@ -12,12 +12,20 @@ Invariants (``check()`` asserts them; tests call it after every step):
    ``get``/``has``.
 4. Pinned (by a get or a lease) and reserved entries are never evicted; one
    connection's open reservations hold at most ``max_reserved_blocks_per_conn``
-   blocks, except that a connection holding none may reserve any entry the slab
-   takes (so one client cannot evict the whole slab by holding reservations).
+   blocks, except that a connection holding none may reserve one entry past it; and
+   what one client process or uid keeps from eviction (reservations, arenas, pinned
+   and leased entries) stays within its ``quotas`` (quotas.py), that first
+   reservation included (so one neighbour cannot evict or hold the whole slab).
 5. Allocation fails only if the free blocks plus the blocks of unpinned READY
    entries are not enough.
 6. Everything a connection holds (reservations, pins, leases, its put arena) is
    released by ``close_connection``.
+11. A client's reservation lapses ``reservation_ttl`` seconds after it was granted:
+   its key leaves the index at once (others may put it; readers miss it), and its
+   blocks stay reserved, charged to the holder, until the holder commits (refused:
+   nothing is stored), aborts or closes -- a holder that was only slow may still be
+   copying into them, so they are never handed to anyone else before it says it is
+   done. A lapsed reservation is never committed.
 
 Put arenas (``grant``/``place``; docs/design.md "Put arenas"): a connection may hold
 slab blocks granted ahead of time, copy an entry into them and post a Place that
@@ -39,7 +47,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ..protocol import (
     ArenaReply,
@@ -65,6 +73,7 @@ from .entries import (  # re-exported: coordinator, server and tests import them
     StoreObserver,
 )
 from .eviction import LRUPolicy
+from .quotas import QuotaBooks, QuotaLimits
 
 # Monotonic counters the store keeps (the metrics endpoint exports them as counters).
 STORE_COUNTERS = (
@@ -86,7 +95,8 @@ STORE_COUNTERS = (
     "arena_place_refused",  # placements refused (bad blocks/key/shape) or of a present key
     "pin_limit_refusals",  # requests refused: the connection held max_pins_per_connection
     "lease_limit_refusals",  # requests refused: the connection held max_leases_per_connection
-    "reserve_limit_refusals",  # reserves refused: max_reserved_bytes_per_connection reached
+    "reserve_limit_refusals",  # reserves refused: a reservation limit (quotas.py) reached
+    "reservations_expired",  # client reservations that lapsed (reservation_ttl_s) uncommitted
 )
 # has() hits a client answered from the residency index name no key, so the broker
 # cannot verify them: one Served frame counts at most this many (BrokerClient sends
@@ -94,6 +104,8 @@ STORE_COUNTERS = (
 SERVED_HAS_HITS_MAX = 1024
 # What any counter shows (stats, metrics) at most: msgpack's and Prometheus' u64.
 COUNTER_MAX = (1 << 64) - 1
+# Reservations one sweep lapses at most (a few microseconds each).
+LAPSES_PER_SWEEP = 256
 
 
 class Store:
@@ -109,6 +121,8 @@ class Store:
         arena_bytes: int = 0,
         arena_slots: int = 1024,
         max_reserved_bytes_per_conn: int = 0,
+        quotas: QuotaLimits | None = None,
+        reservation_ttl_s: float = 60.0,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block size must be positive")
@@ -155,12 +169,25 @@ class Store:
         # Put arenas (invariants 7, 8, 10): the books own which blocks and journal slot
         # each connection holds; the store allocates and frees their blocks.
         self.arenas = ArenaBooks(self.nblocks, block_size, arena_bytes, arena_slots)
+        # What each client process and uid holds (quotas.py; invariant 4).
+        self.quotas = QuotaBooks(
+            quotas or QuotaLimits.resolve(self.nblocks, block_size),
+            block_size,
+        )
+        # Client reservations lapse this long after they were granted (invariant 11).
+        self.reservation_ttl = reservation_ttl_s
+        self._reservation_heap: list[tuple[float, int]] = []  # (expires_at, token)
         self.counters = dict.fromkeys(STORE_COUNTERS, 0)
 
     # ------------------------------------------------------------ connections
 
     def open_connection(self, conn: int) -> None:
         self.conns[conn] = ConnState()
+
+    def admit_peer(self, conn: int, pid: int, uid: int) -> ErrorReply | None:
+        """Charge the open client connection ``conn`` to its process and uid (from
+        SO_PEERCRED), or refuse it: past max_connections_per_process/uid."""
+        return self.quotas.open(conn, pid, uid)
 
     def close_connection(self, conn: int) -> None:
         state = self.conns.pop(conn, None)
@@ -170,7 +197,10 @@ class Store:
             self._abort(token)
         for pin_id in list(state.pins):
             self._unpin(pin_id)
-        self.allocator.free(self.arenas.release(conn))
+        runs = self.arenas.release(conn)
+        self.quotas.charge_arena(conn, -sum(length for _, length in runs))
+        self.allocator.free(runs)
+        self.quotas.close(conn)
 
     # ------------------------------------------------------------ helpers
 
@@ -192,6 +222,7 @@ class Store:
         if entry.pins == 0:
             self.pinned_entries += 1
         entry.pins += 1
+        self.quotas.charge_pin(conn, entry, bool(expires_at))
         self.conns[conn].pins.add(pin_id)
         if expires_at:
             heapq.heappush(self._lease_heap, (expires_at, pin_id))
@@ -207,6 +238,7 @@ class Store:
             if pin.expires_at and state.leases.get(pin.entry.key) == pin_id:
                 del state.leases[pin.entry.key]
         entry = pin.entry
+        self.quotas.refund_pin(pin.conn, entry, bool(pin.expires_at))  # before any free
         entry.pins -= 1
         if entry.pins == 0:
             self.pinned_entries -= 1
@@ -280,15 +312,23 @@ class Store:
             )
         return None
 
-    def admit_pins(self, conn: int, n: int) -> ErrorReply | None:
-        """Refuse a get that could take ``n`` more pins than ``conn`` may hold.
+    def admit_pins(self, conn: int, keys: list[str]) -> ErrorReply | None:
+        """Refuse a get of ``keys`` that could take ``conn`` past what it may hold.
         Invariant: a client connection never holds more than max_pins_per_conn get
         pins (leases are counted apart), so a client that never releases cannot
-        grow the broker's memory without bound."""
+        grow the broker's memory without bound; its process and uid stay within
+        their pin counts and held bytes (quotas.py)."""
         state = self.conns.get(conn)
+        n = len(keys)
         held = 0 if state is None else len(state.pins) - len(state.leases)
         if held + n <= self.max_pins_per_conn:
-            return None
+            if not self.quotas.principals(conn):
+                return None
+            refusal = self.quotas.admit_pins(conn, n, self._ready_entries(keys))
+            if refusal is None:
+                return None
+            self.counters["pin_limit_refusals"] += 1
+            return refusal
         self.counters["pin_limit_refusals"] += 1
         return ErrorReply(
             ErrorCode.TOO_MANY_PINS,
@@ -300,12 +340,17 @@ class Store:
     def admit_reservation(self, conn: int, nblocks: int) -> ErrorReply | None:
         """Refuse a reserve that would take ``conn``'s open reservations past
         max_reserved_blocks_per_conn (invariant 4); a connection holding none may
-        reserve any entry the slab takes. The broker's own connections (negative ids:
-        promotion.TIER_CONN) are not clients and are not capped."""
+        reserve one entry past it, but never past its process's or uid's limits
+        (quotas.py: open reservations, zero-byte ones included, and held bytes).
+        The broker's own connections (negative ids: promotion.TIER_CONN) are not
+        clients and are not capped."""
         state = self.conns.get(conn)
         held = 0 if state is None or conn < 0 else state.reserved_blocks
         if not held or held + nblocks <= self.max_reserved_blocks_per_conn:
-            return None
+            refusal = self.quotas.admit_reserve(conn, nblocks)
+            if refusal is not None:
+                self.counters["reserve_limit_refusals"] += 1
+            return refusal
         self.counters["reserve_limit_refusals"] += 1
         bs = self.block_size
         return ErrorReply(
@@ -324,9 +369,16 @@ class Store:
         state = self.conns.get(conn)
         leases = {} if state is None else state.leases
         held = len(leases) + extra_held
-        new = len({k for k in keys if k not in leases})
+        fresh = {k for k in keys if k not in leases}
+        new = len(fresh)
         if held + new <= self.max_leases_per_conn:
-            return None
+            if not self.quotas.principals(conn):
+                return None
+            refusal = self.quotas.admit_leases(conn, new, self._ready_entries(fresh))
+            if refusal is None:
+                return None
+            self.counters["lease_limit_refusals"] += 1
+            return refusal
         self.counters["lease_limit_refusals"] += 1
         return ErrorReply(
             ErrorCode.TOO_MANY_LEASES,
@@ -334,6 +386,10 @@ class Store:
             f"is {self.max_leases_per_conn} (max_leases_per_connection): end leases with "
             "unlease once loaded, use a shorter lease_ms, or raise the limit",
         )
+
+    def _ready_entries(self, keys: Collection[str]) -> list[Entry]:
+        entries = self.entries
+        return [e for k in keys if (e := entries.get(k)) is not None and e.state is State.READY]
 
     # ------------------------------------------------------------ operations
 
@@ -343,6 +399,13 @@ class Store:
         if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
             return err
         existing = self.entries.get(key)
+        if (
+            existing is not None
+            and existing.state is State.RESERVED
+            and 0 < existing.expires_at <= self._clock()
+        ):
+            self._lapse(existing)  # its holder's time is up: the key is free now
+            existing = None
         if existing is not None:
             if existing.state is State.READY:
                 self.lru.touch(key)
@@ -373,6 +436,10 @@ class Store:
         state = self.conns[conn]
         state.reservations.add(token)
         state.reserved_blocks += nblocks
+        self.quotas.charge_reserve(conn, nblocks)
+        if conn >= 0:  # a client's: lapses (invariant 11); the broker's own promotions do not
+            entry.expires_at = self._clock() + self.reservation_ttl
+            heapq.heappush(self._reservation_heap, (entry.expires_at, token))
         return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
 
     def _add_entry(
@@ -449,6 +516,9 @@ class Store:
         if slot < 0:
             return ArenaReply(slot=-1)  # no journal slot: no arena for this connection
         want = min(self._blocks_for(nbytes), self.arenas.room(conn))
+        room = self.quotas.arena_room(conn)  # its process's and uid's share (quotas.py)
+        if room is not None:
+            want = min(want, room)
         if want <= 0:
             return ArenaReply(slot)
         if not self._make_room(want):
@@ -458,6 +528,7 @@ class Store:
         runs = self.allocator.allocate(want)
         assert runs is not None  # _make_room or the free count guaranteed the blocks
         self.arenas.add(conn, runs)
+        self.quotas.charge_arena(conn, sum(length for _, length in runs))
         return ArenaReply(slot, runs)
 
     def place(
@@ -498,6 +569,7 @@ class Store:
                 self.counters["put_in_progress"] += 1
             return PlaceReply(False, list(runs))
         self.arenas.take(conn, blocks)
+        self.quotas.charge_arena(conn, -len(blocks))
         self.used_blocks += len(blocks)
         runs = [(start, length) for start, length in runs]
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.READY)  # invariant 9
@@ -527,16 +599,28 @@ class Store:
         entry = self._owned_reservation(conn, token)
         if isinstance(entry, ErrorReply):
             return entry
+        if entry.lapsed:  # invariant 11: the holder is done with the blocks; nothing stored
+            self.conns[conn].reservations.discard(token)
+            self._abort(token)
+            return ErrorReply(
+                ErrorCode.UNKNOWN_TOKEN,
+                f"the reservation of {entry.key!r} (token {token}) expired "
+                f"{self.reservation_ttl:g} s after it was granted, before this commit "
+                "(reservation_ttl_s): nothing was stored; put the entry again, and raise "
+                "reservation_ttl_s if copies really take that long",
+            )
         del self.reservations[token]
         state = self.conns[conn]
         state.reservations.discard(token)
         n = sum(length for _, length in entry.runs)
+        self.quotas.refund_reserve(conn, n)
         state.reserved_blocks -= n
         self.reserved_blocks -= n
         self.used_blocks += n
         entry.state = State.READY
         entry.token = 0
         entry.owner = 0
+        entry.expires_at = 0.0
         self.lru.insert(entry.key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += entry.nbytes
@@ -556,15 +640,45 @@ class Store:
 
     def _abort(self, token: int) -> None:
         entry = self.reservations.pop(token)
+        n = sum(length for _, length in entry.runs)
         owner = self.conns.get(entry.owner)  # None while close_connection aborts
         if owner is not None:
-            owner.reserved_blocks -= sum(length for _, length in entry.runs)
-        del self.entries[entry.key]
-        if self.membership is not None:
-            self.membership.remove(entry.key)
+            owner.reserved_blocks -= n
+        self.quotas.refund_reserve(entry.owner, n)
+        if not entry.lapsed:  # a lapsed one already left the index (invariant 11)
+            self._unindex_reservation(entry)
         self._free_blocks(entry)
         self.counters["aborts"] += 1
         if self.on_abort is not None:
+            self.on_abort(entry.key)
+
+    def _unindex_reservation(self, entry: Entry) -> None:
+        del self.entries[entry.key]
+        if self.membership is not None:
+            self.membership.remove(entry.key)
+
+    def expire_reservations(self, most: int = LAPSES_PER_SWEEP) -> int:
+        """Lapse client reservations whose time is up (invariant 11), at most ``most``
+        per call (the sweep runs every 0.1 s: a flood of reservations lapsing at once
+        must not stall the loop): its key leaves the index now, its blocks stay with
+        the holder until it commits, aborts or closes. Returns how many lapsed."""
+        now = self._clock()
+        heap = self._reservation_heap
+        lapsed = 0
+        while heap and heap[0][0] <= now and lapsed < most:
+            _, token = heapq.heappop(heap)
+            entry = self.reservations.get(token)
+            if entry is None or entry.lapsed:
+                continue  # committed or aborted since
+            self._lapse(entry)
+            lapsed += 1
+        return lapsed
+
+    def _lapse(self, entry: Entry) -> None:
+        entry.lapsed = True
+        self._unindex_reservation(entry)
+        self.counters["reservations_expired"] += 1
+        if self.on_abort is not None:  # a Publish waiting for this key wakes: it left the index
             self.on_abort(entry.key)
 
     def get(self, conn: int, keys: list[str], count_misses: bool = True) -> list[Hit | None]:
@@ -688,6 +802,9 @@ class Store:
                 self._unpin(pin_id)
 
     def expire_leases(self) -> int:
+        """End every lease whose time is up (and lapse the reservations whose time is:
+        the same sweep, every 0.1 s and before any eviction). Returns the leases ended."""
+        self.expire_reservations()
         now = self._clock()
         expired = 0
         heap = self._lease_heap
@@ -737,6 +854,8 @@ class Store:
             "pinned_entries": self.pinned_entries,
             "pins": len(self.pins),
             "free_runs": self.allocator.free_runs,
+            "lapsed_reservations": sum(1 for e in self.reservations.values() if e.lapsed),
+            **self.quotas.stats(),
             # Saturating: a counter a client could drive (hits, bytes_loaded through
             # Served) must never make a Stats reply unencodable for everyone.
             **{name: min(value, COUNTER_MAX) for name, value in self.counters.items()},
@@ -764,10 +883,34 @@ class Store:
         ), "per-connection reserved blocks drift"
         used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
         self.arenas.check(owned, used_map)
+        for entry in self.reservations.values():  # invariant 11
+            assert entry.lapsed == (self.entries.get(entry.key) is not entry), "lapse drift"
+        self.quotas.check(self._holdings())
         assert sum(1 for e in entries if e.pins) == self.pinned_entries, "pinned count drift"
 
     def _live_entries(self) -> list[Entry]:
-        """Indexed entries plus doomed ones still pinned (each once)."""
+        """Indexed entries, lapsed reservations and doomed ones still pinned (each once)."""
         uniq = {id(e): e for e in self.entries.values()}
+        uniq.update((id(e), e) for e in self.reservations.values())
         uniq.update((id(p.entry), p.entry) for p in self.pins.values())
         return list(uniq.values())
+
+    def _holdings(self) -> dict[int, tuple[int, int, int, int, int, dict[Entry, int]]]:
+        """What each connection holds, from the store's own records (for quotas.check)."""
+        out: dict[int, tuple[int, int, int, int, int, dict[Entry, int]]] = {}
+        for conn, state in self.conns.items():
+            pinned: dict[Entry, int] = {}
+            pins = leases = 0
+            for pin_id in state.pins:
+                pin = self.pins[pin_id]
+                pinned[pin.entry] = pinned.get(pin.entry, 0) + 1
+                if pin.expires_at:
+                    leases += 1
+                else:
+                    pins += 1
+            reserved = sum(
+                length for t in state.reservations for _, length in self.reservations[t].runs
+            )
+            arena = len(self.arenas.held(conn))
+            out[conn] = (len(state.reservations), reserved, arena, pins, leases, pinned)
+        return out
