@@ -34,6 +34,22 @@ broker's part without the client's Python) and has() itself, uninstrumented. ``p
 the before/after of the posted commit; ``put (reserve path)`` is put without its
 put arena (Reserve waited, Commit posted), for the before/after of the arena
 (``put`` itself copies into the arena and posts a Place: no wait).
+
+Across processes (``--across``, on by default; issue 42): a writer process puts and
+a different reader process gets, each woken by this process for every call (as a
+vLLM worker is), with the copy path before and after issue 42 interleaved call by
+call in the same run: ``before`` (one ctypes.memmove per extent; a new tensor's pages
+faulted 4 KiB at a time) and ``after`` (a get into a new tensor of 32 MiB or more:
+its pages advised MADV_HUGEPAGE, filled by torch's copy_ as clone() is; the rest as
+before). Per call, medians in microseconds:
+``client py`` (total - frames - copy - send - wait), ``frames`` (msgspec encode and
+decode of the call's frames), ``copy`` (the slab copies, a new tensor's allocation
+and first-touch faults included), ``faults`` (minor page faults of the process
+during the call, a count), ``send`` + ``wait`` (the syscalls and wake-ups).
+Baselines from the same processes in the same iteration: a memmove between two
+touched buffers (writer and reader), and ``clone()`` of the same tensor in the
+reader (a get into a new tensor against torch's own copy into a new tensor).
+``--busy`` repeats the section with a CPU-bound process beside it.
 """
 
 from __future__ import annotations
@@ -512,15 +528,39 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    if "--worker" in sys.argv:
+        from benchmarks.attribution_across import worker_main
+
+        worker_main()
+        return
+    from benchmarks import attribution_across as across
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="64KiB,2MiB")
     p.add_argument("--iters", type=int, default=2000)
+    p.add_argument(
+        "--only", choices=("all", "inproc", "across"), default="all",
+        help="inproc: one client in this process; across: writer and reader processes",
+    )  # fmt: skip
+    p.add_argument(
+        "--across-sizes", default="64KiB,2MiB,34MiB",
+        help="sizes of the across-process section (its gets into new tensors vs clone())",
+    )  # fmt: skip
+    p.add_argument("--across-iters", type=int, default=60, help="calls per size and copy path")
+    p.add_argument("--busy", action="store_true", help="also run it beside a CPU-bound process")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
-    if args.iters < 1:
-        p.error("--iters must be >= 1")
-    res = run(args)
-    print(report(res))
+    if args.iters < 1 or args.across_iters < 1:
+        p.error("--iters and --across-iters must be >= 1")
+    res: dict[str, Any] = {}
+    if args.only != "across":
+        res = run(args)
+        print(report(res))
+    if args.only != "inproc":
+        res["across"] = across.run(
+            parse_sizes(args.across_sizes), args.across_iters, busy=args.busy
+        )
+        print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

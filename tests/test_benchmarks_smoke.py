@@ -149,16 +149,26 @@ def test_ttft_smoke(modality: str, sizes: list[str], tmp_path: Path) -> None:
 
 def test_attribution_smoke(tmp_path: Path) -> None:
     out = tmp_path / "attribution.json"
-    r = _run("attribution.py", "--iters", "60", "--sizes", "64KiB", "--json", str(out), timeout=180)
+    r = _run(
+        "attribution.py", "--iters", "60", "--sizes", "64KiB", "--json", str(out),
+        "--across-iters", "2", "--across-sizes", "64KiB,34MiB", timeout=180,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("has() hit, 1 key", "put 64 KiB", "put (commit waited) 64 KiB",
                    "put (reserve path) 64 KiB", "get_into 64 KiB",
                    "raw Unix-socket ping-pong", "bare memcpy 64 KiB", "syscalls+wake-ups",
-                   "has() hit, leased (asked)", "has() with a lease"):  # fmt: skip
+                   "has() hit, leased (asked)", "has() with a lease",
+                   # issue 42: across processes, the copy before and after side by side
+                   "Across processes (quiet)", "get 34 MiB", "frames", "faults",
+                   "clone / get new", "2 memcpys / put+get_into"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     # The broker's own times were read (an arena put waits for none: its Place is posted).
     assert all(row["broker"] > 0 or row["posted"] > 0 for row in rows), rows
+    across = res["across"]["summary"][0][str(34 << 20)]
+    assert {"before", "after"} <= set(across), across  # both paths, one run
+    assert all(across[m]["get_new_vs_clone"] > 0 for m in ("before", "after")), across
 
 
 def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:

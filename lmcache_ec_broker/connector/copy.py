@@ -23,6 +23,8 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -70,8 +72,49 @@ def torch_dtype(name: str) -> torch.dtype:
 
 # CPU copies are one plain memcpy per extent (GIL released): torch's copy_ splits
 # copies over intra-op threads, which on a busy host costs more than it gains
-# (measured: 64 KiB into the slab 14 us with one thread, 280 us with two).
+# (measured: 64 KiB into the slab 14 us with one thread, 280 us with two; 2 and 8 MiB
+# into the slab 0.25 and 1.0 ms with memmove, 6.6-14 ms with copy_ once its second
+# thread slept or a CPU-bound process ran beside it: issue 42).
 _memmove = ctypes.memmove
+
+# The one exception: a get into a NEW CPU tensor of NEW_TENSOR_MIN bytes or more. Such a
+# tensor is fresh pages from the allocator (glibc maps anything over 32 MiB anew), and
+# their first-touch faults cost more than the copy on this VM (34 MiB: 16 ms with
+# memmove on one core, 8 ms for torch's clone() on two). So the tensor's pages are
+# advised MADV_HUGEPAGE before anything touches them (529 faults instead of 8,705 at
+# 34 MiB) and the copy is torch's copy_ -- the same copy clone() runs, over the same
+# intra-op threads, so the get is never slower than a clone() of the entry and is
+# faster by the faults it saves (benchmarks/attribution.py --only across). Only the
+# new tensor's own whole pages are advised: never the slab, never a caller's tensor.
+# Where THP is off ("never") the advice is a no-op.
+NEW_TENSOR_MIN = 32 << 20
+_MADV_HUGEPAGE = 14
+_PAGE = mmap.PAGESIZE
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise() if sys.platform.startswith("linux") else None
+
+
+def advise_huge(t: torch.Tensor) -> bool:
+    """Ask for transparent huge pages for a new CPU tensor's whole pages, before its
+    first touch; False where the kernel refused or cannot be asked (the copy then
+    pays 4 KiB faults, as before)."""
+    if _madvise is None:
+        return False
+    ptr = t.data_ptr()
+    start = -(-ptr // _PAGE) * _PAGE  # this tensor's whole pages only
+    end = (ptr + t.nbytes) // _PAGE * _PAGE
+    return end > start and _madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +134,9 @@ class SlabView:
         self._cuda_tried = False
         self._stream: torch.cuda.Stream | None = None
         self.pinned = False  # True once registered: copies are DMA
+        # read()'s new-tensor path from this size (NEW_TENSOR_MIN; a benchmark sets
+        # sys.maxsize to compare with the memmove path in the same process)
+        self.new_tensor_min = NEW_TENSOR_MIN
 
     # ------------------------------------------------------------------ CUDA
 
@@ -174,6 +220,14 @@ class SlabView:
         """A new tensor holding the entry; returns when the copy is complete."""
         check_device(device)
         out = torch.empty(shape, dtype=dtype, device=device)
+        if out.is_cpu and out.nbytes >= self.new_tensor_min:
+            self._check(extents, out.nbytes)
+            advise_huge(out)
+            dst, off = _flat_bytes(out), 0
+            for start, n in extents:
+                dst[off : off + n].copy_(self.u8[start : start + n])
+                off += n
+            return out
         self.read_into(extents, out)
         return out
 

@@ -1,0 +1,373 @@
+"""attribution.py's across-process section: where a put in one process and a get in
+another spend their time, for two copy paths interleaved call by call (issue 42).
+
+Run through ``benchmarks/attribution.py --only across`` (its docstring says what each
+column is). This module holds the worker side (the writer and the reader are
+``attribution.py --worker`` processes) and the orchestration and report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks._common import (
+    Broker,
+    MiB,
+    Worker,
+    die_with_parent,
+    fmt_size,
+    median,
+    serve_worker,
+    table,
+)
+
+# The two copy paths compared in one run: "before" is the client's CPU copy before
+# issue 42 (one ctypes.memmove per extent, a new tensor faulted 4 KiB at a time),
+# "after" the copy after it (a new tensor of copy.NEW_TENSOR_MIN bytes or more is
+# advised MADV_HUGEPAGE and filled by torch's copy_; everything else unchanged).
+MODES = ("before", "after")
+HIDDEN = 1024
+PHASES = ("total", "client py", "frames", "copy", "faults", "send", "wait")
+
+
+class _Timers:
+    __slots__ = ("send", "wait", "copy", "frames")
+
+    def __init__(self) -> None:
+        self.send = self.wait = self.copy = self.frames = 0
+
+    def reset(self) -> None:
+        self.send = self.wait = self.copy = self.frames = 0
+
+
+def _timed_fn(fn: Callable[..., Any], timers: _Timers, field: str) -> Callable[..., Any]:
+    def timed(*a: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*a)
+        finally:
+            setattr(timers, field, getattr(timers, field) + time.perf_counter_ns() - t0)
+
+    return timed
+
+
+class Side:
+    """A writer or a reader: one BrokerClient with timers on its socket, its frames
+    (msgspec encode/decode) and its slab copies."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.client: Any = None
+        self.timers = _Timers()
+        self.tensors: dict[int, Any] = {}
+        self.outs: dict[int, Any] = {}
+        self.echo: socket.socket | None = None
+
+    def setup(self, socket_path: str) -> dict[str, Any]:
+        from benchmarks.attribution import TimedSocket
+        from lmcache_ec_broker import BrokerClient
+
+        c = self.client = BrokerClient(socket_path, timeout_s=60)
+        warm = f"warm-{os.getpid()}"
+        c.put(warm, self.torch.zeros(8))  # maps the slab
+        c.get(warm)
+        c.delete(warm)
+        c.flush()
+        t = self.timers
+        c.instrument_socket(lambda s: s if isinstance(s, TimedSocket) else TimedSocket(s, t))
+        session = c._link.session  # the benchmark's view inside the client: frames
+        session.framer._encode = _timed_fn(session.framer._encode, t, "frames")
+        session.wire._decode = _timed_fn(session.wire._decode, t, "frames")
+        slab = c.slab()
+        depth = [0]  # read() calls read_into(): time the outermost call only
+        for name in ("write", "read", "read_into"):
+            inner = getattr(slab, name)
+
+            def timed(*a: Any, _inner: Callable[..., Any] = inner) -> Any:
+                depth[0] += 1
+                t0 = time.perf_counter_ns()
+                try:
+                    return _inner(*a)
+                finally:
+                    depth[0] -= 1
+                    if not depth[0]:
+                        t.copy += time.perf_counter_ns() - t0
+
+            setattr(slab, name, timed)
+        return {"torch_threads": self.torch.get_num_threads()}
+
+    def _mode(self, copy: str) -> None:
+        from lmcache_ec_broker.connector import copy as cp
+
+        after = getattr(cp, "NEW_TENSOR_MIN", sys.maxsize)  # main's copy.py: no such path
+        self.client.slab().new_tensor_min = sys.maxsize if copy == "before" else after
+
+    def make(self, size: int) -> dict[str, Any]:
+        torch = self.torch
+        g = torch.Generator().manual_seed(size)
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+        self.tensors[size] = raw.view(torch.bfloat16).reshape(-1, HIDDEN)
+        self.outs[size] = torch.zeros_like(self.tensors[size])  # touched: a reused tensor
+        return {}
+
+    def _phases(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+        t = self.timers
+        t.reset()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter_ns()
+        r = fn()
+        total = time.perf_counter_ns() - t0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        ph = {
+            "total": total / 1e3,
+            "frames": t.frames / 1e3,
+            "copy": t.copy / 1e3,
+            "send": t.send / 1e3,
+            "wait": t.wait / 1e3,
+            "faults": float(faults),
+        }
+        ph["client py"] = ph["total"] - ph["frames"] - ph["copy"] - ph["send"] - ph["wait"]
+        return r, ph
+
+    def put(self, key: str, size: int, copy: str) -> dict[str, Any]:
+        self._mode(copy)
+        t = self.tensors[size]
+        ok, ph = self._phases(lambda: self.client.put(key, t))
+        assert ok, f"put of {key} refused"
+        return ph
+
+    def get_into(self, key: str, size: int, copy: str) -> dict[str, Any]:
+        self._mode(copy)
+        out = self.outs[size]
+        out.zero_()  # a stale copy cannot pass the check below
+        ok, ph = self._phases(lambda: self.client.get_into(key, out))
+        assert ok and self.torch.equal(_u8(out), _u8(self.tensors[size])), key
+        return ph
+
+    def get(self, key: str, size: int, copy: str) -> dict[str, Any]:
+        self._mode(copy)
+        got, ph = self._phases(lambda: self.client.get(key))
+        assert got is not None and self.torch.equal(_u8(got), _u8(self.tensors[size])), key
+        del got
+        return ph
+
+    def clone(self, size: int) -> dict[str, Any]:
+        src = self.tensors[size]
+        t0 = time.perf_counter_ns()
+        c = src.clone()
+        dt = time.perf_counter_ns() - t0
+        del c
+        return {"us": dt / 1e3}
+
+    def memcpy(self, size: int) -> dict[str, Any]:
+        src, dst = self.tensors[size], self.outs[size]
+        t0 = time.perf_counter_ns()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
+        return {"us": (time.perf_counter_ns() - t0) / 1e3}
+
+    def delete(self, key: str) -> dict[str, Any]:
+        self.client.delete(key)
+        return {}
+
+    def flush(self) -> dict[str, Any]:
+        self.client.flush()
+        return {}
+
+    def echo_start(self, path: str) -> dict[str, Any]:
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+
+        def serve() -> None:
+            conn, _ = srv.accept()
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+        threading.Thread(target=serve, daemon=True).start()
+        self.echo = srv
+        return {}
+
+    def rtt(self, path: str, iters: int) -> dict[str, Any]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        lat = []
+        try:
+            for _ in range(iters):
+                t0 = time.perf_counter_ns()
+                s.sendall(b"x" * 40)
+                s.recv(100)
+                lat.append((time.perf_counter_ns() - t0) / 1e3)
+        finally:
+            s.close()
+        return {"p50": median(lat), "min": min(lat)}
+
+
+def _u8(t: Any) -> Any:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+def worker_main() -> None:
+    side = Side()
+    serve_worker({n: getattr(side, n) for n in dir(side) if not n.startswith("_")})
+
+
+# ====================================================================== orchestrator
+
+
+def _one(sizes: list[int], iters: int, hog: bool) -> dict[str, Any]:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
+    shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
+    spinner = writer = reader = None
+    res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters}
+    with Broker(shm) as broker:
+        try:
+            if hog:  # a CPU-bound process beside the benchmark, for the run's length
+                spinner = subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent
+                )
+            writer, reader = Worker(script), Worker(script)
+            for w in (writer, reader):
+                res["torch_threads"] = w.call(op="setup", socket_path=broker.socket_path)[
+                    "torch_threads"
+                ]
+            echo = os.path.join(broker.dir, "echo.sock")
+            writer.call(op="echo_start", path=echo)
+            res["rtt"] = reader.call(op="rtt", path=echo, iters=max(200, iters * 4))
+            res["load_start"] = os.getloadavg()[0]
+            res["samples"] = {}
+            for size in sizes:
+                writer.call(op="make", size=size)
+                reader.call(op="make", size=size)
+                sm: dict[str, Any] = {}
+                warm = 3
+                for i in range(warm + iters):
+                    order = MODES if i % 2 == 0 else MODES[::-1]  # interleaved, alternating
+                    row: dict[str, Any] = {}
+                    row["memcpy (writer)"] = writer.call(op="memcpy", size=size)["us"]
+                    for mode in order:
+                        key = f"x-{size}-{i}-{mode}"
+                        row[f"put {mode}"] = writer.call(op="put", key=key, size=size, copy=mode)
+                        row["memcpy (reader)"] = reader.call(op="memcpy", size=size)["us"]
+                        row[f"get_into {mode}"] = reader.call(
+                            op="get_into", key=key, size=size, copy=mode
+                        )
+                        row[f"get {mode}"] = reader.call(op="get", key=key, size=size, copy=mode)
+                        row["clone"] = reader.call(op="clone", size=size)["us"]
+                        writer.call(op="delete", key=key)
+                    if i >= warm:
+                        for k, v in row.items():
+                            sm.setdefault(k, []).append(v)
+                writer.call(op="flush")
+                res["samples"][str(size)] = sm
+            res["load_end"] = os.getloadavg()[0]
+        finally:
+            for w in (writer, reader):
+                if w is not None:
+                    w.close()
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+    return res
+
+
+def run(sizes: list[int], iters: int, busy: bool = False) -> dict[str, Any]:
+    runs = [_one(sizes, iters, False)]
+    if busy:
+        runs.append(_one(sizes, iters, True))
+    return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
+
+
+def _med(samples: list[dict[str, float]], phase: str) -> float:
+    return median(s[phase] for s in samples)
+
+
+def summarize(r: dict[str, Any]) -> dict[str, Any]:
+    """Per size and copy path: the ratios the issue's targets are stated in, from the
+    medians of the interleaved calls (and their min over calls)."""
+    out: dict[str, Any] = {}
+    rtt = r["rtt"]["p50"]
+    for size in r["sizes"]:
+        sm = r["samples"][str(size)]
+        mw, mr = median(sm["memcpy (writer)"]), median(sm["memcpy (reader)"])
+        clone = median(sm["clone"])
+        per: dict[str, Any] = {"memcpy_writer_us": mw, "memcpy_reader_us": mr, "clone_us": clone}
+        for mode in MODES:
+            put = _med(sm[f"put {mode}"], "total")
+            gin = _med(sm[f"get_into {mode}"], "total")
+            get = _med(sm[f"get {mode}"], "total")
+            per[mode] = {
+                "put_us": put,
+                "get_into_us": gin,
+                "get_us": get,
+                "vs_2_memcpys": (mw + mr) / (put + gin),
+                "vs_floor": (put + gin) / (mw + mr + rtt),
+                "get_new_vs_clone": clone / get,
+                "min_put_us": min(s["total"] for s in sm[f"put {mode}"]),
+                "min_get_into_us": min(s["total"] for s in sm[f"get_into {mode}"]),
+                "min_get_us": min(s["total"] for s in sm[f"get {mode}"]),
+            }
+        out[str(size)] = per
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    parts = []
+    for r, summ in zip(res["runs"], res["summary"], strict=True):
+        head = (
+            f"Across processes ({'busy: a CPU-bound process beside it' if r['busy'] else 'quiet'});"
+            f" load (1 min) {r['load_start']:.1f} at start, {r['load_end']:.1f} at end on "
+            f"{res['cpus']} CPUs; torch threads {r['torch_threads']}; medians of "
+            f"{r['iters']} interleaved calls per path, µs (faults: a count)"
+        )
+        body = []
+        for size in r["sizes"]:
+            sm = r["samples"][str(size)]
+            for op in ("put", "get_into", "get"):
+                for mode in MODES:
+                    s = sm[f"{op} {mode}"]
+                    body.append(
+                        [f"{op} {fmt_size(size)}", mode]
+                        + [f"{_med(s, p):.0f}" if p == "faults" else f"{_med(s, p):.1f}"
+                           for p in PHASES]
+                    )  # fmt: skip
+        lines = [head, table(["op", "copy", *PHASES], body), ""]
+        lines.append(f"raw Unix-socket ping-pong reader -> writer: p50 {r['rtt']['p50']:.1f} µs")
+        rows = []
+        for size in r["sizes"]:
+            per = summ[str(size)]
+            for mode in MODES:
+                m = per[mode]
+                rows.append([
+                    fmt_size(size), mode,
+                    f"{per['memcpy_writer_us']:.1f} / {per['memcpy_reader_us']:.1f}",
+                    f"{m['put_us']:.1f} ({m['min_put_us']:.1f})",
+                    f"{m['get_into_us']:.1f} ({m['min_get_into_us']:.1f})",
+                    f"{m['vs_2_memcpys']:.2f}x", f"{m['vs_floor']:.2f}x",
+                    f"{per['clone_us']:.1f}", f"{m['get_us']:.1f} ({m['min_get_us']:.1f})",
+                    f"{m['get_new_vs_clone']:.2f}x",
+                ])  # fmt: skip
+        lines.append(
+            table(
+                [
+                    "size", "copy", "memcpy w / r", "put (min)", "get_into (min)",
+                    "2 memcpys / put+get_into", "put+get_into / floor",
+                    "clone()", "get new (min)", "clone / get new",
+                ],
+                rows,
+            )
+        )  # fmt: skip
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
