@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import broker_stats
 from vllm.config import LoadConfig, LoRAConfig, ModelConfig, VllmConfig
 
 from lmcache_ec_broker import BrokerClient
@@ -67,7 +68,7 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     dummy, _ = probe("dummy", model, broker.socket_path)
     assert dummy["image1"]["puts_stored"] == 1
     assert "puts_stored" not in dummy["uuid"], "a client UUID keyed a shared entry"
-    entries = broker.stats()["entries"]
+    entries = broker_stats(broker.socket_path)["entries"]
     assert entries == 1
 
     # 2. The real weights (external_launcher, one rank, as colocated RL runs it):
@@ -97,9 +98,9 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     assert "puts_stored" not in tp2["image2"]
 
     # 4. vLLM numbers items: nothing looked up nor stored; one warning with the fix.
-    before = broker.stats()
+    before = broker_stats(broker.socket_path)
     numbering, text = probe("numbering", model, broker.socket_path)
-    after = broker.stats()
+    after = broker_stats(broker.socket_path)
     assert after["entries"] == before["entries"] and after["puts"] == before["puts"]
     assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])  # no lookup
     for answer in (numbering["image4"], numbering["image5"]):
