@@ -55,7 +55,8 @@ def probe(scenario: str, model: Path, socket_path: str) -> tuple[dict, str]:
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{scenario}: " + text[-6000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), text
+    (report,) = [line for line in out.stdout.splitlines() if line.startswith("{")][-1:]
+    return json.loads(report), text
 
 
 @pytest.mark.vllm
