@@ -273,12 +273,17 @@ def _digest_rank(rank: int, port: int, results) -> None:
         results[rank] = (f"DigestFailed: {exc}", time.monotonic() - t0)
     except Exception as exc:
         results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    # A worker whose digest raised stays alive (vLLM catches it): leave only once both
+    # ranks have answered, so a rank left waiting in the all-gather is seen waiting.
+    deadline = time.monotonic() + 90
+    while len(results) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     dist.destroy_process_group()
 
 
 def test_digest_never_waits_on_a_rank_that_failed():
     """Rank 1's digest raises: both ranks leave the all-gather at once with
-    DigestFailed (before: rank 0 waited in it until gloo's timeout)."""
+    DigestFailed (before: rank 0 waited in it until gloo's timeout, here 60 s)."""
     from lmcache_ec_broker.testing.ports import free_ports
 
     ctx = mp.get_context("fork")  # no re-import: seconds less
