@@ -89,7 +89,8 @@ class IdentifierPolicy:
             client_uuid_namespace = check_namespace(client_uuid_namespace)
         self._namespace = client_uuid_namespace
         # The hooks ask about one item several times per step: memoised (bounded).
-        self.item_key = functools.lru_cache(maxsize=MEMO)(self._item_key)  # type: ignore[method-assign]
+        memo = functools.lru_cache(maxsize=MEMO)(self._item_key)
+        self.item_key = memo  # type: ignore[method-assign]
         if self.numbering and log is not None:
             log.warning(
                 "EC broker: %s, so no item identifier names its content; nothing is looked up "

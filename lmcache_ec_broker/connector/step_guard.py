@@ -25,7 +25,8 @@ the scheduler's ``ECBrokerConnector`` holds) keeps these invariants:
   on what to encode), and the V2 runner with tower/connector LoRA
   (``enable_tower_connector_lora``: ``set_active_mm_loras`` builds the tower mapping
   before ``start_load_caches``, so a re-encoded item would be encoded without its
-  mapping; LoRA on the language model alone leaves loads on). The connector still saves; lookups are misses.
+  mapping; LoRA on the language model alone leaves loads on). The connector still
+  saves; lookups are misses.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def loads_off_reason(vllm_config: Any) -> str:
             v2 = False
         if v2:
             return (
-                "the V2 model runner with tower/connector LoRA builds the tower LoRA mapping before "
-                "start_load_caches: a failed load could not be re-encoded with it"
+                "the V2 model runner with tower/connector LoRA builds the tower LoRA mapping "
+                "before start_load_caches: a failed load could not be re-encoded with it"
             )
     return ""
 
