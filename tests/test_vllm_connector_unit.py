@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -879,30 +880,29 @@ WRONG = {
 
 
 @pytest.mark.parametrize("what", sorted(WRONG))
-def test_wrong_entry_is_deleted_and_the_request_encodes(pairs, broker, connector_log, what):
+def test_wrong_entry_is_a_miss_and_left_alone(pairs, broker, connector_log, what):
+    """Issue 39: an entry of another dtype/shape under this instance's key is another
+    configuration's output: a miss here (the request encodes the item), never
+    loaded, never deleted (it was deleted from every tier before)."""
     p = pairs()
     # vLLM measures the encoder's output width on producers; the width check uses it.
     p.sched._widths = {"image": HIDDEN}
-    h = f"e{what}".ljust(64, "0")
+    h = f"e{what}".encode().hex().ljust(64, "0")
     key = p.sched.key(h)
     with BrokerClient(broker.socket_path) as c:
         assert c.put(key, WRONG[what])  # under the real key
     cache: dict[str, torch.Tensor] = {}
     assert p.step(cache, [(make_request("r", h), 0)]) == set()
-    assert p.sched.invalid_deleted == 1 and p.sched.ec_misses == 1 and p.sched.ec_hits == 0
+    assert p.sched.invalid_skipped == 1 and p.sched.ec_misses == 1 and p.sched.ec_hits == 0
     assert cache == {}, "a wrong entry was loaded"
     assert any("is invalid for this model" in line for line in connector_log.lines)
     with BrokerClient(broker.socket_path) as c:
-        assert c.has([key]) == [False], "the wrong entry is still served"
-    # The request encodes the item; the right output is stored and served from then on.
-    right = embedding(40)
-    p.worker.save_caches({h: right}, h)
-    assert p.worker.puts_stored == 1
-    cache = load_cycle(p, make_request("r2", h))
-    assert torch.equal(cache[h], right)
+        assert c.has([key]) == [True], "another configuration's entry was deleted"
+        got = c.get(key)
+    assert got is not None and torch.equal(got, WRONG[what])
 
 
-def test_wrong_entry_on_disk_is_deleted_from_every_tier(pairs, make_broker, sock_dir):
+def test_wrong_entry_on_disk_is_left_on_every_tier(pairs, make_broker, sock_dir):
     b = disk_broker(make_broker, sock_dir)
     probe = pairs(socket_path=b.socket_path)
     h = "e5" * 32
@@ -915,16 +915,15 @@ def test_wrong_entry_on_disk_is_deleted_from_every_tier(pairs, make_broker, sock
     b2 = disk_broker(make_broker, sock_dir, socket_path=b.socket_path)
     p = pairs(socket_path=b2.socket_path)
     assert p.step({}, [(make_request("r", h), 0)]) == set()  # checked while PENDING
-    assert p.sched.invalid_deleted == 1 and p.sched.ec_deferred == 0
+    assert p.sched.invalid_skipped == 1 and p.sched.ec_deferred == 0
     with BrokerClient(b2.socket_path) as c:
-        assert c.has([key]) == [False]
-        assert c.stats()["disk_entries"] == 0
+        assert c.stats()["disk_entries"] == 1, "deleted from the disk tier"
 
 
-def test_wrong_entry_at_load_time_is_encoded_instead_and_deleted(pairs, broker):
+def test_wrong_entry_at_load_time_is_encoded_instead_and_left_alone(pairs, broker):
     """The scheduler saw a good entry; by the worker's load it was replaced by a wrong
-    one: the worker deletes it and the item is encoded in the same step (never run
-    on a wrong tensor, no request failed)."""
+    one: the item is encoded in the same step (never run on a wrong tensor, no
+    request failed), and the entry is not the worker's to delete."""
     p = pairs()
     h = "e6" * 32
     good = embedding(41)
@@ -943,12 +942,12 @@ def test_wrong_entry_at_load_time_is_encoded_instead_and_deleted(pairs, broker):
     cache: dict[str, torch.Tensor] = {}
     p.worker.bind_connector_metadata(shipped.ec_connector_metadata)
     p.worker.start_load_caches(cache)
-    assert p.worker.load_failures == 1 and p.worker.invalid_deleted == 1
+    assert p.worker.load_failures == 1 and p.worker.invalid_skipped == 1
     assert h not in cache and shipped.scheduled_encoder_inputs == {"r": [0]}
     p.worker.clear_connector_metadata()
     assert p.sched.take_unavailable_requests() == set()
     with BrokerClient(broker.socket_path) as c:
-        assert c.has([key]) == [False]
+        assert c.has([key]) == [True]
 
 
 # ---------------------------------- keys follow the weights (item 12)
@@ -1025,7 +1024,8 @@ def test_copies_of_one_model_agree_on_the_fingerprint(model_config, tmp_path):
 
 def test_explicit_model_name(pairs, model_config, tmp_path):
     p = pairs(model_name="qwen2-vl-tiny:2026-11")
-    assert p.sched.key("x") == "qwen2-vl-tiny:2026-11@1@0@x@bfloat16"
+    # The name replaces the file-based part; the configuration's part follows (issue 39).
+    assert re.fullmatch(r"qwen2-vl-tiny:2026-11\+c[0-9a-f]{16}@1@0@x@bfloat16", p.sched.key("x"))
     assert p.worker.key("x") == p.sched.key("x")
     with pytest.raises(ValueError, match="model_name .* contains '@'"):
         pairs(model_name="a@b")

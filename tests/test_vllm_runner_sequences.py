@@ -108,8 +108,8 @@ def assert_answers_unchanged(engine: Engine, requests) -> None:
 @pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
 def test_hit_loads_and_miss_encodes(engines, v2, async_scheduling):
     e = engines(v2=v2, async_scheduling=async_scheduling)
-    store(e, "hit" * 8)
-    requests = [make_request("a", ["hit" * 8]), make_request("b", ["miss" * 8])]
+    store(e, "ab" * 32)
+    requests = [make_request("a", ["ab" * 32]), make_request("b", ["cd" * 32])]
     for r in requests:
         e.add(r)
     e.run()
@@ -125,10 +125,10 @@ def test_failed_load_is_encoded_in_the_same_step(engines, broker, v2, async_sche
     ("apart"), the old worker wrote the re-encode into a copy of the step's
     scheduled_encoder_inputs: "Encoder cache miss" killed the engine."""
     e = engines(v2=v2, async_scheduling=async_scheduling, executor=executor)
-    x, y = "x1" * 16, "y2" * 16
+    x, y = "a1" * 32, "b2" * 32
     store(e, x, y)
     delete_when_loaded(e, broker, x)
-    requests = [make_request("a", [x, y]), make_request("bystander", ["z3" * 16])]
+    requests = [make_request("a", [x, y]), make_request("bystander", ["c3" * 32])]
     for r in requests:
         e.add(r)
     e.run()
@@ -162,7 +162,7 @@ def test_request_preempted_in_the_step_that_loads_its_item(engines, broker, v2, 
         num_blocks=7,
         tower_lora=tower_lora,
     )
-    img = "i9" * 16
+    img = "e9" * 32
     store(e, img)
     seen = []
 
@@ -219,7 +219,7 @@ def test_rewound_request_whose_inputs_the_v2_worker_released(engines, broker, ne
     e = engines(
         v2=True, next_src=next_src, max_num_batched_tokens=16, long_prefill_token_threshold=16
     )
-    img = "r7" * 16
+    img = "f7" * 32
     store(e, img)
     r = make_request("r", [img], text=4, tail=40, max_tokens=2)
     e.add(r)
@@ -260,7 +260,7 @@ def test_external_launcher_with_several_ranks_never_promises_a_load(model_config
     sched = ECBrokerConnector(config, ECConnectorRole.SCHEDULER)
     worker = ECBrokerConnector(config, ECConnectorRole.WORKER)
     try:
-        h = "e1" * 16
+        h = "e1" * 32
         worker.save_caches({h: stub_encode(h, 16)}, h)
         assert worker.puts_stored == 1
         request = make_request("r", [h])
@@ -280,15 +280,18 @@ def test_v2_runner_with_lora_never_promises_a_load():
     load would run without its mapping: no loads with LoRA on the V2 runner."""
     from types import SimpleNamespace
 
+    from vllm.config import LoRAConfig
+
     from lmcache_ec_broker.connector.step_guard import loads_off_reason
 
+    # Tower/connector LoRA only: LoRA on the language model alone keeps loads on
+    # (issue 39, tests/test_identity.py).
+    tower = LoRAConfig(enable_tower_connector_lora=True)
     parallel = SimpleNamespace(distributed_executor_backend="mp", tensor_parallel_size=2)
-    v2_lora = SimpleNamespace(
-        parallel_config=parallel, lora_config=object(), use_v2_model_runner=True
-    )
+    v2_lora = SimpleNamespace(parallel_config=parallel, lora_config=tower, use_v2_model_runner=True)
     assert "LoRA" in loads_off_reason(v2_lora)
     v1_lora = SimpleNamespace(
-        parallel_config=parallel, lora_config=object(), use_v2_model_runner=False
+        parallel_config=parallel, lora_config=tower, use_v2_model_runner=False
     )
     assert loads_off_reason(v1_lora) == ""  # V1 builds it inside _execute_mm_encoder
     v2 = SimpleNamespace(parallel_config=parallel, lora_config=None, use_v2_model_runner=True)
@@ -315,13 +318,13 @@ def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_schedulin
         v2=v2, async_scheduling=async_scheduling, pp=2, max_num_batched_tokens=24, lease_ms=300
     )
     assert e.depth == (3 if async_scheduling else 2)
-    x, y = "p1" * 32, "p2" * 32
+    x, y = "f1" * 32, "f2" * 32
     store(e, x, y)
     delete_when_loaded(e, broker, x)
     requests = [
         make_request("a", [x, y], max_tokens=3),
-        make_request("bystander", ["p3" * 32], max_tokens=3),
-        make_request("again", [y, "p4" * 32], max_tokens=2),
+        make_request("bystander", ["f3" * 32], max_tokens=3),
+        make_request("again", [y, "f4" * 32], max_tokens=2),
     ]
     for r in requests:
         e.add(r)
@@ -332,7 +335,7 @@ def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_schedulin
     reported = not e.sched_connector._inflight
     assert reported == bool(v2), "the V1 runner's EC output reached the scheduler under PP?"
     # Reports lost or not, a later request's load is promised and served.
-    z = "p5" * 32
+    z = "f5" * 32
     store(e, z)
     loads = e.worker.loads
     later = make_request("later", [z, x], text=5)  # another prompt: no prefix-cache hit

@@ -73,7 +73,7 @@ def test_worker_counters_reach_vllms_logged_ec_stats(model_config, broker, v2) -
 
     engine.scheduler.update_from_output = update_from_output
     try:
-        x, y = "x1" * 16, "y2" * 16
+        x, y = "a1" * 32, "b2" * 32  # vLLM content hashes: 64 hex digits
         for h in (x, y):  # another instance's outputs
             engine.worker.save_caches({h: stub_encode(h, 16)}, h)
 
@@ -83,7 +83,7 @@ def test_worker_counters_reach_vllms_logged_ec_stats(model_config, broker, v2) -
                     c.delete(engine.sched_connector.key(x))
 
         engine.before_worker = delete_x
-        for r in (make_request("a", [x, y]), make_request("b", ["z3" * 16])):
+        for r in (make_request("a", [x, y]), make_request("b", ["c3" * 32])):
             engine.add(r)
         engine.run()
         assert not engine.errors

@@ -45,6 +45,9 @@ from test_vllm_connector_unit import (  # noqa: E402,F401 - fixtures too
     run_worker_step,
 )
 
+# vLLM's item identifiers are content hashes: 64 hex digits (identifiers.py).
+STALE, NEW, H2 = "5a" * 32, "4e" * 32, "b2" * 32
+
 # ----------------------------------------------------------------- real engine
 
 
@@ -69,13 +72,15 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    static = model_id(str(m1))
-    assert r["static"] == static
+    static = r["static"]  # files and configuration (model_id.py)
+    assert static.startswith(model_id(str(m1)) + "+c")
 
-    # Start: scheduler and worker agree on the file-based field. (The scheduler's stats
+    # Start: the scheduler keys with the field of the weights as loaded; the worker
+    # fingerprints them before its first step's loads or stores. (The scheduler's stats
     # carry the workers' counters too, from their metadata: "puts_stored" beside
     # "w_puts_stored", the worker's own.)
-    assert r["start"] == [static, static]
+    assert r["start"] == [static, None]
+    assert r["after_first_request"] == [static, static]
     assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     assert r["again"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
     # reset_encoder_cache alone, an update of the language model only: unchanged.
@@ -166,25 +171,25 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
     p: Pair = pairs()
     stored = embedding(1)
     with BrokerClient(broker.socket_path) as c:
-        assert c.put(make_key(p.sched.model_id, "h-stale", torch.bfloat16), stored)
+        assert c.put(make_key(p.sched.model_id, STALE, torch.bfloat16), stored)
     # The worker was told (by a fingerprint) that its weights changed; the scheduler
     # still keys with the old field: the hit is encoded instead, the output not stored.
     p.worker.connector_worker.adopt_identity(p.sched.model_id + "~wdeadbeefdeadbeef")
-    req = make_request("r1", "h-stale")
+    req = make_request("r1", STALE)
     cache: dict[str, torch.Tensor] = {}
     fresh = embedding(2)
-    p.step(cache, [(req, 0)], encode={"h-stale": fresh})
+    p.step(cache, [(req, 0)], encode={STALE: fresh})
     assert p.worker.loads == 0 and p.worker.reencoded == 1
-    assert torch.equal(cache["h-stale"], fresh)
+    assert torch.equal(cache[STALE], fresh)
     assert p.worker.puts_stored == 0
 
     # Unknown field (a weight-transfer session): misses without asking, no stores.
     p.worker.connector_worker.adopt_identity(None)
     p.sched._set_field("")
     with BrokerClient(broker.socket_path) as c:
-        assert c.put(make_key(p.worker.model_id, "h-new", torch.bfloat16), embedding(3))
+        assert c.put(make_key(p.worker.model_id, NEW, torch.bfloat16), embedding(3))
     misses = p.sched.ec_misses
-    p.step({}, [(make_request("r2", "h-new"), 0)], encode={"h-new": embedding(4)})
+    p.step({}, [(make_request("r2", NEW), 0)], encode={NEW: embedding(4)})
     assert p.sched.ec_misses == misses + 1, "the scheduler answered a hit with no field"
     assert p.worker.loads == 0 and p.worker.puts_stored == 0
 
@@ -221,7 +226,7 @@ def test_tower_lora_items_are_never_looked_up_nor_stored(model_config, broker): 
     config.lora_config = LoRAConfig(enable_tower_connector_lora=True)
     p = Pair(config)
     try:
-        private = "adapter:h1"
+        private = "adapter:" + "a1" * 32
         with BrokerClient(broker.socket_path) as c:  # what another adapter of that name stored
             assert c.put(make_key(p.sched.model_id, private, torch.bfloat16), embedding(1))
         req = make_request("r1", private)
@@ -235,8 +240,8 @@ def test_tower_lora_items_are_never_looked_up_nor_stored(model_config, broker): 
         assert p.worker.loads == 0 and p.worker.puts_stored == 0
 
         # Items without an adapter are shared as always.
-        req2 = make_request("r2", "h2")
-        p.step({}, [(req2, 0)], encode={"h2": embedding(3)})
+        req2 = make_request("r2", H2)
+        p.step({}, [(req2, 0)], encode={H2: embedding(3)})
         assert p.worker.puts_stored == 1
     finally:
         p.close()

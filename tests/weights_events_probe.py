@@ -18,7 +18,6 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.ec_transfer import get_ec_transfer  # noqa: E402
 
-from lmcache_ec_broker.connector.model_id import model_id  # noqa: E402
 from lmcache_ec_broker.connector.weights_identity import encoder_parameters  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import png_data_url  # noqa: E402
 
@@ -67,7 +66,7 @@ def main() -> None:
     core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
     sched = core.scheduler.ec_connector
     worker = get_ec_transfer()
-    report: dict[str, object] = {"static": model_id(M1)}
+    report: dict[str, object] = {"static": sched.model_id}
 
     def fields() -> list[object]:
         return [sched.model_id, worker.connector_worker.identity]
@@ -91,6 +90,7 @@ def main() -> None:
 
     report["start"] = fields()
     report["first_request"] = ask(1)
+    report["after_first_request"] = fields()
     report["again"] = ask(1)
     core.reset_encoder_cache()
     report["after_reset_encoder_cache"] = fields()
@@ -115,7 +115,7 @@ def main() -> None:
     executor.collective_rpc("reload_weights", kwargs={"weights_path": M2})
     reload_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sched._watch.refresh()
+    sched.weights_watch.refresh(core)
     refresh_s = time.perf_counter() - t0
     report["after_reload_m2"] = fields()
     report["reload_s"], report["refresh_s"] = reload_s, refresh_s

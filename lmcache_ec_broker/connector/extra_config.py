@@ -24,6 +24,7 @@ KEYS = {
     "lease_ms": "how long a hit the scheduler saw is protected from eviction",
     "max_defer_s": "how long a request may wait for a promotion",
     "model_name": "the model field of the keys",
+    "client_uuid_namespace": "who may share entries keyed by client multi_modal_uuids",
     "publish_wait_ms": "how long an encoder-only producer's step waits for its entries "
     "to reach the fleet",
 }

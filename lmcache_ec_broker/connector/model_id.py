@@ -44,9 +44,16 @@ has to agree, whatever is downloaded yet):
 ``model_name`` in the connector's extra config replaces all of this: the string is
 used verbatim (a fleet that names its model versions itself).
 
+To this file-based part (or ``model_name``) the connector appends
+``+c<config>`` (:func:`config_fingerprint`): the effective configuration that decides
+the encoder's output and is in neither the files nor vLLM's mm_hash -- load format
+(``dummy`` weights!), quantization, hf overrides, remote code, server-level
+processor and media kwargs, the model class, the vLLM version (issue 39).
+
 This is the field at start. After an in-place weight update (``reload_weights``, an
-RL weight sync) it becomes ``<field>~w<fingerprint of the encoder's weights in
-memory>`` (:mod:`.weights_identity`).
+RL weight sync, ``model.load_weights`` called directly) it becomes
+``<field>~w<fingerprint of the encoder's weights in memory>``
+(:mod:`.weights_identity`).
 
 Which process computes it matters as much as what is hashed: vLLM builds a
 worker's connector before ``load_model`` downloads the weights and the
@@ -93,9 +100,17 @@ def check_model_name(name: object) -> str:
     return name
 
 
-def model_id(model: str, revision: str | None = None, explicit: str | None = None) -> str:
-    """The model field of every key this instance reads and writes (see the module doc).
-    Reads the model's files: call it once the weights are in place."""
+def model_id(
+    model: str,
+    revision: str | None = None,
+    explicit: str | None = None,
+    config: str | None = None,
+) -> str:
+    """The model field of every key this instance reads and writes (see the module doc):
+    with ``config`` (:func:`config_fingerprint`), followed by ``+c<config>``. Reads the
+    model's files: call it once the weights are in place."""
+    if config is not None:
+        return with_config(model_id(model, revision, explicit), config)
     if explicit is not None:
         return check_model_name(explicit)
     path = Path(model).expanduser()
@@ -125,7 +140,9 @@ def _cached_repo_id(path: Path) -> str | None:
     ``--``, so the folder name maps back to exactly one id."""
     repo = path.parent.parent.name
     if not (
-        COMMIT.fullmatch(path.name) and path.parent.name == "snapshots" and repo.startswith("models--")
+        COMMIT.fullmatch(path.name)
+        and path.parent.name == "snapshots"
+        and repo.startswith("models--")
     ):
         return None
     return repo.removeprefix("models--").replace("--", "/", 1)
@@ -215,3 +232,104 @@ def _hash_safetensors(h: hashlib._Hash, fd: int, size: int) -> bool:
         for off in (start, start + (end - start) // 2):
             h.update(os.pread(fd, min(TENSOR_SAMPLE, max(end - off, 0)), base + off))
     return True
+
+
+# ------------------------------------------------------------------ configuration
+
+CONFIG_TAG = "lmcache-ec-config-v1"
+
+
+def _stable(value: object) -> object:
+    """A JSON-able, process-independent form of a config value (a callable by its
+    qualified name: its repr would carry an address)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _stable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_stable(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return _stable(to_dict())
+        except Exception:  # a config object that cannot dump itself
+            pass
+    return str(value)
+
+
+def _model_class(model_config: object) -> str:
+    """The class vLLM runs the model with (``module.qualname``), else the architectures."""
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        cls, _ = ModelRegistry.resolve_model_cls(architectures, model_config)
+        return f"{cls.__module__}.{cls.__qualname__}"
+    except Exception:  # a registry that cannot resolve here: the names still separate
+        return ",".join(architectures)
+
+
+def _remote_code(model: str, trust_remote_code: bool) -> str:
+    """A digest of the model directory's Python files when remote code runs (the
+    modelling code is then the model's own, not vLLM's)."""
+    if not trust_remote_code:
+        return ""
+    root = Path(model).expanduser()
+    if not root.is_dir():
+        return "hub"  # the hub commit (the file part) names the code too
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and (root / name).is_file():
+            data = (root / name).read_bytes()
+            h.update(f"{name} {len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()[:FINGERPRINT_HEX]
+
+
+def config_parts(vllm_config: object) -> dict[str, object]:
+    """Every part of the effective configuration that decides the encoder's output
+    and is in neither the weight files nor vLLM's mm_hash (docs/design.md, "Keys",
+    says why each is there). Not in it, on purpose: tensor/pipeline/data parallel
+    sizes, the executor, the EC role, ``--mm-encoder-only``, attention backends,
+    batch sizes, the KV cache (same computation, so instances that differ in them
+    keep sharing); the dtype (its own field of the key)."""
+    import vllm
+
+    mc = getattr(vllm_config, "model_config", None)
+    mm = getattr(mc, "multimodal_config", None)
+    load = getattr(vllm_config, "load_config", None)
+    model = str(getattr(mc, "model", ""))
+    trust = bool(getattr(mc, "trust_remote_code", False))
+    return {
+        "vllm": getattr(vllm, "__version__", "?"),
+        "model_class": _model_class(mc) if mc is not None else "",
+        "load_format": _stable(getattr(load, "load_format", None)),
+        "model_loader_extra_config": _stable(getattr(load, "model_loader_extra_config", None)),
+        "quantization": _stable(getattr(mc, "quantization", None)),
+        "hf_overrides": _stable(getattr(mc, "hf_overrides", None)),
+        "model_class_overrides": _stable(getattr(mc, "model_class_overrides", None)),
+        "trust_remote_code": trust,
+        "remote_code": _remote_code(model, trust),
+        "code_revision": _stable(getattr(mc, "code_revision", None)),
+        "mm_processor_kwargs": _stable(getattr(mm, "mm_processor_kwargs", None)),
+        "media_io_kwargs": _stable(getattr(mm, "media_io_kwargs", None)),
+        "mm_device_do_normalize": _stable(getattr(mm, "mm_device_do_normalize", None)),
+        "mm_encoder_attn_dtype": _stable(getattr(mm, "mm_encoder_attn_dtype", None)),
+        "mm_encoder_fp8_scale_path": _stable(getattr(mm, "mm_encoder_fp8_scale_path", None)),
+        "video_pruning_rate": _stable(getattr(mm, "video_pruning_rate", None)),
+        "video_pruning_method": _stable(getattr(mm, "video_pruning_method", None)),
+    }
+
+
+def config_fingerprint(vllm_config: object) -> str:
+    """Short hex digest of :func:`config_parts`."""
+    text = json.dumps(config_parts(vllm_config), sort_keys=True, default=str)
+    return hashlib.sha256(f"{CONFIG_TAG}\0{text}".encode()).hexdigest()[:FINGERPRINT_HEX]
+
+
+def with_config(field: str, config: str) -> str:
+    """The model field: the file-based part (or ``model_name``) and the configuration's."""
+    return f"{field}+c{config}"

@@ -22,9 +22,11 @@ the scheduler's ``ECBrokerConnector`` holds) keeps these invariants:
 - **No load at all where a re-encode cannot be made consistent** (decided at
   start-up, ``loads_off_reason``): ``external_launcher`` with more than one rank
   (every rank runs its own scheduler and its own lookups, so ranks could disagree
-  on what to encode), and the V2 runner with LoRA (``set_active_mm_loras`` builds
-  the tower mapping before ``start_load_caches``, so a re-encoded item would be
-  encoded without its mapping). The connector still saves; lookups are misses.
+  on what to encode), and the V2 runner with tower/connector LoRA
+  (``enable_tower_connector_lora``: ``set_active_mm_loras`` builds the tower mapping
+  before ``start_load_caches``, so a re-encoded item would be encoded without its
+  mapping; LoRA on the language model alone leaves loads on). The connector still
+  saves; lookups are misses.
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ def loads_off_reason(vllm_config: Any) -> str:
             "external_launcher runs one scheduler per rank: their lookups could disagree "
             "on which items to encode"
         )
-    if getattr(vllm_config, "lora_config", None) is not None:
+    lora = getattr(vllm_config, "lora_config", None)
+    # Only tower/connector LoRA changes the encoder's output (issue 39): with LoRA on the
+    # language model alone the V2 runner's tower mapping is empty and loads are safe.
+    if lora is not None and getattr(lora, "enable_tower_connector_lora", False):
         try:
             v2 = bool(vllm_config.use_v2_model_runner)
         except Exception:  # an older vLLM without the V2 runner
             v2 = False
         if v2:
             return (
-                "the V2 model runner with LoRA builds the tower LoRA mapping before "
-                "start_load_caches: a failed load could not be re-encoded with it"
+                "the V2 model runner with tower/connector LoRA builds the tower LoRA mapping "
+                "before start_load_caches: a failed load could not be re-encoded with it"
             )
     return ""
 

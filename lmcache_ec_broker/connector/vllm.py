@@ -19,10 +19,13 @@ timed out is probed in the background), ``lease_ms`` (30000: how long a hit the
 scheduler saw is protected from eviction if nothing releases it earlier),
 ``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
 from a lower tier before they are encoded instead), ``model_name`` (the model field
-of the keys; default: the model path plus a fingerprint of its weights and
-configuration, see :mod:`lmcache_ec_broker.connector.model_id`; after an in-place
-weight update, plus a fingerprint of the encoder's weights in memory, see
-:mod:`lmcache_ec_broker.connector.weights_identity`), ``publish_wait_ms`` (2000; an
+of the keys, followed by the configuration's fingerprint; default: the model path
+plus a fingerprint of its weights, see :mod:`lmcache_ec_broker.connector.model_id`;
+after an in-place weight update, plus a fingerprint of the encoder's weights in
+memory, see :mod:`lmcache_ec_broker.connector.weights_identity`),
+``client_uuid_namespace`` (unset: client ``multi_modal_uuids`` are never shared; set:
+shared among instances with the same namespace, see
+:mod:`lmcache_ec_broker.connector.identifiers`), ``publish_wait_ms`` (2000; an
 ``ec_producer`` only: the longest a step waits for its entries to reach the fleet,
 0 = no wait; below).
 
@@ -46,9 +49,9 @@ Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
   (mirrored from ``update_state_after_alloc`` and the step's freed hashes).
   READY with the expected dtype and shape: a hit. PENDING (being promoted from
   the disk tier): the request waits for a later step, so the worker's load never
-  waits on a promotion. A wrong dtype or shape: the entry is deleted from every
-  tier, counted, and this request encodes the item. Answers are memoised for the
-  step.
+  waits on a promotion. A wrong dtype or shape: a miss, counted, and this request
+  encodes the item; the entry is left alone (never deleted: it is another
+  configuration's). Answers are memoised for the step.
 - scheduler ``has_cache_item`` answers from that memo (asking the broker itself
   only if vLLM did not call the hook above); ``update_state_after_alloc`` queues
   exactly the items answered True.
@@ -98,7 +101,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from lmcache_ec_broker.connector.client import BrokerClient
 from lmcache_ec_broker.connector.extra_config import check_extra_config
-from lmcache_ec_broker.connector.model_id import check_model_name, model_id
+from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
+from lmcache_ec_broker.connector.model_id import (
+    check_model_name,
+    config_fingerprint,
+    model_id,
+    with_config,
+)
 from lmcache_ec_broker.connector.step_guard import StepGuard
 from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
@@ -111,7 +120,11 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     make_key,
 )
 from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker, logger
-from lmcache_ec_broker.connector.weights_identity import EngineWatch
+from lmcache_ec_broker.connector.weights_identity import (
+    EngineWatch,
+    track_model_loads,
+    watch_engine_calls,
+)
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -223,28 +236,37 @@ class ECBrokerConnector(ECConnectorBase):
                 f"(got lease_ms={self._lease_ms}, max_defer_s={self._max_defer_s})"
             )
         model_config = vllm_config.model_config
-        self._model_source = (str(model_config.model), getattr(model_config, "revision", None))
+        # The effective configuration is part of the field (model_id.config_parts).
+        config = config_fingerprint(vllm_config)
+        self._model_source = (
+            str(model_config.model),
+            getattr(model_config, "revision", None),
+            None,
+            config,
+        )
         explicit = extra("model_name", None)
         # The scheduler is the one source of the model field: vLLM builds it after the
         # workers' load_model (the weights are downloaded by then), a worker before, so
         # a worker never computes it here; it keys with the field of each step's
         # metadata (see model_id).
         self._model: str | None = (
-            check_model_name(explicit)
+            with_config(check_model_name(explicit), config)
             if explicit is not None
             else model_id(*self._model_source)
             if role == ECConnectorRole.SCHEDULER
             else None
         )
+        # Which item identifiers name their content (identifiers.py): only those key
+        # shared entries; client UUIDs only under an explicit namespace.
+        self._ids = IdentifierPolicy(
+            vllm_config,
+            extra("client_uuid_namespace", None),
+            logger if role == ECConnectorRole.SCHEDULER else None,
+        )
         # The field follows the weights in memory (weights_identity.py). Scheduler:
         # the field it keys with now, "" while unknown (misses, no loads, no stores).
         # Worker: its part's identity (vllm_worker.py).
         self._field = self._model or ""
-        # Tower/connector LoRA: vLLM prefixes such items' identifiers with the
-        # adapter's *name* ("name:mm_hash"); a name says nothing about the adapter's
-        # weights, so these items are never looked up nor stored.
-        lora_config = getattr(vllm_config, "lora_config", None)
-        self._tower_lora = bool(getattr(lora_config, "enable_tower_connector_lora", False))
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
         sched = getattr(vllm_config, "scheduler_config", None)
@@ -269,7 +291,7 @@ class ECBrokerConnector(ECConnectorBase):
         self.ec_misses = 0
         self.ec_deferred = 0  # steps a request waited for a promotion
         self.promotion_failures = 0  # waited for a promotion that did not come: encoded
-        self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
+        self.invalid_skipped = 0  # entries of the wrong dtype/shape: misses, left alone
         self._reported: dict[str, int] = {}
         # Worker counters summed from the workers' metadata (scheduler role only): the
         # one route to vLLM's EC stats on the V1 runner too (vllm_worker.py says why).
@@ -316,17 +338,21 @@ class ECBrokerConnector(ECConnectorBase):
                 delete_invalid=self._delete_invalid,
                 private=self._private,
                 publish_wait_ms=self._publish_wait_ms,
+                item_key=self._ids.item_key,
             )
+            track_model_loads(model_config)  # weight changes seen where they happen
 
-        # Last: the watch fingerprints the workers at once and may set the field.
-        self._watch: EngineWatch | None = None
+        # The engine core's weight-changing calls refresh the field at once
+        # (weights_identity.py); the workers also report changes they see themselves.
+        self.weights_watch: EngineWatch | None = None
         if role == ECConnectorRole.SCHEDULER and self._model is not None:
-            self._watch = EngineWatch.attach(self._model, self._set_field)
-            if self._watch is None:
+            self.weights_watch = EngineWatch(self._model, self._set_field)
+            if not watch_engine_calls():
                 logger.warning(
-                    "EC broker: not running inside a vLLM engine core; the model field "
-                    "of the keys will not follow in-place weight updates"
+                    "EC broker: no vLLM engine core here; the model field of the keys "
+                    "follows only the weight changes the workers see"
                 )
+            logger.info("EC broker: model field of the keys is %s", self._model)
 
     # ------------------------------------------------------------------ helpers
 
@@ -356,16 +382,19 @@ class ECBrokerConnector(ECConnectorBase):
         self._inflight.clear()
         if old and held and self._client is not None and self._client_pid == os.getpid():
             try:
-                self._client.unlease([make_key(old, h, self._dtype) for h in held])
+                self._client.unlease(
+                    [make_key(old, self._ids.item_key(h) or h, self._dtype) for h in held]
+                )
             except Exception as exc:  # leases also end on their own (lease_ms)
                 logger.warning("EC broker unlease failed: %s", exc)
 
     def _private(self, identifier: str) -> bool:
-        """An item whose embedding depends on a tower LoRA adapter (never shared)."""
-        return self._tower_lora and ":" in identifier
+        """An identifier that does not name the item's content, or a tower LoRA
+        adapter's item: never looked up nor stored (identifiers.py)."""
+        return self._ids.item_key(identifier) is None
 
     def key(self, mm_hash: str) -> str:
-        return make_key(self.model_id, mm_hash, self._dtype)
+        return make_key(self.model_id, self._ids.item_key(mm_hash) or mm_hash, self._dtype)
 
     def _width(self, modality: str) -> int | None:
         """The encoder's output width for ``modality``, if vLLM told it."""
@@ -468,19 +497,19 @@ class ECBrokerConnector(ECConnectorBase):
         return ""
 
     def _delete_invalid(self, bad: list[tuple[str, str]]) -> None:
-        """Delete wrong entries from every tier of the broker, so no later request
-        trips over them either; the item is then encoded and stored again."""
+        """An entry whose dtype or shape this instance would not have computed: a miss
+        here, and left alone. It is another configuration's entry (issue 39: an
+        instance never deletes what another stored -- the model field separates
+        configurations, so this is rare); bytes that do not match their checksum are
+        the broker's to quarantine, not the connector's."""
         for mm_hash, why in bad:
             logger.warning(
-                "EC broker entry for mm_hash=%s is invalid for this model (%s): deleted",
+                "EC broker entry for mm_hash=%s is invalid for this model (%s): encoded "
+                "here instead; the entry is left alone (another configuration's)",
                 mm_hash,
                 why,
             )
-        try:
-            self.client.delete_many([self.key(h) for h, _ in bad])
-        except Exception as exc:  # never take the engine down
-            logger.warning("EC broker delete failed: %s", exc)
-        self.invalid_deleted += len(bad)
+        self.invalid_skipped += len(bad)
 
     # ------------------------------------------------------------------- worker
     # vLLM calls these on the worker role only: forwards to the worker part.
@@ -725,6 +754,9 @@ class ECBrokerConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if not isinstance(meta, ECBrokerWorkerMetadata):
             return
+        watch = self.weights_watch
+        if meta.identity is not None and not (watch is not None and watch.in_session):
+            self._set_field(meta.identity)  # the workers saw their weights change
         for name, delta in meta.counts.items():
             if name in STAT_FIELDS:
                 self._from_workers[name] = self._from_workers.get(name, 0) + delta

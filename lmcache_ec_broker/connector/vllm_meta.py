@@ -68,12 +68,18 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     done: set[str] = field(default_factory=set)
     # worker counter deltas since the last metadata (WORKER_STAT_FIELDS, broker_timeouts)
     counts: dict[str, int] = field(default_factory=dict)
+    # the model field the worker found its weights under (weights_identity.py), when it
+    # changed since its last metadata; "" = unknown. The scheduler adopts it.
+    identity: str | None = None
 
     def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
         # TP ranks load the same hashes in the same step: a union, not a sum. Counters
         # are summed over ranks, as vLLM sums the V2 runner's per-worker stats.
         if isinstance(other, ECBrokerWorkerMetadata):
             self.done |= other.done
+            if other.identity is not None:  # ranks that disagree: unknown (misses)
+                same = self.identity in (None, other.identity)
+                self.identity = other.identity if same else ""
             for name, delta in other.counts.items():
                 self.counts[name] = self.counts.get(name, 0) + delta
         return self
@@ -95,7 +101,7 @@ STAT_FIELDS = (
     "ec_misses",
     "ec_deferred",
     "promotion_failures",
-    "invalid_deleted",
+    "invalid_skipped",
     *WORKER_STAT_FIELDS,
     "broker_timeouts",
 )

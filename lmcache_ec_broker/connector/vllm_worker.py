@@ -37,6 +37,7 @@ from lmcache_ec_broker.connector.vllm_meta import (
     dtype_short_name,
     make_key,
 )
+from lmcache_ec_broker.connector.weights_identity import TRACKER, DigestFailed, settle_field
 from lmcache_ec_broker.protocol import PublishState
 
 # The connector's one logger (vllm.py uses it too): vLLM's handler and format.
@@ -69,6 +70,7 @@ class ECBrokerWorker:
         delete_invalid: Callable[[list[tuple[str, str]]], None],
         private: Callable[[str], bool],
         publish_wait_ms: int = 0,
+        item_key: Callable[[str], str | None] | None = None,
     ) -> None:
         self.is_producer = is_producer
         self._dtype = dtype
@@ -83,10 +85,14 @@ class ECBrokerWorker:
         self._mismatch = mismatch
         self._delete_invalid = delete_invalid
         self._private = private
+        self._item_key = item_key  # identifiers.IdentifierPolicy.item_key
         # The field this worker's last fingerprint gave (None until the scheduler
         # asked: weights_identity.worker_identity), and the first fingerprint.
         self.identity: str | None = None
-        self._weights_baseline: str | None = None
+        self._weights_baseline: str | None = None  # untracked models only (first digest)
+        self._weights_seen = 0  # weights_identity.TRACKER.version last fingerprinted
+        self._identity_told: str | None = None  # the identity last sent to the scheduler
+        self._base: str | None = None  # the field of the weights as loaded
         self._unsaved: set[str] = set()  # put while the broker was away (<= MAX_UNSAVED)
         self._done_this_step: set[str] = set()  # reported to the scheduler (leases end)
         self._publish_wait_ms = publish_wait_ms  # > 0: a pure producer's steps publish
@@ -120,13 +126,54 @@ class ECBrokerWorker:
         return self._model
 
     def key(self, mm_hash: str) -> str:
-        return make_key(self.model_id, mm_hash, self._dtype)
+        item = self._item_key(mm_hash) if self._item_key is not None else mm_hash
+        return make_key(self.model_id, item or mm_hash, self._dtype)
 
-    def weights_baseline(self, digest: str) -> str:
-        """The fingerprint of the weights as loaded: the first one this worker saw."""
-        if self._weights_baseline is None:
-            self._weights_baseline = digest
-        return self._weights_baseline
+    def base_field(self) -> str:
+        """The field of the weights as loaded (files and configuration, or
+        ``model_name``): what the scheduler keys with before any weight change."""
+        if self._base is None:
+            self._base = self._model if self._model is not None else model_id(*self._model_source)
+        return self._base
+
+    def check_weights(self) -> None:
+        """Before a step's loads or stores: fingerprint again if ``load_weights`` ran on
+        the model since the last fingerprint (an integer compare otherwise). Every TP
+        rank runs the same hooks in the same step, and vLLM and RL frameworks call
+        ``load_weights`` on every rank: the ranks reach the digest's all-gather together."""
+        model = TRACKER.model
+        if model is None or TRACKER.version == self._weights_seen:
+            return
+        self.refresh_identity(model, self.base_field())
+
+    def refresh_identity(self, model: Any, base: str) -> str:
+        """Fingerprint ``model`` now (every TP rank together), key with the field it
+        gives and return it ("" if a rank could not fingerprint: no loads, no stores)."""
+        version = TRACKER.version
+        if model is TRACKER.model:
+            baseline = TRACKER.baseline
+        else:  # a model the loaders' wrapper did not see: the first digest is the baseline
+            if self._weights_baseline is None:
+                try:
+                    from lmcache_ec_broker.connector.weights_identity import local_digest
+
+                    self._weights_baseline = local_digest(model)
+                except Exception:
+                    self._weights_baseline = None
+            baseline = self._weights_baseline
+        try:
+            field = settle_field(model, base, baseline) or base
+        except DigestFailed as exc:
+            logger.error("EC broker: %s; no loads or stores until it can", exc)
+            field = ""
+        self._weights_seen = version
+        # Outputs waiting for a broker outage to end were computed by other weights:
+        # adopt_identity drops them when the field changes.
+        if self.adopt_identity(field):
+            logger.info(
+                "EC broker: model field of this worker's keys is now %s", field or "unknown"
+            )
+        return field
 
     def adopt_identity(self, field: str | None) -> bool:
         """Key with ``field`` from now on; True if it changed. Outputs waiting for a
@@ -149,6 +196,7 @@ class ECBrokerWorker:
     # ------------------------------------------------------------------- hooks
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        self.check_weights()
         metadata = self._bound_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
         if not metadata.loads:
@@ -267,6 +315,7 @@ class ECBrokerWorker:
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
+        self.check_weights()
         if not self.is_producer or not self.keys_agree() or self._private(mm_hash):
             return
         if self._put(encoder_cache, mm_hash) is None:
@@ -278,6 +327,7 @@ class ECBrokerWorker:
     def start_save_caches(self, **kwargs: Any) -> None:
         """vLLM >= 0.31, every step on producers: retry outputs encoded while the
         broker was away (a no-op in microseconds while it still is)."""
+        self.check_weights()
         encoder_cache = kwargs.get("encoder_cache")
         if not self._unsaved or not self.is_producer or encoder_cache is None:
             return
@@ -359,7 +409,9 @@ class ECBrokerWorker:
                 ", ".join(f"mm_hash={h}" for h in bad[:8]),
             )
 
-    def build_connector_worker_meta(self, broker_timeouts: int = 0) -> ECBrokerWorkerMetadata | None:
+    def build_connector_worker_meta(
+        self, broker_timeouts: int = 0
+    ) -> ECBrokerWorkerMetadata | None:
         """The step's handled hashes and the counters' deltas since the last call.
 
         The counters go to vLLM's EC stats this way, through the scheduler's connector
@@ -373,10 +425,13 @@ class ECBrokerWorker:
         now["broker_timeouts"] = broker_timeouts
         told = self._told
         counts = {k: v - told.get(k, 0) for k, v in now.items() if v != told.get(k, 0)}
-        if not self._done_this_step and not counts:
+        # A field this worker found itself (check_weights): the scheduler adopts it.
+        identity = self.identity if self.identity != self._identity_told else None
+        if not self._done_this_step and not counts and identity is None:
             return None
         self._told = now
-        meta = ECBrokerWorkerMetadata(done=self._done_this_step, counts=counts)
+        self._identity_told = self.identity
+        meta = ECBrokerWorkerMetadata(done=self._done_this_step, counts=counts, identity=identity)
         self._done_this_step = set()
         return meta
 

@@ -1,44 +1,64 @@
-"""The key's model field follows the weights in memory, not only the files (issue 28).
+"""The key's model field follows the weights in memory, not only the files (issues 28, 39).
 
 vLLM changes weights while it serves: ``reload_weights`` (``POST /collective_rpc``),
 any ``collective_rpc`` that calls ``model.load_weights`` (RL frameworks' worker
-extensions), the weight-transfer API (``start_weight_update`` ->
+extensions), ``model.load_weights`` called directly on the worker (colocated RL with
+``external_launcher``), the weight-transfer API (``start_weight_update`` ->
 ``update_weights`` -> ``finish_weight_update``), sleep level 2 + ``wake_up``. The
 connector's hooks see none of that, so:
 
 - **Workers fingerprint the multimodal encoder's parameters in memory**
-  (:func:`weights_digest`): every parameter outside ``get_language_model()``, read
+  (:func:`local_digest`): every parameter outside ``get_language_model()``, read
   as 16-bit words and reduced on the device with integer sums (exact, so equal
   weights give equal digests whatever the GPU and reduction order), combined on the
-  host with each tensor's name, dtype and shape; under tensor parallelism the ranks'
-  digests are all-gathered and combined, so every rank holds one digest.
-- **The scheduler asks them, right after every engine call that may have changed
-  weights** (:class:`EngineWatch`): it wraps the engine core's ``collective_rpc``,
-  ``reset_encoder_cache`` and ``wake_up`` (the instance's attributes, so vLLM's
-  utility dispatch and its own internal calls both reach the wrappers) and, after the
-  call, runs :func:`worker_identity` on every worker through the executor's
-  ``collective_rpc`` -- between steps, where vLLM itself runs such calls. Workers
-  and scheduler adopt the answer together, before the next step is scheduled.
-- The model field is ``<field>`` (the file-based one, :mod:`.model_id`) while the
-  encoder's digest equals the one taken right after ``load_model``, and
-  ``<field>~w<digest>`` otherwise. So instances still on the old weights keep their
-  entries, instances that reach equal weights share theirs, and going back to the
-  original weights finds the original entries.
+  host with each tensor's name, dtype and shape.
+- **Each worker sees weight changes where they happen** (:class:`WeightsTracker`,
+  one per worker process): the connector's worker part wraps the model loaders'
+  ``load_model`` (class attributes, once per process, before vLLM loads the model),
+  so it holds the model vLLM loaded, fingerprints it right after the load (the
+  *baseline*, per rank, no collective) and wraps that model's ``load_weights`` (the
+  instance attribute, which every loader, ``reload_weights``, the weight-transfer
+  engines' fallback path and RL code call) to count versions. Before each step's
+  loads or stores the worker compares that count with the one it last
+  fingerprinted (an integer compare: nothing else per step) and, if it moved,
+  fingerprints again (:func:`settle_field`, every TP rank together: the step's
+  hooks run on all of them) and reports its field to the scheduler with the step's
+  worker metadata. A step whose worker changed its field neither loads nor stores
+  (the fields differ: ``ECBrokerWorker.keys_agree``), and the scheduler adopts the
+  new field before the next step.
+- **The scheduler also refreshes at once after engine calls that may change
+  weights** (:class:`EngineWatch`): ``EngineCore.collective_rpc``,
+  ``reset_encoder_cache`` and ``wake_up`` are wrapped once per process on the class
+  (vLLM's utility dispatch and its own internal calls reach them; the engine passes
+  itself, nothing walks caller frames); after the call the scheduler's connector runs
+  :func:`worker_identity` on every worker through the executor's
+  ``collective_rpc`` -- between steps, where vLLM itself runs such calls -- so the
+  very next step keys with the new field, and updates that write parameters without
+  ``load_weights`` (a weight-transfer engine's direct path) are seen too.
+- The model field is ``<field>`` (:mod:`.model_id`: files and configuration) while
+  every rank's encoder digest equals its baseline, and ``<field>~w<digest>``
+  otherwise (the ranks' digests combined). So instances still on the old weights
+  keep their entries, instances that reach equal weights (and the same TP layout)
+  share theirs, and going back to the original weights finds the original entries.
 - Inside a weight-transfer session (``start_weight_update`` until
-  ``finish_weight_update``) and while the engine sleeps, the field is unknown: the
-  scheduler answers misses without asking the broker, and workers neither load nor
-  store (``ECBrokerConnectorMetadata.model == ""``).
+  ``finish_weight_update``) and while the engine sleeps, the scheduler's field is
+  unknown: it answers misses without asking the broker, and workers neither load
+  nor store (``ECBrokerConnectorMetadata.model == ""``).
+- The digest's all-gather never waits on a rank that failed: each rank computes its
+  digest inside a ``try`` and always joins the all-gather with a "failed" flag; a
+  failure anywhere makes every rank raise :class:`DigestFailed` (the field is then
+  unknown: misses, no stores), never a hang.
 
-The cost is one digest of the encoder per weight-changing call (milliseconds; see
-docs/design.md, "Keys") and nothing per request or step.
+The cost is one digest of the encoder per load and per weight change (milliseconds;
+see docs/design.md, "Keys") and one integer compare per step.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +223,10 @@ def local_digest(model: nn.Module) -> str | None:
     return h.hexdigest()[:DIGEST_HEX]
 
 
+class DigestFailed(RuntimeError):
+    """A rank could not fingerprint its encoder (raised on every rank alike)."""
+
+
 def _tp_group() -> Any | None:
     try:
         from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
@@ -214,23 +238,56 @@ def _tp_group() -> Any | None:
     return group if group.world_size > 1 else None
 
 
-def weights_digest(model: nn.Module) -> str | None:
-    """The encoder's digest, the same on every rank of the TP group (all ranks must
-    call it together: it all-gathers over the group's CPU group)."""
-    mine = local_digest(model)
+def _word(digest: str | None) -> int:
+    return int(digest, 16) - (1 << 63) if digest is not None else 0
+
+
+def settle_field(model: nn.Module, base: str, baseline: str | None) -> str | None:
+    """The model field for the weights ``model`` holds now, the same on every rank of
+    the TP group (all ranks must call it together: it all-gathers over the group's
+    CPU group). ``baseline``: this rank's digest right after the load (None: unknown,
+    then any digest counts as changed). None: no rank has an encoder.
+
+    Invariant: every rank reaches the all-gather, whatever its own digest did; a
+    failure on any rank raises DigestFailed on all of them."""
+    failure: BaseException | None = None
+    try:
+        mine = local_digest(model)
+    except Exception as exc:  # joins the all-gather anyway, flagged
+        mine, failure = None, exc
+    changed = mine is not None and mine != baseline
     group = _tp_group()
     if group is None:
-        return mine
-    word = int(mine, 16) - (1 << 63) if mine is not None else 0
-    flags = torch.tensor([word, int(mine is not None)], dtype=torch.int64)
+        if failure is not None:
+            raise DigestFailed(f"cannot fingerprint the encoder: {failure!r}") from failure
+        return None if mine is None else field_for(base, baseline, mine)
+    flags = torch.tensor(
+        [_word(mine), int(mine is not None), int(changed), int(failure is not None)],
+        dtype=torch.int64,
+    )
     gathered = [torch.zeros_like(flags) for _ in range(group.world_size)]
     torch.distributed.all_gather(gathered, flags, group=group.cpu_group)
+    failed = [rank for rank, g in enumerate(gathered) if int(g[3])]
+    if failed:
+        raise DigestFailed(
+            f"TP rank(s) {failed} could not fingerprint the encoder"
+            + (f" (here: {failure!r})" if failure is not None else "")
+        ) from failure
     if not any(int(g[1]) for g in gathered):
         return None
+    if not any(int(g[2]) for g in gathered):
+        return base
     h = hashlib.sha256(_DIGEST_TAG + b"tp\0")
     for g in gathered:
         h.update(f"{int(g[0])}:{int(g[1])}\0".encode())
-    return h.hexdigest()[:DIGEST_HEX]
+    return f"{base}~w{h.hexdigest()[:DIGEST_HEX]}"
+
+
+def weights_digest(model: nn.Module) -> str | None:
+    """The encoder's digest, the same on every rank of the TP group (all ranks must
+    call it together). Raises DigestFailed on every rank if any rank failed."""
+    field = settle_field(model, "", None)
+    return None if field is None else field.rpartition("~w")[2]
 
 
 def field_for(base: str, baseline: str | None, digest: str | None) -> str:
@@ -243,108 +300,167 @@ def field_for(base: str, baseline: str | None, digest: str | None) -> str:
 # ------------------------------------------------------------------ worker side
 
 
+class WeightsTracker:
+    """This worker process's view of the model vLLM loaded (one per process: the
+    loaders are wrapped on their classes). Owns the model reference, the baseline
+    digest per load and the count of ``load_weights`` calls since.
+
+    Invariants: ``version`` only grows; it moves after every ``load_weights`` call
+    on the tracked model (returned or raised: a failed load may have written part of
+    the weights) and after every new model load; ``baseline`` is this rank's digest
+    right after the tracked model was loaded."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.baseline: str | None = None
+        self.version = 0
+        self._target: tuple[str, tuple[str, ...]] | None = None
+        self._lock = threading.Lock()
+
+    def target(self, model_config: Any) -> None:
+        """Track only the model of this configuration (not a draft model)."""
+        self._target = _model_key(model_config)
+
+    def loaded(self, model: nn.Module, model_config: Any) -> None:
+        if self._target is not None and _model_key(model_config) != self._target:
+            return
+        try:
+            baseline = local_digest(model)
+        except Exception as exc:  # then the first refresh's digest counts as changed
+            log.warning("EC broker: cannot fingerprint the encoder at load (%s)", exc)
+            baseline = None
+        original = model.load_weights
+
+        @functools.wraps(original)
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.bump()
+
+        model.load_weights = load_weights  # type: ignore[method-assign]
+        with self._lock:
+            self.model, self.baseline = model, baseline
+            self.version += 1
+
+    def bump(self) -> None:
+        with self._lock:
+            self.version += 1
+
+
+def _model_key(model_config: Any) -> tuple[str, tuple[str, ...]]:
+    return (
+        str(getattr(model_config, "model", "")),
+        tuple(getattr(model_config, "architectures", None) or ()),
+    )
+
+
+TRACKER = WeightsTracker()
+_LOADERS_WRAPPED = False
+
+
+def track_model_loads(model_config: Any) -> None:
+    """Wrap every model loader's ``load_model`` on its class (once per process), so
+    ``TRACKER`` learns of each model vLLM loads here. The worker's connector is built
+    before ``load_model`` runs, so the load at start is seen."""
+    global _LOADERS_WRAPPED
+    TRACKER.target(model_config)
+    if _LOADERS_WRAPPED:
+        return
+    try:
+        import vllm.model_executor.model_loader  # noqa: F401 - registers the loaders
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    except ImportError:  # pragma: no cover - a vLLM without the loader classes
+        return
+    _LOADERS_WRAPPED = True
+    seen: set[type] = set()
+    todo: list[type] = [BaseModelLoader]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        if "load_model" in cls.__dict__:
+            _wrap_load_model(cls)
+
+
+def _wrap_load_model(cls: type) -> None:
+    original = cls.__dict__["load_model"]
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        model = original(self, *args, **kwargs)
+        # Only the outermost call: a subclass that calls super().load_model() gets
+        # the model back here first, then once more in its own wrapper.
+        model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+        if getattr(model, "_lmcache_ec_tracked", False) is False:
+            try:
+                model._lmcache_ec_tracked = True
+            except Exception:
+                pass
+            TRACKER.loaded(model, model_config)
+        return model
+
+    cls.load_model = load_model
+
+
 def worker_identity(worker: Any, base: str) -> str | None:
     """Run on every worker by the scheduler (``collective_rpc``): fingerprint the
-    encoder now, set this worker's connector's model field, return it. The first
-    call (at the scheduler's start, weights as loaded from the files) fixes the
-    baseline. None from a worker without an encoder (a later pipeline stage)."""
+    encoder now, set this worker's connector's model field, return it. None from a
+    worker without an encoder (a later pipeline stage)."""
     from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
     if not has_ec_transfer():
         return None
-    connector = get_ec_transfer()
+    part = get_ec_transfer().connector_worker  # vllm_worker.ECBrokerWorker
     get_model = getattr(worker, "get_model", None)
     model = get_model() if callable(get_model) else worker.model_runner.get_model()
-    digest = weights_digest(model)
-    if digest is None:
-        return None
-    part = connector.connector_worker  # vllm_worker.ECBrokerWorker
-    field = field_for(base, part.weights_baseline(digest), digest)
-    # Outputs waiting for a broker outage to end were computed by other weights:
-    # adopt_identity drops them when the field changes.
-    if part.adopt_identity(field):
-        log.info("EC broker: model field of this worker's keys is now %s", field)
-    return field
+    return part.refresh_identity(model, base)
 
 
 # ------------------------------------------------------------------ scheduler side
 
 
-def _caller_self(kind: type, depth: int = 16) -> Any | None:
-    """The nearest caller frame's ``self`` that is a ``kind`` (the scheduler's
-    connector is built inside ``EngineCore.__init__``, the executor already up)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(depth):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, kind):
-                return obj
-        return None
-    finally:
-        del frame
-
-
 class EngineWatch:
-    """Keeps the scheduler's model field on the weights the workers hold.
+    """Keeps the scheduler's model field on the weights the workers hold, refreshing
+    right after engine calls that may change them (module doc). Owned by the
+    scheduler's connector; the engine reaches it through ``EngineCore``'s wrapped
+    methods (:func:`watch_engine_calls`), which pass the engine itself.
 
     ``set_field(field_or_empty)`` is the scheduler connector's setter ("" = unknown:
     misses, no loads, no stores)."""
 
-    def __init__(self, engine: Any, base: str, set_field: Callable[[str], None]) -> None:
-        self._engine = engine
+    def __init__(self, base: str, set_field: Callable[[str], None]) -> None:
         self._base = base
         self._set_field = set_field
         self._in_session = False
-        self._wrap("collective_rpc", self._after_rpc)
-        self._wrap("reset_encoder_cache", lambda *_: self.refresh())
-        self._wrap("wake_up", lambda *_: self.refresh())
 
-    @classmethod
-    def attach(cls, base: str, set_field: Callable[[str], None]) -> EngineWatch | None:
-        """Find the engine core this scheduler runs in and watch it; None outside one
-        (then the field stays the file-based one: weight updates are not followed)."""
-        try:
-            from vllm.v1.engine.core import EngineCore
-        except ImportError:  # pragma: no cover
-            return None
-        engine = _caller_self(EngineCore)
-        if engine is None or getattr(engine, "model_executor", None) is None:
-            return None
-        watch = cls(engine, base, set_field)
-        watch.refresh()  # the baseline: the weights as loaded from the files
-        return watch
+    @property
+    def in_session(self) -> bool:
+        """Inside a weight-transfer session: the field stays unknown until it ends."""
+        return self._in_session
 
-    def _wrap(self, name: str, after: Callable[..., None]) -> None:
-        original = getattr(self._engine, name)
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                after(*args, **kwargs)
-
-        setattr(self._engine, name, wrapper)
-
-    def _after_rpc(self, method: Any = None, *args: Any, **kwargs: Any) -> None:
-        method = kwargs.get("method", method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "")
-        if name == worker_identity.__name__ or name in NO_WEIGHT_CHANGE:
+    def after_call(self, engine: Any, name: str, method: Any = None) -> None:
+        if name != "collective_rpc":
+            self.refresh(engine)
             return
-        if name in SESSION_START or name in SESSION_CHUNK:
+        method_name = method if isinstance(method, str) else getattr(method, "__name__", "")
+        if method_name == worker_identity.__name__ or method_name in NO_WEIGHT_CHANGE:
+            return
+        if method_name in SESSION_START or method_name in SESSION_CHUNK:
             self._in_session = True
             self._set_field("")  # half-updated weights: misses until the session ends
             return
         self._in_session = False
-        self.refresh()
+        self.refresh(engine)
 
-    def refresh(self) -> None:
+    def refresh(self, engine: Any) -> None:
         """Fingerprint the workers' weights now and adopt the answer ("" if the
         workers cannot answer or disagree: misses, never a wrong load)."""
-        executor = self._engine.model_executor
+        executor = getattr(engine, "model_executor", None)
+        if executor is None:
+            return
         if self._in_session or getattr(executor, "is_sleeping", False):
             self._set_field("")
             return
@@ -364,3 +480,44 @@ class EngineWatch:
             self._set_field("")
             return
         self._set_field(fields.pop())
+
+
+WATCHED_ENGINE_CALLS = ("collective_rpc", "reset_encoder_cache", "wake_up")
+_ENGINE_WRAPPED = False
+
+
+def watch_engine_calls() -> bool:
+    """Wrap ``EngineCore``'s weight-changing entry points on the class (once per
+    process); after each call the engine's scheduler connector, if it has a
+    ``weights_watch``, refreshes. False without vLLM's engine core."""
+    global _ENGINE_WRAPPED
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:  # pragma: no cover
+        return False
+    if _ENGINE_WRAPPED:
+        return True
+    _ENGINE_WRAPPED = True
+    for name in WATCHED_ENGINE_CALLS:
+        _wrap_engine_call(EngineCore, name)
+    return True
+
+
+def _wrap_engine_call(cls: type, name: str) -> None:
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            watch = getattr(
+                getattr(getattr(self, "scheduler", None), "ec_connector", None),
+                "weights_watch",
+                None,
+            )
+            if isinstance(watch, EngineWatch):
+                method = kwargs.get("method", args[0] if args else None)
+                watch.after_call(self, name, method)
+
+    setattr(cls, name, wrapper)

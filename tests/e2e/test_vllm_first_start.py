@@ -15,6 +15,7 @@ Two servers, their start-ups overlapping: 107 s measured on a busy 2-core host.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,8 +149,11 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
     assert after["hits"] - before["hits"] == 2, "a load the instances served is not counted"
     assert after["bytes_loaded"] - before["bytes_loaded"] == 2 * ENTRY_BYTES
 
-    # The key's model field is the snapshot's commit (docs/design.md, "Keys").
-    key = make_key(f"{REPO_ID}#{COMMIT[:16]}", mm_hash, "bfloat16")
+    # The key's model field is the snapshot's commit, then the configuration's part
+    # (docs/design.md, "Keys"), as A logged it at start.
+    field = re.search(r"EC broker: model field of the keys is (\S+)", a.log_text())
+    assert field is not None and field.group(1).startswith(f"{REPO_ID}#{COMMIT[:16]}+c")
+    key = make_key(field.group(1), mm_hash, "bfloat16")
     with BrokerClient(broker.socket_path, **PATIENT) as c:
         got = c.get(key)
     assert got is not None and got.shape == (16, SPEC.hidden_size)
