@@ -180,7 +180,21 @@ def test_a_chain_of_settles_as_long_as_the_connection_limit_drops_no_frame(make_
         if hard != resource.RLIM_INFINITY and hard < need:
             pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    b = make_broker("--shm-size", "64MiB", "--max-connections", str(CHAIN + 8))
+    # One test process holds the whole chain: lift the per-process caps (connections,
+    # reservations, held bytes: issue 40 item 6) that would refuse it long before.
+    b = make_broker(
+        "--shm-size",
+        "64MiB",
+        "--max-connections",
+        str(CHAIN + 8),
+        env={
+            "LMCACHE_EC_MAX_CONNECTIONS_PER_PROCESS": str(CHAIN + 8),
+            "LMCACHE_EC_MAX_RESERVATIONS_PER_PROCESS": str(CHAIN + 8),
+            "LMCACHE_EC_MAX_RESERVATIONS_PER_UID": str(CHAIN + 8),
+            "LMCACHE_EC_MAX_HELD_BYTES_PER_PROCESS": str(64 << 20),
+            "LMCACHE_EC_MAX_HELD_BYTES_PER_UID": str(64 << 20),
+        },
+    )
     conns = [RawConn(b.socket_path, timeout=30.0) for _ in range(CHAIN)]
     try:
         tokens = []

@@ -51,7 +51,7 @@ PUBLISH_COUNTERS = ("publish_waits", "publish_failures", "publish_timeouts")
 _CHUNK = 1024
 
 
-class _Waiting:
+class _PublishWaiter:
     """One Publish request's keys whose writer it waits for; ``woken`` the ones whose
     reservation ended since it last looked; ``fut`` what it sleeps on."""
 
@@ -68,7 +68,7 @@ class Publications:
         self.tiers = tiers
         self.counters = counters  # the server's: PUBLISH_COUNTERS are among them
         # key -> the requests waiting for the end of that key's reservation
-        self._committing: dict[str, list[_Waiting]] = {}
+        self._committing: dict[str, list[_PublishWaiter]] = {}
 
     def offered(self, key: str) -> None:
         """An entry turned READY (commit, placement, promotion): wake its waiters."""
@@ -87,11 +87,11 @@ class Publications:
         entry = self.tiers.store.entries.get(key)
         return entry is not None and entry.state is State.RESERVED
 
-    def _watch(self, req: _Waiting, key: str) -> None:
+    def _watch(self, req: _PublishWaiter, key: str) -> None:
         req.keys.add(key)
         self._committing.setdefault(key, []).append(req)
 
-    def _forget(self, req: _Waiting) -> None:
+    def _forget(self, req: _PublishWaiter) -> None:
         committing = self._committing
         for key in req.keys:
             waiting = committing.get(key)
@@ -106,7 +106,7 @@ class Publications:
         deadline = loop.time() + max(wait_s, 0.0)
         got: dict[str, int] = {}
         tasks: dict[str, asyncio.Task[int]] = {}
-        req = _Waiting()
+        req = _PublishWaiter()
         try:
             for n, key in enumerate(dict.fromkeys(keys)):
                 if n and not n % _CHUNK:
