@@ -217,7 +217,7 @@ class ECBrokerWorker:
             encoder_cache[spec.mm_hash] = tensor
             self.loads += 1
             nbytes = tensor.numel() * tensor.element_size()
-            logger.info("EC load: loaded %d staged bytes for mm_hash=%s", nbytes, spec.mm_hash)
+            logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, spec.mm_hash)
 
     def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
         """The entries under ``keys`` on ``device``; None where one cannot be had."""
