@@ -214,7 +214,8 @@ class Waiters:
         self.by_key: dict[str, set[asyncio.Future[str]]] = {}
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.by_key.values())
+        """Waiting futures (one per wait, whatever number of keys it waits on)."""
+        return len(set().union(*self.by_key.values())) if self.by_key else 0
 
     def add(self, keys: Iterable[str], fut: asyncio.Future[str]) -> None:
         for key in keys:
