@@ -152,6 +152,8 @@ class Dedup:
                 out[i] = _CLAIMED
             self.book.counters["claims_answered"] += len(busy)
             return out
+        if claim_ms <= 0:  # a wait without claim_ms: answers CLAIMED, claims nothing
+            return out
         granted: list[str] = []
         for i in misses:
             key = keys[i]
