@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import EntryInfo, LookupState
-from .claims import MAX_WAIT_MS, Claim, ClaimBook, Grant, Waiters
+from .claims import MAX_CLAIM_MS, MAX_WAIT_MS, Claim, ClaimBook, Grant, Waiters
 from .store import State, Store
 
 if TYPE_CHECKING:
@@ -53,9 +54,10 @@ Lookup = Callable[[int, list[str], int, int, bool], "list[EntryInfo] | Awaitable
 
 def fleet_tier(tiers: Sequence[LowerTier]) -> Any | None:
     """The first lower tier that keeps claims fleet-wide (``keeps_fleet_claims``; it then
-    has ``claim_fleet(keys, ttl_ms) -> Awaitable[list[bool | None]]`` -- True: ours,
-    False: another broker's, None: unknown (store down or slow) -- and
-    ``unclaim_fleet(keys)``, which never waits)."""
+    has ``claim_fleet(keys, ttl_ms, budget_s) -> Awaitable[list[bool | None]]`` -- True:
+    ours, False: another broker's, None: unknown (store down or slow) --,
+    ``claimed_fleet(keys, budget_s) -> Awaitable[list[bool]]`` (held by another broker;
+    unknown reads False) and ``unclaim_fleet(keys)``, which never waits)."""
     for tier in tiers:
         if getattr(tier, "keeps_fleet_claims", False):
             return tier
@@ -123,10 +125,11 @@ class Dedup:
         fresh: bool,
         claim_ms: int,
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
+        started = time.monotonic()
         got = self._lookup(conn, keys, lease_ms, wait_ms, fresh)
         if isinstance(got, list):
-            return self._claim(conn, uid, keys, got, claim_ms)
-        return self._claim_after(conn, uid, keys, got, claim_ms)
+            return self._claim(conn, uid, keys, got, claim_ms, started, wait_ms)
+        return self._claim_after(conn, uid, keys, got, claim_ms, started, wait_ms)
 
     async def _claim_after(
         self,
@@ -135,12 +138,21 @@ class Dedup:
         keys: list[str],
         pending: Awaitable[list[EntryInfo]],
         claim_ms: int,
+        started: float,
+        wait_ms: int,
     ) -> list[EntryInfo]:
-        got = self._claim(conn, uid, keys, await pending, claim_ms)
+        got = self._claim(conn, uid, keys, await pending, claim_ms, started, wait_ms)
         return await got if not isinstance(got, list) else got
 
     def _claim(
-        self, conn: int, uid: int, keys: list[str], items: list[EntryInfo], claim_ms: int
+        self,
+        conn: int,
+        uid: int,
+        keys: list[str],
+        items: list[EntryInfo],
+        claim_ms: int,
+        started: float = 0.0,
+        wait_ms: int = 0,
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
         out = list(items)
         misses = [i for i, info in enumerate(items) if info.state == LookupState.MISS]
@@ -153,7 +165,9 @@ class Dedup:
             self.book.counters["claims_answered"] += len(busy)
             return out
         if claim_ms <= 0:  # a wait without claim_ms: answers CLAIMED, claims nothing
-            return out
+            if self.fleet is None:
+                return out
+            return self._fleet_busy(keys, out, misses, started, wait_ms)
         granted: list[str] = []
         for i in misses:
             key = keys[i]
@@ -163,7 +177,7 @@ class Dedup:
                 granted.append(key)
         if not granted or self.fleet is None:
             return out
-        return self._claim_fleet(conn, keys, out, misses, granted, claim_ms)
+        return self._claim_fleet(conn, keys, out, misses, granted, claim_ms, started, wait_ms)
 
     async def _claim_fleet(
         self,
@@ -173,13 +187,17 @@ class Dedup:
         misses: list[int],
         granted: list[str],
         claim_ms: int,
+        started: float,
+        wait_ms: int,
     ) -> list[EntryInfo]:
-        """Claim ``granted`` in the shared store too. A key another broker claimed first
+        """Claim ``granted`` in the shared store too, within what is left of the
+        lookup's ``wait_ms`` (else the tier's own timeout). A key another broker claimed first
         is answered CLAIMED and, all or nothing, every claim this lookup took is
         released. An answer the store could not give (down, slow: the tier's own
         budget) leaves the node claim alone: the key is encoded here, maybe twice."""
         assert self.fleet is not None
-        won = await self.fleet.claim_fleet(granted, claim_ms)
+        budget = self._budget_s(started, wait_ms)
+        won = await self.fleet.claim_fleet(granted, min(claim_ms, MAX_CLAIM_MS), budget)
         lost = {key for key, ok in zip(granted, won, strict=True) if ok is False}
         if not lost:
             return out
@@ -189,6 +207,26 @@ class Dedup:
                 out[i] = _CLAIMED
         self.book.counters["claims_answered"] += len(lost)
         return out
+
+    async def _fleet_busy(
+        self, keys: list[str], out: list[EntryInfo], misses: list[int], started: float, wait_ms: int
+    ) -> list[EntryInfo]:
+        """Without claiming: which MISS keys another broker claimed (CLAIMED)."""
+        assert self.fleet is not None
+        asked = [keys[i] for i in misses]
+        held = await self.fleet.claimed_fleet(asked, self._budget_s(started, wait_ms))
+        busy = [i for i, h in zip(misses, held, strict=True) if h]
+        for i in busy:
+            out[i] = _CLAIMED
+        self.book.counters["claims_answered"] += len(busy)
+        return out
+
+    @staticmethod
+    def _budget_s(started: float, wait_ms: int) -> float:
+        """What is left of a lookup's ``wait_ms`` (0: no bound of the caller's own)."""
+        if wait_ms <= 0:
+            return 0.0
+        return max(wait_ms / 1000.0 - (time.monotonic() - started), 0.001)
 
     # ------------------------------------------------------------ waits
 
