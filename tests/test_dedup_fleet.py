@@ -156,3 +156,25 @@ def test_fleet_claims_on_a_cluster(node) -> None:
             lambda: states(b.lookup(keys, claim_ms=30_000)) == [MISS] * 6,
             "a's claims deleted from every master",
         )
+
+
+def test_a_claimant_whose_item_arrived_another_way_lets_its_claim_go(node) -> None:
+    """a claims an item, but another node's unclaimed encode reaches a's broker first
+    (promoted from the store): a's put finds it present, writes nothing -- and its fleet
+    claim goes at once (it used to stay to its TTL, holding other nodes' waiters)."""
+    server = RedisServer()
+    try:
+        a, _ = node(server.url("unix"))
+        b, _ = node(server.url("unix"))
+        assert states(a.lookup(["twice"], claim_ms=60_000)) == [MISS]
+        ck = f"lmcache-ec-claim:{PREFIX}twice"
+        assert server.cli("exists", ck) == "1"
+        assert b.put("twice", tensor(5))  # b encoded it without a claim
+        b.flush()
+        wait_until(lambda: a.get("twice") is not None, "b's value promoted into a's broker")
+        assert not a.put("twice", tensor(5))  # a's own encode: present, nothing written
+        a.flush()
+        wait_until(lambda: server.cli("exists", ck) == "0", "a's fleet claim deleted")
+        assert a.stats()["claims_held"] == 0
+    finally:
+        server.stop()

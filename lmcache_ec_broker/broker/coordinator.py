@@ -481,7 +481,7 @@ class Coordinator:
         entry that landed another way -- a promotion -- commits nothing)."""
         reply = self.store.reserve(conn, key, nbytes, dtype, shape)
         if isinstance(reply, ReserveReply) and reply.status == ReserveStatus.PRESENT:
-            self.dedup.landed(key)
+            self.dedup.landed(key, written=False)
         return reply
 
     def abort(self, conn: int, token: int) -> ErrorReply | None:

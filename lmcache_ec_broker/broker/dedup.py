@@ -82,10 +82,14 @@ class Dedup:
             # (the tier's business); otherwise it goes now
             self.fleet.unclaim_fleet([claim.key])
 
-    def landed(self, key: str) -> None:
-        """``key`` is READY in the slab (commit, placement, present at reserve)."""
+    def landed(self, key: str, written: bool = True) -> None:
+        """``key`` is READY in the slab: committed or placed here (``written``: its
+        write-behind follows, after which the tier deletes the fleet claim), or found
+        present at a reserve (nothing of ours will be written: the fleet claim goes now)."""
         self.book.landed(key)
         self.waiters.wake(key)  # also waiters on a reservation without a claim
+        if not written and self.fleet is not None:
+            self.fleet.unclaim_fleet([key])
 
     def failed(self, key: str) -> None:
         """A put of ``key`` aborted (its reservation is gone)."""
@@ -260,8 +264,10 @@ class Dedup:
             if not waited:
                 waited = True
                 self.book.counters["claim_waits"] += 1
-            # a key not claimed on this node is claimed through the fleet: ask again soon
+            # a key not claimed on this node is claimed through the fleet: ask again soon,
+            # and ask the store itself (fresh): the value may land before its announcement
             local = all(self.elsewhere(conn, k) for k in claimed)
+            fresh = fresh or not local
             fut: asyncio.Future[str] = loop.create_future()
             self.waiters.add(claimed, fut)
             try:

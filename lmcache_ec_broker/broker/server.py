@@ -230,6 +230,8 @@ class BrokerServer:
             if isinstance(got, Entry):
                 self.tiers.placed(got)
                 got = PlaceReply(True)
+            elif isinstance(got, PlaceReply) and store.ready(msg.key) is not None:
+                self.tiers.dedup.landed(msg.key, written=False)  # present: ends its claim
             return got
         finally:
             slot = store.arena_slot(conn)
