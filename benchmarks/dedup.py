@@ -59,7 +59,7 @@ def worker_main(sock: str) -> None:
         keys: list[str], claims: bool, start_at: float, encode_ms: float, nbytes: int,
         claim_ms: int, wait_ms: int,
     ) -> dict[str, Any]:  # fmt: skip
-        encodes, waits, times = 0, 0, []
+        encodes, waits, times, why = 0, 0, [], {}
         n = nbytes // 2
         while time.time() < start_at:
             pass
@@ -84,8 +84,11 @@ def worker_main(sock: str) -> None:
             if got is None:
                 encode()
                 encodes += 1
+                # why it was encoded: the answer's state, or "lost" (a hit whose get missed)
+                reason = "lost" if state in loadable else str(state)
+                why[reason] = why.get(reason, 0) + 1
             times.append(time.perf_counter() - t0)
-        return {"encodes": encodes, "waits": waits, "times": times}
+        return {"encodes": encodes, "waits": waits, "times": times, "why": why}
 
     serve_worker({"race": race, "ready": lambda: {"ok": c.ping()}})
     c.close()
@@ -105,6 +108,7 @@ def run_setup(
             w.call(op="ready")
         encodes = waits = 0
         times: list[float] = []
+        why: dict[str, int] = {}
         distinct = 0
         for r in range(args.rounds):
             keys = [f"{tag}-{'c' if claims else 'n'}-r{r}-i{i}" for i in range(args.items)]
@@ -129,14 +133,27 @@ def run_setup(
                     )
                 )
             for rep in replies:
+                for reason, n in rep["why"].items():
+                    why[reason] = why.get(reason, 0) + n
                 encodes += rep["encodes"]
                 waits += rep["waits"]
                 times += rep["times"]
+        from lmcache_ec_broker import BrokerClient
+
+        unknown = cut = 0
+        for sock in sockets:  # why a client may have encoded a key another broker claimed
+            with BrokerClient(sock, timeout_s=60) as c:
+                st = c.stats()
+            unknown += int(st.get("remote_fleet_claims_unknown", 0))
+            cut += int(st.get("remote_lookups_cut_short", 0))
         return {
+            "fleet_claims_unknown": unknown,
+            "lookups_cut_short": cut,
             "encodes_per_item": encodes / distinct,
             "waits": waits,
             "p50_ms": median(times) * 1000,
             "p99_ms": percentile(times, 0.99) * 1000,
+            "why": why,
         }
     finally:
         for w in workers:
@@ -186,7 +203,8 @@ def main() -> None:
             r["waits"],
             f"{r['p50_ms']:.1f}",
             f"{r['p99_ms']:.1f}",
-        ]  # fmt: skip
+            f"{r['fleet_claims_unknown']} / {r['lookups_cut_short']}",
+        ]
         for r in results
     ]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -195,7 +213,8 @@ def main() -> None:
         f"{args.clients} clients x {args.items} items x {args.rounds} rounds, "
         f"encode {args.encode_ms:g} ms, {args.size // 1024} KiB per item"
     )
-    print(table(["setup", "claims", "encodes / item", "waits", "p50 to item ms", "p99 ms"], rows))
+    headers = ["setup", "claims", "encodes / item", "waits", "p50 to item ms", "p99 ms"]
+    print(table([*headers, "fleet claims unknown / lookups cut short"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"when": when, "args": vars(args), "results": results}, f, indent=1)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol import EntryInfo, LookupState
 from .claims import MAX_CLAIM_MS, MAX_WAIT_MS, Claim, ClaimBook, Grant, Waiters
+from .promotion import TIER_CONN
 from .store import State, Store
 
 if TYPE_CHECKING:
@@ -119,6 +120,21 @@ class Dedup:
         entry = self.store.entries.get(key)
         return entry is not None and entry.state is State.RESERVED and entry.owner != conn
 
+    def _wakes_us(self, conn: int, key: str) -> bool:
+        """Will the end of what holds ``key`` wake a wait on it? Yes for a claim of this
+        node and a client's put (commit, abort, close are hooked); not for a promotion's
+        reservation (``TIER_CONN``: the promoter commits on its own) nor another broker's
+        claim -- those waits look again every FLEET_RECHECK_S."""
+        claim = self.book.holder(key)
+        if claim is not None:
+            return claim.conn != conn
+        entry = self.store.entries.get(key)
+        return (
+            entry is not None
+            and entry.state is State.RESERVED
+            and entry.owner not in (conn, TIER_CONN)
+        )
+
     def lookup(
         self,
         conn: int,
@@ -130,6 +146,11 @@ class Dedup:
         claim_ms: int,
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
         started = time.monotonic()
+        # With fleet claims a key is asked of the store even before its announcement
+        # arrived: another broker's claim may have ended just now with the value written
+        # (claiming it again would encode it twice; not waiting would too). Only misses
+        # pay it, on the way to an encode or a wait, within the lookup's budget.
+        fresh = fresh or self.fleet is not None
         got = self._lookup(conn, keys, lease_ms, wait_ms, fresh)
         if isinstance(got, list):
             return self._claim(conn, uid, keys, got, claim_ms, started, wait_ms)
@@ -266,7 +287,7 @@ class Dedup:
                 self.book.counters["claim_waits"] += 1
             # a key not claimed on this node is claimed through the fleet: ask again soon,
             # and ask the store itself (fresh): the value may land before its announcement
-            local = all(self.elsewhere(conn, k) for k in claimed)
+            local = all(self._wakes_us(conn, k) for k in claimed)
             fresh = fresh or not local
             fut: asyncio.Future[str] = loop.create_future()
             self.waiters.add(claimed, fut)

@@ -31,7 +31,10 @@ def claim_key(link: Link, key: str) -> bytes:
 
 def claim(link: Link, owner: bytes, keys: Sequence[str], ttl_ms: int) -> list[bool]:
     """Per key: True if ``owner`` holds its claim now (newly, or already), False if
-    another owner does. Raises StoreDown."""
+    another owner does -- or if the value itself is in the store already (its encoder's
+    write landed and its claim went between our lookup and this claim: our claim is
+    deleted again and the caller looks it up instead of encoding it twice). Raises
+    StoreDown."""
     out: list[bool] = []
     for key in keys:
         ck = claim_key(link, key)
@@ -45,8 +48,20 @@ def claim(link: Link, owner: bytes, keys: Sequence[str], ttl_ms: int) -> list[bo
             raise StoreDown([link.node_of(key)], str(exc)) from None
         if isinstance(set_reply, RespError):
             raise StoreDown([link.node_of(key)], str(set_reply))
-        out.append(set_reply == b"OK" or held == owner)
+        won = set_reply == b"OK" or held == owner
+        if won and _value_exists(link, key):
+            unclaim(link, owner, [key])
+            won = False
+        out.append(won)
     return out
+
+
+def _value_exists(link: Link, key: str) -> bool:
+    rk = link.rk(key)
+    try:
+        return bool(link.routed(rk, lambda c: c.command("EXISTS", rk)))
+    except RespError as exc:
+        raise StoreDown([link.node_of(key)], str(exc)) from None
 
 
 def held_by_others(link: Link, owner: bytes, keys: Sequence[str]) -> list[bool]:
