@@ -580,7 +580,8 @@ class RemoteTier(LowerTier):
         self._fleet_held.update(k for k, w in zip(keys, won, strict=True) if w)  # now, not
         # at the done callback: the caller may end (and so delete) them at once
         self.meter.count("remote_fleet_claims_won", sum(1 for w in won if w))
-        self.meter.count("remote_fleet_claims_lost", sum(1 for w in won if not w))
+        self.meter.count("remote_fleet_claims_lost", sum(1 for w in won if w is False))
+        self.meter.count("remote_fleet_claims_unknown", sum(1 for w in won if w is None))
         return list(won)
 
     def _claimed(self, fut: asyncio.Future[Any], keys: list[str]) -> None:
