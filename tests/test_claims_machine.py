@@ -13,6 +13,11 @@ sweep. It proves the claim policy's promises:
 - a claim never makes an answer wrong: READY only for an entry READY in the slab,
   CLAIMED only for a key another connection claimed or is writing, and a lookup that
   answered CLAIMED for any key took no claim (all or nothing).
+
+``FleetClaimsMachine`` adds other brokers through a fake of the remote tier's claim
+side (they claim, release, write; the store goes down and back; write-behinds end):
+all or nothing across brokers, and no claim of ours stays in the store past its node
+claim unless the key landed and its write-behind is pending.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmcache_ec_broker.broker.claims import MAX_CLAIM_MS
 from lmcache_ec_broker.broker.coordinator import Coordinator
+from lmcache_ec_broker.broker.dedup import FLEET_RECHECK_S
 from lmcache_ec_broker.broker.store import State, Store
 from lmcache_ec_broker.protocol import LookupState, ReserveReply, ReserveStatus
 
@@ -62,8 +68,8 @@ class ClaimsMachine(RuleBasedStateMachine):
         self.tokens: dict[int, int] = {}  # token -> conn
         self.bound: dict[str, float] = {}  # key -> the latest its claim may live to
         self.loop = asyncio.new_event_loop()
-        # waits asleep: (future, conn, keys it sleeps on, deadline)
-        self.waits: list[tuple[asyncio.Future[str], int, list[str], float]] = []
+        # waits asleep: (future, conn, keys it sleeps on, deadline, woken by events only)
+        self.waits: list[tuple[asyncio.Future[str], int, list[str], float, bool]] = []
 
     def teardown(self) -> None:
         self.loop.close()
@@ -77,11 +83,25 @@ class ClaimsMachine(RuleBasedStateMachine):
         entry = self.store.entries.get(key)
         return entry is not None and entry.state is State.RESERVED and entry.owner != conn
 
+    def _fleet_other(self, key: str) -> bool:
+        """Does another broker hold a live claim on ``key`` (FleetClaimsMachine)?"""
+        return False
+
+    def _sleep(self, conn: int, keys: list[str], deadline: float) -> None:
+        fut: asyncio.Future[str] = self.loop.create_future()
+        self.dedup.waiters.add(keys, fut)
+        # the real wait sleeps until woken only if every key's end wakes it; else it
+        # looks again after FLEET_RECHECK_S (time_passes)
+        local = all(self.dedup._wakes_us(conn, k) for k in keys)
+        self.waits.append((fut, conn, keys, deadline, local))
+
     def _lookup(self, conn: int, keys: list[str], claim_ms: int) -> list[int]:
         before = {k for k, c in self.dedup.book.claims.items() if c.conn == conn}
         expected_busy = {k for k in keys if self._claimed_elsewhere(conn, k)}
+        expected_busy |= {k for k in keys if self._fleet_other(k)}
         got = self.dedup.lookup(conn, UIDS[conn], keys, 0, 0, False, claim_ms)
-        assert isinstance(got, list)
+        if not isinstance(got, list):  # asked the fleet (FleetClaimsMachine)
+            got = self.loop.run_until_complete(got)
         out = [i.state for i in got]
         for key, state in zip(keys, out, strict=True):
             entry = self.store.entries.get(key)
@@ -118,9 +138,7 @@ class ClaimsMachine(RuleBasedStateMachine):
         out = self._lookup(conn, keys, claim_ms)
         claimed = [k for k, s in zip(keys, out, strict=True) if s == LookupState.CLAIMED]
         if claimed:
-            fut: asyncio.Future[str] = self.loop.create_future()
-            self.dedup.waiters.add(claimed, fut)
-            self.waits.append((fut, conn, claimed, self.clock.now + wait_ms / 1000.0))
+            self._sleep(conn, claimed, self.clock.now + wait_ms / 1000.0)
 
     @rule(conn=conns, key=st.sampled_from(KEYS))
     def reserve(self, conn: int, key: str) -> None:
@@ -180,6 +198,8 @@ class ClaimsMachine(RuleBasedStateMachine):
             if w[3] <= self.clock.now:
                 self._forget(w)
             else:
+                if not w[4] and ms >= FLEET_RECHECK_S * 1000 and not w[0].done():
+                    w[0].set_result("recheck")  # the real wait looks again by then
                 keep.append(w)
         self.waits = keep
 
@@ -188,16 +208,16 @@ class ClaimsMachine(RuleBasedStateMachine):
         """A woken wait re-runs its lookup (WaitReady's loop) and sleeps again if needed."""
         woken = [w for w in self.waits if w[0].done()]
         self.waits = [w for w in self.waits if not w[0].done()]
-        for fut, conn, keys, deadline in woken:
+        for fut, conn, keys, deadline, _ in woken:
             self.dedup.waiters.forget(keys, fut)
+            if conn not in self.open:
+                continue
             out = self._lookup(conn, keys, 0)
             claimed = [k for k, s in zip(keys, out, strict=True) if s == LookupState.CLAIMED]
             if claimed:
-                nxt: asyncio.Future[str] = self.loop.create_future()
-                self.dedup.waiters.add(claimed, nxt)
-                self.waits.append((nxt, conn, claimed, deadline))
+                self._sleep(conn, claimed, deadline)
 
-    def _forget(self, w: tuple[asyncio.Future[str], int, list[str], float]) -> bool:
+    def _forget(self, w: tuple[asyncio.Future[str], int, list[str], float, bool]) -> bool:
         self.dedup.waiters.forget(w[2], w[0])
         return False
 
@@ -221,9 +241,9 @@ class ClaimsMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_wait_sleeps_for_nothing(self) -> None:
-        for fut, conn, keys, deadline in self.waits:
+        for fut, conn, keys, deadline, local in self.waits:
             assert deadline > self.clock.now
-            if not fut.done():
+            if local and not fut.done():
                 for key in keys:
                     assert self._claimed_elsewhere(conn, key), (
                         f"a wait sleeps on {key} although nobody else is on it (missed wake)"
@@ -236,3 +256,121 @@ class ClaimsMachine(RuleBasedStateMachine):
 
 ClaimsMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestClaimsMachine = ClaimsMachine.TestCase
+
+
+# ---------------------------------------------------------------- across brokers
+
+
+class FakeFleet:
+    """The remote tier's fleet-claim side (tiers/remote/tier.py) over an in-memory store:
+    claims of this broker ("me") and of others with deadlines, values written, and a
+    store that may be down (no answer: None). Answers at once (the machine drives time)."""
+
+    keeps_fleet_claims = True
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.claims: dict[str, tuple[str, float]] = {}  # key -> (owner, deadline)
+        self.values: set[str] = set()
+        self.held: set[str] = set()  # the tier's _fleet_held
+        self.down = False
+
+    def live(self, key: str) -> tuple[str, float] | None:
+        c = self.claims.get(key)
+        return c if c is not None and c[1] > self.clock.now else None
+
+    async def claim_fleet(
+        self, keys: list[str], ttl_ms: int, budget_s: float = 0.0
+    ) -> list[bool | None]:
+        if self.down:
+            return [None] * len(keys)
+        out: list[bool | None] = []
+        for key in keys:
+            c = self.live(key)
+            if c is None:
+                self.claims[key] = ("me", self.clock.now + ttl_ms / 1000.0)
+            won = c is None or c[0] == "me"
+            if won and key in self.values:  # given back: the value is there already
+                del self.claims[key]
+                won = False
+            if won:
+                self.held.add(key)
+            out.append(won)
+        return out
+
+    async def claimed_fleet(self, keys: list[str], budget_s: float = 0.0) -> list[bool]:
+        if self.down:
+            return [False] * len(keys)
+        return [(c := self.live(k)) is not None and c[0] != "me" for k in keys]
+
+    def unclaim_fleet(self, keys: list[str]) -> None:
+        for key in keys:
+            if key in self.held:
+                self.held.discard(key)
+                if not self.down and self.claims.get(key, ("",))[0] == "me":
+                    del self.claims[key]
+
+
+class FleetClaimsMachine(ClaimsMachine):
+    """The same promises with a fleet: other brokers claim, release and write keys, the
+    store goes down and comes back, write-behinds end. Also: a claim of ours in the
+    store belongs to a live node claim or a landed key whose write-behind is pending;
+    CLAIMED for a key only another broker claims needs that claim to be live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fleet = FakeFleet(self.clock)
+        self.dedup.fleet = self.fleet
+
+    def _fleet_other(self, key: str) -> bool:
+        """Another broker claims it -- or wrote it already (a claim won on a key whose
+        value is in the store is given back and answered CLAIMED: the lookup had missed
+        the value, and the wait that follows finds it)."""
+        if self.fleet.down:
+            return False
+        c = self.fleet.live(key)
+        return (c is not None and c[0] != "me") or key in self.fleet.values
+
+    @rule(key=st.sampled_from(KEYS), ttl_ms=st.integers(1, 3000))
+    def other_broker_claims(self, key: str, ttl_ms: int) -> None:
+        if self.fleet.live(key) is None:
+            self.fleet.claims[key] = ("other", self.clock.now + ttl_ms / 1000.0)
+
+    @rule(key=st.sampled_from(KEYS), write=st.booleans())
+    def other_broker_ends(self, key: str, write: bool) -> None:
+        c = self.fleet.claims.get(key)
+        if c is not None and c[0] == "other":
+            del self.fleet.claims[key]
+            if write:
+                self.fleet.values.add(key)
+
+    @rule()
+    def store_flips(self) -> None:
+        self.fleet.down = not self.fleet.down
+
+    @rule(key=st.sampled_from(KEYS))
+    def write_behind_ends(self, key: str) -> None:
+        entry = self.store.entries.get(key)
+        if entry is not None and entry.state is State.READY and not self.fleet.down:
+            self.fleet.values.add(key)
+            self.fleet.unclaim_fleet([key])  # RemoteTier.write_ended
+
+    @invariant()
+    def our_fleet_claims_are_accounted_for(self) -> None:
+        for key, (owner, _) in self.fleet.claims.items():
+            if owner != "me":
+                continue
+            node = self.dedup.book.claims.get(key)
+            entry = self.store.entries.get(key)
+            landed = entry is not None and entry.state is State.READY
+            if key in self.fleet.held:
+                assert node is not None or landed, (
+                    f"our fleet claim on {key} outlived its node claim"
+                )
+            # (one not held any more was deleted while the store was down: left to its deadline)
+
+
+FleetClaimsMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestFleetClaimsMachine = FleetClaimsMachine.TestCase
