@@ -154,3 +154,20 @@ def test_claims_follow_puts_and_never_hold_the_claimants_ranks(broker) -> None:
         stats = other.stats()
         assert stats["claims_refused"] == 1100 - 1024, stats  # the per-connection bound
     rank0.close()
+
+
+def test_a_killed_waiter_leaves_nothing_waiting(broker) -> None:
+    """kill -9 of a client while its wait sleeps: the broker drops the wait at the
+    close (not at the wait's 60 s deadline)."""
+    sock = broker.socket_path
+    with BrokerClient(sock, **PATIENT) as holder:
+        assert states(holder.lookup(["held"], claim_ms=60_000)) == [MISS]
+        w = spawn(sock, 60_000, 60_000, "held:uint8:16:1")
+        try:
+            assert first_line(w) == [CLAIMED]
+            wait_until(lambda: broker_stats(sock).get("claim_waiters") == 1, "w waiting")
+        finally:
+            w.kill()
+            w.wait(30)
+        wait_until(lambda: broker_stats(sock).get("claim_waiters") == 0, "the wait dropped")
+        assert holder.stats()["claims_held"] == 1  # the holder's claim is untouched

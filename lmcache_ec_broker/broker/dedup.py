@@ -49,6 +49,7 @@ log = logging.getLogger("lmcache_ec_broker")
 FLEET_RECHECK_S = 0.25
 
 _CLAIMED = EntryInfo(LookupState.CLAIMED)
+_MISS = EntryInfo(LookupState.MISS)
 
 Lookup = Callable[[int, list[str], int, int, bool], "list[EntryInfo] | Awaitable[list[EntryInfo]]"]
 
@@ -73,6 +74,8 @@ class Dedup:
         self.fleet = fleet
         self.book = ClaimBook(store.now, on_end=self._ended)
         self.waiters = Waiters()
+        # each connection's waits asleep: woken when it closes (nobody reads the answer)
+        self._conn_waits: dict[int, set[asyncio.Future[str]]] = {}
 
     # ------------------------------------------------------------ the key's fate
 
@@ -102,6 +105,9 @@ class Dedup:
         self.book.drop(conn)
         for key in reserved:
             self.waiters.wake(key)
+        for fut in self._conn_waits.pop(conn, ()):
+            if not fut.done():
+                fut.set_result("")
 
     def unclaim(self, conn: int, keys: Sequence[str]) -> None:
         self.book.release(conn, keys)
@@ -271,6 +277,8 @@ class Dedup:
         deadline = loop.time() + min(max(wait_ms, 0), MAX_WAIT_MS) / 1000.0
         waited = False
         while True:
+            if conn not in self.store.conns:  # closed while waiting: nobody reads this
+                return [_MISS] * len(keys)
             left_ms = max(int((deadline - loop.time()) * 1000), 1)
             got = self.lookup(conn, uid, keys, lease_ms, left_ms, fresh, claim_ms)
             items = got if isinstance(got, list) else await got
@@ -291,10 +299,15 @@ class Dedup:
             fresh = fresh or not local
             fut: asyncio.Future[str] = loop.create_future()
             self.waiters.add(claimed, fut)
+            mine = self._conn_waits.setdefault(conn, set())
+            mine.add(fut)
             try:
                 await asyncio.wait({fut}, timeout=left if local else min(left, FLEET_RECHECK_S))
             finally:
                 self.waiters.forget(claimed, fut)
+                mine.discard(fut)
+                if not mine and self._conn_waits.get(conn) is mine:
+                    del self._conn_waits[conn]
 
     def stats(self) -> dict[str, int]:
         out = dict(self.book.counters)

@@ -40,7 +40,11 @@ def claim(link: Link, owner: bytes, keys: Sequence[str], ttl_ms: int) -> list[bo
         ck = claim_key(link, key)
 
         def one(c: RespConnection, ck: bytes = ck) -> list[object]:
-            return c.pipeline([["SET", ck, owner, "NX", "PX", ttl_ms], ["GET", ck]])
+            replies = c.pipeline([["SET", ck, owner, "NX", "PX", ttl_ms], ["GET", ck]])
+            for r in replies:
+                if isinstance(r, RespError):
+                    raise r  # Link.routed follows -MOVED/-ASK; any other is StoreDown
+            return replies
 
         try:
             set_reply, held = link.routed(ck, one)
