@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -404,3 +405,54 @@ def test_failed_staging_in_one_data_parallel_rank(engines, broker, v2, async_sch
     assert ranks[1].sched_connector.ec_misses == 1 and ranks[1].sched_connector.ec_hits == 1
     with BrokerClient(broker.socket_path) as c:
         assert c.get(ranks[1].sched_connector.key(x)) is not None, "rank 1 did not store it again"
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_an_item_another_instance_is_encoding_is_waited_for(engines, v2):
+    """Issue 41, deliverable 2 on a node: instances A and B (one broker) meet a new
+    item at the same moment. A's lookup claims it and A encodes it; B's lookup finds
+    it claimed and holds its request, then stages and loads A's output: the encoder
+    ran once for the item. (Before: both encoded it.)"""
+    a, b = engines(v2=v2), engines(v2=v2)
+    x = "n1" * 32
+    ra, rb = make_request("a", [x]), make_request("b", [x])
+    a.add(ra)
+    b.add(rb)
+    b_steps: list = []
+
+    def b_meets_it_meanwhile(so) -> None:  # after A's lookup, before A's encode
+        if not b_steps:
+            b_steps.append(b.step())
+
+    a.before_worker = b_meets_it_meanwhile
+    a.run()
+    assert b_steps and not b_steps[0].num_scheduled_tokens, "B was not held"
+    assert b.sched_connector.claim_waits >= 1
+    b.run()
+    assert_answers_unchanged(a, [ra])
+    assert_answers_unchanged(b, [rb])
+    assert a.worker.puts_stored == 1 and a.sched_connector.ec_misses == 1
+    assert b.worker.loads == 1 and b.sched_connector.ec_hits == 1, "B encoded it too"
+    assert b.sched_connector.ec_misses == 0 and not a.errors and not b.errors
+
+
+def test_a_claim_that_never_lands_costs_one_bounded_wait(engines, broker):
+    """The other encoder claimed the item and never stores it (crashed, aborted
+    without letting go): the request waits claim_wait_ms, then encodes it itself."""
+    b = engines(claim_wait_ms=300)
+    x = "n2" * 32
+    with BrokerClient(broker.socket_path) as other:  # another instance's claim
+        (info,) = other.lookup([b.sched_connector.key(x)], claim_ms=60_000)
+        assert info.state == 0  # MISS: claimed for "other"
+        rb = make_request("b", [x])
+        b.add(rb)
+        t0 = time.monotonic()
+        steps = 0
+        while not b.outputs.get("b"):
+            b.step()
+            steps += 1
+            assert time.monotonic() - t0 < 30, "the request hung on a claim"
+        waited = time.monotonic() - t0
+    assert_answers_unchanged(b, [rb])
+    assert 0.3 <= waited < 10, waited
+    assert b.sched_connector.claim_timeouts == 1 and b.sched_connector.ec_misses == 1

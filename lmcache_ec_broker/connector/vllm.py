@@ -123,6 +123,8 @@ DEFAULT_SCHEDULER_BUDGET_MS = 50.0
 DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
 DEFAULT_PUBLISH_WAIT_MS = 2000
+DEFAULT_CLAIM_WAIT_MS = 10_000
+CLAIM_MS = 30_000  # how long this instance's encode claim holds at most (its put ends it)
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
 
@@ -213,6 +215,19 @@ class ECBrokerConnector(ECConnectorBase):
         self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
         self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
+        # In-flight deduplication (docs/design.md, "Staged loads"): an instance that
+        # stores what it encodes claims the items it misses; an item another encoder
+        # claimed holds the request, at most claim_wait_ms, then it is encoded here.
+        claim_wait_ms = float(extra("claim_wait_ms", DEFAULT_CLAIM_WAIT_MS))
+        if claim_wait_ms < 0:
+            raise ValueError(
+                f"ec_connector_extra_config: claim_wait_ms must be >= 0 (got {claim_wait_ms:g};"
+                " 0 = never wait for another encoder)"
+            )
+        self._claim_wait_s = claim_wait_ms / 1000
+        self._claims = self.is_producer and claim_wait_ms > 0
+        self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
+        self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
         # The hold bound of a staging (stage_book.py): past a worker's own bounded wait.
         worker_ms = float(extra("worker_budget_ms", DEFAULT_WORKER_BUDGET_MS))
         self._stage_wait_s = float(extra("stage_wait_ms", worker_ms + 500)) / 1000
@@ -274,6 +289,8 @@ class ECBrokerConnector(ECConnectorBase):
         self.ec_deferred = 0  # steps a request waited for a promotion
         self.promotion_failures = 0  # waited for a promotion that did not come: encoded
         self.invalid_deleted = 0  # entries of the wrong dtype/shape, deleted
+        self.claim_waits = 0  # steps a request waited for another encoder's claim
+        self.claim_timeouts = 0  # ... that did not land within claim_wait_ms: encoded
         self._reported: dict[str, int] = {}
         # Worker counters summed from the workers' metadata (scheduler role only): the
         # one route to vLLM's EC stats on the V1 runner too (vllm_worker.py says why).
@@ -579,17 +596,19 @@ class ECBrokerConnector(ECConnectorBase):
             expected = self._ahead(request, num_computed_tokens)
             ask = [h for h in expected if h not in self._step_state]
             if ask:
-                self._lookup(ask, expected)
-            return True
+                self._lookup(ask, expected, request.request_id)
+            return not self._claim_hold(request.request_id, expected)
         book = self._book
         if not self.is_consumer or self.loads_off or book is None:
             return True
         self._settle(book.refresh())
         expected = self._ahead(request, num_computed_tokens)
         ask = [h for h in expected if h not in self._step_state and book.state(h) is None]
-        if ask:
-            self._lookup(ask, expected)
         req_id = request.request_id
+        if ask:
+            self._lookup(ask, expected, req_id)
+        if self._claim_hold(req_id, expected):
+            return False
         # Hits the broker holds: staged on every encoder rank before they are promised.
         order = [
             StageItem(h, self.key(h), *expected[h])
@@ -643,6 +662,39 @@ class ECBrokerConnector(ECConnectorBase):
         self.ec_deferred += 1
         return False
 
+    def _claim_hold(self, req_id: str, expected: dict[str, tuple[int, int | None]]) -> bool:
+        """Hold the request while another encoder (instance, node) has claimed one of
+        its items, at most claim_wait_ms; then those are encoded here (never wrong,
+        only duplicated). Each step looks them up again (with a claim): READY is
+        staged, MISS is ours to encode."""
+        claimed = [h for h in expected if self._step_state.get(h) == LookupState.CLAIMED]
+        if not claimed:
+            self._claim_waiting.pop(req_id, None)
+            return False
+        now = time.monotonic()
+        since = self._claim_waiting.setdefault(req_id, now)
+        if now - since < self._claim_wait_s:
+            if since == now:
+                logger.info(
+                    "EC claim: request %s waits for %s (being encoded by another instance)",
+                    req_id,
+                    ", ".join(f"mm_hash={h}" for h in sorted(claimed)),
+                )
+            self.claim_waits += 1
+            return True
+        logger.warning(
+            "EC claim: %d item(s) of request %s not encoded elsewhere within %.1f s; "
+            "encoding here",
+            len(claimed),
+            req_id,
+            self._claim_wait_s,
+        )
+        self.claim_timeouts += len(claimed)
+        for h in claimed:
+            self._step_state[h] = LookupState.MISS
+        self._claim_waiting.pop(req_id, None)
+        return False
+
     def _stage_now(self, mm_hash: str, dims: tuple[int, int | None]) -> None:
         """An item the stale mirror hid from ensure_cache_available (after vLLM's
         reset_encoder_cache, which tells connectors nothing): look it up and stage it
@@ -694,7 +746,12 @@ class ECBrokerConnector(ECConnectorBase):
                 expected[feature.identifier] = (_num_embeds(request, index), width)
         return expected
 
-    def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
+    def _lookup(
+        self,
+        hashes: list[str],
+        expected: dict[str, tuple[int, int | None]],
+        req_id: str | None = None,
+    ) -> None:
         """One batched lookup with a lease; memoises a state per hash for the step."""
         if not self._field:  # weights changing: no field to key with yet
             for mm_hash in hashes:
@@ -703,10 +760,15 @@ class ECBrokerConnector(ECConnectorBase):
         keys = [self.key(h) for h in hashes]
         # An encoder-only producer never loads: nothing to protect from eviction.
         lease_ms = 0 if self._encoder_only_producer else self._lease_ms
+        claim_ms = CLAIM_MS if self._claims else 0
         try:
             infos = self._on_live_connection(
                 lambda c: c.lookup(
-                    keys, lease_ms=lease_ms, wait_ms=self._lookup_wait_ms, fresh=self._fresh
+                    keys,
+                    lease_ms=lease_ms,
+                    wait_ms=self._lookup_wait_ms,
+                    fresh=self._fresh,
+                    claim_ms=claim_ms,
                 )
             )
         except Exception as exc:  # never take the scheduler down
@@ -723,7 +785,11 @@ class ECBrokerConnector(ECConnectorBase):
                 if why:
                     bad.append((mm_hash, why))
                     state = LookupState.MISS
+            elif state == LookupState.CLAIMED and claim_ms:
+                pass  # another encoder is on it: the request waits (_claim_hold)
             else:
+                if claim_ms and state == LookupState.MISS and req_id is not None:
+                    self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
                 state = LookupState.MISS  # including states a newer broker may invent
             self._step_state[mm_hash] = state
         if bad:
@@ -840,6 +906,15 @@ class ECBrokerConnector(ECConnectorBase):
                 self._from_workers[name] = self._from_workers.get(name, 0) + delta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._claim_waiting.pop(request.request_id, None)
+        claimed = self._claimed_by.pop(request.request_id, None)
+        if claimed and self._field and self._client is not None:
+            # a claim whose put landed is gone already; one of an aborted request is
+            # let go so that no other instance waits for an encode that will not come
+            try:
+                self._client.unclaim([self.key(h) for h in claimed])
+            except Exception as exc:  # claims also end on their own (CLAIM_MS)
+                logger.warning("EC broker unclaim failed: %s", exc)
         waiting = self._waiting.pop(request.request_id, None)
         if waiting is not None:  # aborted or failed while waiting for a promotion
             self._unlease(waiting.hashes)

@@ -92,6 +92,8 @@ STAT_FIELDS = (
     "promotion_failures",
     "invalid_deleted",
     "stage_timeouts",
+    "claim_waits",
+    "claim_timeouts",
     *WORKER_STAT_FIELDS,
     "broker_timeouts",
 )
