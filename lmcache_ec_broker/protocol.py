@@ -16,7 +16,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 3: Lookup.fresh, Publish; 4: journal held/distrusted words
+PROTOCOL_VERSION = 5  # 3: Lookup.fresh, Publish; 4: journal held/distrusted words; 5: claims
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
@@ -190,6 +190,35 @@ class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields
     # store anyway (its announcement may not have arrived yet: an encoder instance on
     # another node published it just now). For disaggregated instances only (docs/epd.md).
     fresh: bool = False
+    # >0: claim every key this answer would call MISS for this long (at most 120 s):
+    # "I am encoding it". A key claimed by another connection -- or by another broker
+    # through the remote store, or reserved by another writer -- is answered CLAIMED
+    # instead (wait for it: WaitReady). A claim ends when the key lands in the slab,
+    # a put of it aborts, Unclaim, the connection closes, or claim_ms passes
+    # (broker/claims.py). MISS with claim_ms: encode it (claimed, or over the bounds).
+    claim_ms: int = 0
+
+
+class WaitReady(msgspec.Struct, tag="wait_ready", tag_field="op", forbid_unknown_fields=True):
+    """Answer (a LookupReply) once no key is CLAIMED by another encoder any more -- each
+    claim ended: landed (READY/PENDING) or gave up (MISS) -- or at ``wait_ms`` with
+    the keys still claimed answered CLAIMED (the caller then encodes them itself). The
+    answer is a Lookup's with the same ``lease_ms``/``claim_ms``/``fresh``: with
+    ``claim_ms`` a key whose encoder gave up is claimed for the caller (one waiter
+    takes over; the others keep waiting). Holds this connection while it waits."""
+
+    keys: list[str]
+    wait_ms: int
+    lease_ms: int = 0
+    claim_ms: int = 0
+    fresh: bool = False
+
+
+class Unclaim(msgspec.Struct, tag="unclaim", tag_field="op", forbid_unknown_fields=True):
+    """End this connection's claims on ``keys`` (it will not put them: its encode
+    failed or its request ended); their waiters wake and encode them themselves."""
+
+    keys: list[str]
 
 
 class Publish(msgspec.Struct, tag="publish", tag_field="op", forbid_unknown_fields=True):
@@ -233,6 +262,8 @@ Request = (
     | Unlease
     | Shutdown
     | Publish
+    | WaitReady
+    | Unclaim
 )
 
 
@@ -274,6 +305,7 @@ class LookupState:
     MISS = 0  # on no tier
     READY = 1  # in the slab: a get now is a hit
     PENDING = 2  # on a lower tier, being promoted into the slab: ask again shortly
+    CLAIMED = 3  # on no tier yet; another encoder claimed it: WaitReady for it (claim_ms)
 
 
 class EntryInfo(msgspec.Struct, array_like=True):

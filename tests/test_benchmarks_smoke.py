@@ -197,3 +197,18 @@ def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
     assert video.points[0].tokens < video.points[1].tokens
     assert "--trust-request-mm-kwargs" in video.server_args
     assert "--media-io-kwargs" in audio.server_args
+
+
+def test_dedup_smoke(tmp_path: Path) -> None:
+    """benchmarks/dedup.py, one broker, two clients, one round of two items: with claims
+    every item is encoded once (without: by each client that missed it)."""
+    out = tmp_path / "dedup.json"
+    r = _run(
+        "dedup.py", "--clients", "2", "--rounds", "1", "--items", "2", "--encode-ms", "50",
+        "--size", "4096", "--quick", "--json", str(out),
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert [x["claims"] for x in results] == [False, True]
+    assert results[1]["encodes_per_item"] == 1.0, results

@@ -35,7 +35,7 @@ from vllm.config import LoadConfig, LoRAConfig, ModelConfig, VllmConfig
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
 from lmcache_ec_broker.connector.model_id import config_fingerprint, config_parts
-from lmcache_ec_broker.connector.step_guard import loads_off_reason
+from lmcache_ec_broker.connector.stage_link import loads_off_reason
 from lmcache_ec_broker.connector.vllm_meta import make_key
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
 
@@ -85,9 +85,10 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     with BrokerClient(broker.socket_path) as c:
         assert c.has([namespaced]) == [True]
     # The update is seen before the stale entry is used: the scheduler's hit (old
-    # field) is encoded instead, then the new field misses and stores.
+    # field) fails its staging (weights changed, not fingerprinted yet) and is
+    # encoded, then the new field misses and stores.
     assert "loads" not in real["after_update"], "loaded an entry of the old weights"
-    assert real["after_update"].get("reencoded") == 1
+    assert real["after_update"].get("load_failures") == 1, real["after_update"]
     assert real["again"]["ec_misses"] == 1 and real["again"]["puts_stored"] == 1
     assert real["field_after_update"].startswith(real["field"] + "~w")
     assert real["after_update"]["tokens"] == real["again"]["tokens"]
@@ -228,18 +229,15 @@ def test_the_configuration_that_decides_the_encoder_output_is_in_the_field(base_
 # ------------------------------------------------------------------ LoRA, V2 loads
 
 
-def test_v2_runner_keeps_loads_with_language_model_lora():
+def test_v2_runner_keeps_loads_with_lora():
+    """Language-model LoRA leaves the encoder's output alone: loads stay on. Tower
+    LoRA too since staged loads (a load encodes nothing, so the tower mapping built
+    before start_load_caches is moot); an item under a tower adapter is never
+    shared (identifiers.py, test_only_content_hashes_are_shared_by_default)."""
     parallel = SimpleNamespace(distributed_executor_backend="mp", tensor_parallel_size=1)
-    lm_only = SimpleNamespace(
-        parallel_config=parallel, lora_config=LoRAConfig(), use_v2_model_runner=True
-    )
-    assert loads_off_reason(lm_only) == ""
-    tower = SimpleNamespace(
-        parallel_config=parallel,
-        lora_config=LoRAConfig(enable_tower_connector_lora=True),
-        use_v2_model_runner=True,
-    )
-    assert "tower" in loads_off_reason(tower)
+    for lora in (LoRAConfig(), LoRAConfig(enable_tower_connector_lora=True)):
+        config = SimpleNamespace(parallel_config=parallel, lora_config=lora, use_v2_model_runner=True)
+        assert loads_off_reason(config) == ""
 
 
 # ------------------------------------------------------------------ the digest's collective

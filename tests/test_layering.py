@@ -209,7 +209,8 @@ def test_every_class_name_means_one_thing() -> None:
 # constructor was given); the connector composes them instead of inheriting them.
 CONNECTOR_PARTS = {
     "connector/vllm_worker.py": "ECBrokerWorker",
-    "connector/step_guard.py": "StepGuard",
+    "connector/stage_book.py": "StageBook",
+    "connector/stage_link.py": "StageLink",
 }
 
 

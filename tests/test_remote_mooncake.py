@@ -754,3 +754,47 @@ def test_two_brokers_write_behind_keeps_to_its_byte_budget(two_brokers) -> None:
         finally:
             os.kill(mc.master.proc.pid, signal.SIGCONT)
         assert ca.ping()
+
+
+@needs_mooncake
+def test_two_brokers_fleet_claims_dedup_an_encode(two_brokers) -> None:
+    """In-flight deduplication through Mooncake Store (issue 41): a's broker claims two
+    items in the store (put-if-absent, read back); b's broker answers its client CLAIMED
+    and the wait ends with a's bytes once they are written behind; the claims leave the
+    store. No key announcements on Mooncake: the wait re-asks the store."""
+    import threading
+
+    from lmcache_ec_broker import BrokerClient
+    from lmcache_ec_broker.protocol import LookupState
+
+    _, a, b = two_brokers
+    keys = ["claim-x", "claim-y"]
+    tensors = [_tensor("bfloat16", [64, 32], i) for i in range(2)]
+    with BrokerClient(a.socket_path) as ca, BrokerClient(b.socket_path) as cb:
+        assert [i.state for i in ca.lookup(keys, claim_ms=30_000)] == [LookupState.MISS] * 2
+        assert [i.state for i in cb.lookup(keys, claim_ms=30_000)] == [LookupState.CLAIMED] * 2
+        got: dict[str, list] = {}
+        waiting = threading.Thread(
+            target=lambda: got.setdefault("b", cb.wait_ready(keys, 30_000, lease_ms=10_000))
+        )
+        waiting.start()
+        for k, t in zip(keys, tensors, strict=True):
+            assert ca.put(k, t)
+        ca.flush()
+        waiting.join(60)
+        assert not waiting.is_alive()
+        loadable = (LookupState.READY, LookupState.PENDING)
+        assert all(i.state in loadable for i in got["b"]), got
+        for k, t in zip(keys, tensors, strict=True):
+            out = cb.get(k)
+            assert out is not None and _bytes(out) == _bytes(t), k
+        sb = cb.stats()
+        assert sb["remote_fleet_claims_lost"] >= 2 and sb["remote_writes"] == 0, sb
+        assert sb["claims_held"] == 0, sb
+        # a's claims leave the store after the write-behind: a third broker's client
+        # (here b's, on a new item under a's released claim) is not held
+        assert [i.state for i in ca.lookup(["claim-z"], claim_ms=30_000)] == [LookupState.MISS]
+        ca.unclaim(["claim-z"])
+        until(
+            lambda: [i.state for i in cb.lookup(["claim-z"], claim_ms=30_000)] == [LookupState.MISS]
+        )

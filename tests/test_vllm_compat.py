@@ -133,8 +133,8 @@ def test_connector_runs_on_0_33_ec_connector_modules(next_src: Path, broker, tmp
     assert {"subclass ok", "factory ok", "cycle ok"} <= set(lines)
 
 
-# The runners' EC paths (issue 31): what connector/runner_step.py and the same-step
-# re-encode rely on, in the installed vLLM and in 0.33.
+# The runners' EC paths: what staged loads rely on (docs/design.md, "Staged loads"),
+# in the installed vLLM and in 0.33.
 EC_WRAPPERS = (
     ("vllm/v1/worker/ec_connector_model_runner_mixin.py", "_get_ec_connector_output", None),
     ("vllm/v1/worker/gpu/ec_connector.py", "maybe_get_output", "ActiveECConnector"),
@@ -159,44 +159,37 @@ def ec_runner_roots(next_src: Path) -> list[Path]:
     return roots
 
 
-def test_runners_call_start_load_caches_with_their_scheduler_output_in_the_frame(next_src):
-    """runner_step finds the runner's SchedulerOutput as the local ``scheduler_output``
-    of the frame that calls start_load_caches, whose ec_connector_metadata is bound."""
+def test_runners_load_before_the_encoder_and_the_gather_run(next_src):
+    """start_load_caches runs before the wrapper yields (the encoder and the gather
+    run inside the block): a staged tensor moved there is in the encoder cache when
+    the gather reads it."""
     for root in ec_runner_roots(next_src):
         for rel, name, cls in EC_WRAPPERS:
             fn = function(root / rel, name, cls)
-            assert "scheduler_output" in [a.arg for a in fn.args.args], (root, rel)
             src = ast.unparse(fn)
             assert "start_load_caches" in src, (root, rel)
             assert "bind_connector_metadata(scheduler_output.ec_connector_metadata)" in src
-            # start_load_caches runs before the yield: the encoder runs inside the block
             assert src.index("start_load_caches") < src.index("yield output"), (root, rel)
 
 
-def test_runners_encode_the_step_dict_inside_the_connector_block(next_src):
-    """V1: execute_model runs _execute_mm_encoder (which reads
-    scheduler_output.scheduled_encoder_inputs) and the gather inside
-    maybe_get_ec_connector_output; V2: prepare_inputs_embeds(scheduled_encoder_inputs)
-    inside ec_connector.maybe_get_output, after set_active_mm_loras."""
+def test_the_v1_runner_runs_no_ec_hook_in_a_step_without_tokens(next_src):
+    """Why stage orders and reports travel on the staging link (stage_link.py), not in
+    the step's metadata: the V1 runner returns before its EC wrapper when a step
+    schedules no tokens -- the step in which a held request waits alone -- and only
+    V2 has ActiveECConnector.no_forward. The schedulers hold a request through
+    ensure_cache_available."""
     for root in ec_runner_roots(next_src):
-        v1 = root / "vllm/v1/worker/gpu_model_runner.py"
-        batch = ast.unparse(function(v1, "_batch_mm_inputs_from_scheduler"))
-        assert "scheduler_output.scheduled_encoder_inputs" in batch
-        assert "self.requests[req_id]" in batch
-        body = ast.unparse(function(v1, "execute_model"))
-        block = body[body.index("maybe_get_ec_connector_output") :]
-        assert block.index("_execute_mm_encoder") < block.index("return"), root
-        if root == INSTALLED or (root / "vllm/v1/worker/gpu/model_runner.py").is_file():
-            v2 = ast.unparse(function(root / "vllm/v1/worker/gpu/model_runner.py", "execute_model"))
-            at = v2.index("self.ec_connector.maybe_get_output(scheduler_output)")
-            assert v2.index("set_active_mm_loras(") < at  # why V2 + LoRA loads nothing
-            assert "prepare_inputs_embeds(scheduled_encoder_inputs" in v2[at:]
-            assert "scheduled_encoder_inputs = scheduler_output.scheduled_encoder_inputs" in v2
+        v1 = ast.unparse(function(root / "vllm/v1/worker/gpu_model_runner.py", "execute_model"))
+        assert v1.index("if not num_scheduled_tokens") < v1.index("self._preprocess("), root
+        sched = ast.unparse(function(root / CALLERS[0], "schedule"))
+        assert "ensure_cache_available(" in sched, root
+    v2 = ast.unparse(function(INSTALLED / EC_WRAPPERS[1][0], "no_forward", "ActiveECConnector"))
+    assert "maybe_get_output" in v2
 
 
 def test_the_metadata_travels_inside_the_scheduler_output(next_src):
     """Both schedulers attach the connector's metadata to the SchedulerOutput they
-    pass to build_connector_meta; 0.33 adds encoder_input_updates (step_guard mirrors it)."""
+    pass to build_connector_meta (the step's loads travel in it)."""
     for root in (INSTALLED, next_src):
         sched = ast.unparse(function(root / CALLERS[0], "schedule"))
         assert "scheduler_output.ec_connector_metadata = ec_meta" in sched, root

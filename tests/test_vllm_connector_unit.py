@@ -76,10 +76,23 @@ class Pair:
     def __init__(self, config: VllmConfig) -> None:
         self.sched = ECBrokerConnector(config, ECConnectorRole.SCHEDULER)
         self.worker = ECBrokerConnector(config, ECConnectorRole.WORKER)
+        self.sched.wait_for_link(30)
 
     def close(self) -> None:
         self.sched.shutdown()
         self.worker.shutdown()
+
+    def staged_first(self, request: Request, computed: int = 0) -> bool:
+        """ensure_cache_available as vLLM's loop calls it, step after step, while the
+        request is held only for a staging: True once it may be scheduled."""
+        for _ in range(100):
+            if self.sched.ensure_cache_available(request, computed):
+                return True
+            book = self.sched._book
+            if book is None or not book.staging():
+                return False  # held for something else (a promotion): a later step
+            self.sched.wait_for_staging(30)
+        return False
 
     def step(
         self,
@@ -94,7 +107,7 @@ class Pair:
         deferred: set[str] = set()
         so = SchedulerOutput.make_empty()
         for request, index in allocs:
-            if request.request_id in deferred or not self.sched.ensure_cache_available(request, 0):
+            if request.request_id in deferred or not self.staged_first(request):
                 deferred.add(request.request_id)
                 continue
             if not self.sched.has_cache_item(request.mm_features[index].identifier):
@@ -270,7 +283,7 @@ def test_scheduler_decision_is_kept_within_a_step(pairs, broker):
     p = pairs()
     h = "c" * 64
     p.worker.save_caches({h: embedding(2)}, h)
-    assert p.sched.has_cache_item(h)
+    assert p.staged_first(make_request("r", h)) and p.sched.has_cache_item(h)
     with BrokerClient(broker.socket_path) as c:
         assert c.delete(p.sched.key(h))
     p.sched.update_state_after_alloc(make_request("r", h), 0)
@@ -292,7 +305,7 @@ def test_roles(pairs, broker):
     # (issue 32; tests/test_epd_connector.py); it takes no lease for it.
     assert producer.sched.has_cache_item(h)
     assert not producer.sched._step_leased
-    assert consumer.sched.has_cache_item(h)
+    assert consumer.staged_first(make_request("r", h)) and consumer.sched.has_cache_item(h)
 
 
 def test_tp_ranks_store_once(pairs, broker):
@@ -306,17 +319,17 @@ def test_tp_ranks_store_once(pairs, broker):
         assert c.stats()["entries"] == 1
 
 
-def test_vanished_entry_is_encoded_in_the_same_step(pairs, broker):
-    """The entry disappears between the scheduler's check and the worker's load: the
-    worker adds the item to the step's scheduled_encoder_inputs (the runner's own
-    dict, reached through the metadata across the pickle), inserts nothing, fails
-    nothing; the runner encodes it and it is put again. The next request is normal."""
+def test_entry_vanished_after_staging_still_loads(pairs, broker):
+    """Issue 41: the entry disappears between the staging and the step that loads it:
+    the worker moves the tensor it staged; nothing is encoded, nothing of the step is
+    edited, nothing failed. (Before: the worker fetched in the step, the load failed
+    and the worker added the item to the runner's scheduled_encoder_inputs.)"""
     p = pairs()
     h = "f" * 64
     tensor = embedding(5)
     p.worker.save_caches({h: tensor}, h)
     request = make_request("doomed", h)
-    assert p.sched.ensure_cache_available(request, 0)
+    assert p.staged_first(request)
     assert p.sched.has_cache_item(h)
     p.sched.update_state_after_alloc(request, 0)
     with BrokerClient(broker.socket_path) as c:
@@ -324,29 +337,26 @@ def test_vanished_entry_is_encoded_in_the_same_step(pairs, broker):
     so = SchedulerOutput.make_empty()
     so.scheduled_encoder_inputs["bystander"] = [2]  # another request's encode this step
     shipped = ship(p.sched, so)
-    assert shipped.ec_connector_metadata.encoder_inputs is shipped.scheduled_encoder_inputs
     cache: dict[str, torch.Tensor] = {}
     p.worker.bind_connector_metadata(shipped.ec_connector_metadata)
     p.worker.start_load_caches(cache)
-    assert h not in cache, "something the model did not compute reached the encoder cache"
-    assert shipped.scheduled_encoder_inputs == {"bystander": [2], "doomed": [0]}
-    assert so.scheduled_encoder_inputs == {"bystander": [2]}  # the scheduler's copy
-    assert p.worker.load_failures == 1 and p.worker.reencoded == 1
-    cache[h] = tensor  # what the runner's encoder computes, then save_caches
-    p.worker.save_caches(cache, h)
-    assert p.worker.puts_stored == 2, "the re-encoded item was not put again"
+    assert torch.equal(cache[h], tensor)
+    assert shipped.scheduled_encoder_inputs == {"bystander": [2]}  # untouched
+    assert p.worker.load_failures == 0 and p.worker.loads == 1
     p.sched.update_connector_output(
         ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
     )
     p.worker.clear_connector_metadata()
     assert p.sched.take_unavailable_requests() == set()
     assert broker_stats(broker.socket_path, p)["pins"] == 0
+    assert p.worker.connector_worker.link.held() == set()  # the order ended with the load
 
-    # Recovered by itself: the next request with the item loads it.
+    # The entry is gone: the next request with the item (another instance) encodes it.
     other = pairs()
     cache2: dict[str, torch.Tensor] = {}
-    other.step(cache2, [(make_request("again", h), 0)])
-    assert torch.equal(cache2[h], tensor) and other.worker.loads == 1
+    other.step(cache2, [(make_request("again", h), 0)], {h: tensor})
+    assert torch.equal(cache2[h], tensor) and other.worker.loads == 0
+    assert other.sched.ec_misses == 1
 
 
 def test_requests_that_consumed_the_item_are_never_touched(pairs, broker):
@@ -360,7 +370,7 @@ def test_requests_that_consumed_the_item_are_never_touched(pairs, broker):
     decoding = make_request("decoding", h)
     past_prompt = len(decoding.prompt_token_ids)
     newcomer = make_request("new", h)
-    assert p.sched.ensure_cache_available(newcomer, 0)
+    assert p.staged_first(newcomer)
     assert p.sched.has_cache_item(h)
     p.sched.update_state_after_alloc(newcomer, 0)
     with BrokerClient(broker.socket_path) as c:
@@ -374,13 +384,6 @@ def test_requests_that_consumed_the_item_are_never_touched(pairs, broker):
         assert p.sched.ensure_cache_available(newcomer, 0)
         p.step(cache, [])
     assert p.sched.take_unavailable_requests() == set()
-
-
-def test_tp_ranks_agree_without_a_group_is_the_local_answer():
-    from lmcache_ec_broker.connector.tp_agree import union_over_tp
-
-    assert union_over_tp(["a", "b"], {"b"}) == {"b"}
-    assert union_over_tp([], set()) == set()
 
 
 def test_deepstack_width_on_a_consumer(pairs, broker):
@@ -400,7 +403,7 @@ def test_deepstack_width_on_a_consumer(pairs, broker):
     assert torch.equal(cache[h], wide)
 
     request = make_request("r2", gone)
-    assert consumer.sched.ensure_cache_available(request, 0)
+    assert consumer.staged_first(request)
     assert consumer.sched.has_cache_item(gone)
     consumer.sched.update_state_after_alloc(request, 0)
     with BrokerClient(broker.socket_path) as c:
@@ -413,8 +416,8 @@ def test_deepstack_width_on_a_consumer(pairs, broker):
         [(request, 0)],
         {gone: wide},
     )
-    assert shipped.scheduled_encoder_inputs == {"r2": [0]}
-    assert torch.equal(cache[gone], wide)  # the encoder's output, never a placeholder
+    assert shipped.scheduled_encoder_inputs == {}  # staged before it vanished: loaded
+    assert torch.equal(cache[gone], wide)  # the stored output, never a placeholder
     assert consumer.worker.puts_stored == 0  # a consumer does not put
 
 
@@ -428,7 +431,7 @@ def test_async_scheduling_step_built_before_the_failed_one_ran(pairs, broker):
     tensor = embedding(30)
     p.worker.save_caches({x: tensor}, x)
     r1, r2 = make_request("r1", x), make_request("r2", x)
-    assert p.sched.ensure_cache_available(r1, 0) and p.sched.has_cache_item(x)
+    assert p.staged_first(r1) and p.sched.has_cache_item(x)
     p.sched.update_state_after_alloc(r1, 0)
     so_n = ship(p.sched, SchedulerOutput.make_empty())
     with BrokerClient(broker.socket_path) as c:
@@ -475,14 +478,15 @@ def test_items_vllm_holds_are_not_looked_up_until_freed(pairs, broker):
     freed = SchedulerOutput.make_empty()
     freed.free_encoder_mm_hashes = [x]  # vLLM evicted X from its encoder cache
     p.sched.build_connector_meta(freed)
-    assert p.sched.ensure_cache_available(make_request("r9", x), 0)
+    assert p.staged_first(make_request("r9", x))
     assert lookups_of(broker_stats(broker.socket_path, p)) == lookups + 1
 
 
 def test_a_stale_mirror_after_reset_encoder_cache_still_loads(pairs, broker):
     """vLLM's reset_encoder_cache tells the connector nothing: the first has_cache_item
     for an item the mirror calls held shows it is stale; the item is looked up and
-    loaded (not encoded), and the mirror starts over."""
+    staged while the scheduler waits (bounded), then loaded (not encoded), and the
+    mirror starts over."""
     p = pairs()
     x = "c8" * 32
     tensor = embedding(32)
@@ -518,10 +522,10 @@ def test_items_beyond_the_steps_reach_are_not_looked_up(pairs, broker, model_con
         mm_features=features,
     )
     before = lookups_of(broker_stats(broker.socket_path, p))
-    assert p.sched.ensure_cache_available(request, 0)
+    assert p.staged_first(request)
     assert p.sched._step_state.keys() == {near}
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
-    assert p.sched.ensure_cache_available(request, reach)
+    assert p.staged_first(request, reach)
     assert p.sched._step_state.keys() == {far}
     assert lookups_of(broker_stats(broker.socket_path, p)) == before + 2
 
@@ -542,11 +546,13 @@ def test_broker_restart_keeps_serving(pairs, make_broker, sock_dir, connector_lo
     p = pairs(socket_path=path)
     h, h2 = "5" * 64, "6" * 64
     p.worker.save_caches({h: embedding(8)}, h)
-    assert p.sched.has_cache_item(h)
+    assert p.staged_first(make_request("r0", h)) and p.sched.has_cache_item(h)
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
     first.stop()
 
-    assert not p.sched.has_cache_item(h)  # broker away: a miss, no exception
+    # broker away: a miss, no exception
+    assert p.sched.ensure_cache_available(make_request("r1", h2), 0)
+    assert not p.sched.has_cache_item(h2)
     assert any("not reachable" in line for line in connector_log.lines)
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
     make_broker("--shm-size", "64MiB", socket_path=path)
@@ -599,7 +605,7 @@ def test_counters_reach_vllm_stats(pairs):
     assert not p.sched.has_cache_item(h)
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
     p.worker.save_caches({h: embedding(10)}, h)
-    assert p.sched.has_cache_item(h)
+    assert p.staged_first(make_request("r", h)) and p.sched.has_cache_item(h)
     assert p.sched.stats()["ec_hits"] == 1 and p.sched.stats()["ec_misses"] == 1
 
     interval = p.sched.get_ec_connector_stats()
@@ -619,7 +625,7 @@ def test_counters_reach_vllm_stats(pairs):
     logging_.observe(p.sched.get_ec_connector_stats().data)
     lines: list[str] = []
     logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
-    assert lines == ["EC Transfer metrics: ec_hits=1, ec_misses=1, puts_stored=1"]
+    assert lines == ["EC Transfer metrics: ec_hits=1, ec_misses=1, staged=1, puts_stored=1"]
 
 
 def test_outputs_encoded_during_an_outage_are_published_after_it(pairs, make_broker, sock_dir):
@@ -694,42 +700,53 @@ def test_leases_end_once_the_load_is_done(pairs, make_broker):
     assert s["pins"] == 0, "leases still held after their loads"
 
 
-def test_hits_not_loaded_this_step_release_their_lease(pairs, broker):
-    """has_cache_item said True but the request was not scheduled after all (no
-    update_state_after_alloc): the lease ends with the step."""
+def test_a_staged_hit_ends_its_lease_and_is_released_with_its_request(pairs, broker):
+    """The lookup's lease protects the entry until the workers staged it, no longer;
+    a request that ends before it loads (aborted, or never scheduled) releases the
+    tensor its worker staged for it."""
     p = pairs()
     h = "ab" * 32
     p.worker.save_caches({h: embedding(20)}, h)
-    assert p.sched.ensure_cache_available(make_request("r", h), 0)
+    request = make_request("r", h)
+    assert p.staged_first(request)
     assert p.sched.has_cache_item(h)
-    assert broker_stats(broker.socket_path, p)["pins"] == 1
-    p.sched.build_connector_meta(SchedulerOutput.make_empty())
     assert broker_stats(broker.socket_path, p)["pins"] == 0
+    link = p.worker.connector_worker.link
+    assert link.held() == {h}
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # not scheduled after all
+    assert link.held() == {h}  # still wanted: the request waits
+    p.sched.request_finished(request)
+    deadline = time.monotonic() + 30
+    while link.held():
+        assert time.monotonic() < deadline, "the staged tensor was never released"
+        time.sleep(0.01)
+    assert not p.sched.has_cache_item(h)  # a new order is needed for a new promise
 
 
-def test_a_lease_still_needed_by_a_later_step_is_kept(pairs, broker):
-    """Async scheduling: step 2 leases the hash again before step 1's load is
-    reported; step 1's report must not end step 2's lease."""
+def test_an_order_sent_before_the_last_load_ran_keeps_both(pairs, broker):
+    """Async scheduling: step 2 orders the item again (vLLM freed it in between)
+    before step 1's load ran on the worker; each order holds its own count, so both
+    steps' loads find the tensor (stage_book.py, invariant 1)."""
     p = pairs()
     h = "cd" * 32
-    p.worker.save_caches({h: embedding(21)}, h)
-    first, second = make_request("r1", h), make_request("r2", h)
+    tensor = embedding(21)
+    p.worker.save_caches({h: tensor}, h)
     metas = []
-    for request in (first, second):
-        assert p.sched.ensure_cache_available(request, 0)
+    for request in (make_request("r1", h), make_request("r2", h)):
+        assert p.staged_first(request)
         assert p.sched.has_cache_item(h)
         p.sched.update_state_after_alloc(request, 0)
-        metas.append(p.sched.build_connector_meta(SchedulerOutput.make_empty()))
-    for n, meta in enumerate(metas):
+        freed = SchedulerOutput.make_empty()
+        metas.append(p.sched.build_connector_meta(freed))
+        p.sched._held.discard(h)  # vLLM freed it (free_encoder_mm_hashes of a later step)
+    for meta in metas:
         cache: dict[str, torch.Tensor] = {}
         p.worker.bind_connector_metadata(meta)
         p.worker.start_load_caches(cache)
-        out = ECConnectorOutput(ec_connector_worker_meta=p.worker.build_connector_worker_meta())
         p.worker.clear_connector_metadata()
-        assert h in cache
-        assert broker_stats(broker.socket_path, p)["pins"] == 1, "lease ended before a load"
-        p.sched.update_connector_output(out)
-        assert broker_stats(broker.socket_path, p)["pins"] == (1 if n == 0 else 0)
+        assert torch.equal(cache[h], tensor)
+    assert p.worker.loads == 2 and p.worker.connector_worker.link.held() == set()
+    assert broker_stats(broker.socket_path, p)["pins"] == 0
 
 
 # --------------------------------- lower tiers: defer, never wait (item 9)
@@ -920,34 +937,34 @@ def test_wrong_entry_on_disk_is_left_on_every_tier(pairs, make_broker, sock_dir)
         assert c.stats()["disk_entries"] == 1, "deleted from the disk tier"
 
 
-def test_wrong_entry_at_load_time_is_encoded_instead_and_left_alone(pairs, broker):
-    """The scheduler saw a good entry; by the worker's load it was replaced by a wrong
-    one: the item is encoded in the same step (never run on a wrong tensor, no
+def test_wrong_entry_at_staging_is_encoded_instead_and_left_alone(pairs, broker):
+    """The scheduler saw a good entry; by the worker's staging it was replaced by a
+    wrong one: the staging fails, the item is encoded (never run on a wrong tensor, no
     request failed), and the entry is not the worker's to delete."""
     p = pairs()
     h = "e6" * 32
     good = embedding(41)
     p.worker.save_caches({h: good}, h)
-    request = make_request("r", h)
-    assert p.sched.ensure_cache_available(request, 0)
-    assert p.sched.has_cache_item(h)
-    p.sched.update_state_after_alloc(request, 0)
     key = p.sched.key(h)
-    so = SchedulerOutput.make_empty()
-    so.ec_connector_metadata = p.sched.build_connector_meta(so)
-    with BrokerClient(broker.socket_path) as c:
-        assert c.delete(key)
-        assert c.put(key, WRONG["rows"])
-    shipped = pickle.loads(pickle.dumps(so))
+    worker = p.worker.connector_worker
+    fetch = worker.fetch
+
+    def replaced_then_fetch(keys: list[str], device: str):
+        with BrokerClient(broker.socket_path) as c:
+            assert c.delete(key)
+            assert c.put(key, WRONG["rows"])
+        return fetch(keys, device)
+
+    worker.fetch = replaced_then_fetch
     cache: dict[str, torch.Tensor] = {}
-    p.worker.bind_connector_metadata(shipped.ec_connector_metadata)
-    p.worker.start_load_caches(cache)
+    p.step(cache, [(make_request("r", h), 0)], {h: good})
     assert p.worker.load_failures == 1 and p.worker.invalid_skipped == 1
-    assert h not in cache and shipped.scheduled_encoder_inputs == {"r": [0]}
-    p.worker.clear_connector_metadata()
+    assert p.sched.ec_misses == 1 and p.worker.loads == 0
+    assert torch.equal(cache[h], good)  # the encoder's output
     assert p.sched.take_unavailable_requests() == set()
     with BrokerClient(broker.socket_path) as c:
-        assert c.has([key]) == [True]
+        got = c.get(key)
+    assert got is not None and torch.equal(got, WRONG["rows"]), "another's entry was touched"
 
 
 # ---------------------------------- keys follow the weights (item 12)
@@ -1129,9 +1146,10 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
     finally:
         os.kill(b.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30
-    while not p.sched.has_cache_item(x):
+    while not (p.staged_first(make_request("again", x)) and p.sched.has_cache_item(x)):
         assert time.monotonic() < deadline, "the scheduler never used the broker again"
         p.sched.build_connector_meta(SchedulerOutput.make_empty())
+        p.sched._held.clear()
         time.sleep(0.05)
 
 
@@ -1214,7 +1232,7 @@ def test_a_slow_remote_store_costs_the_scheduler_misses_not_its_circuit(
             for i, h in enumerate((far, near, far)):
                 r = make_request(f"r{i}", h)
                 t0 = time.perf_counter()
-                assert p.sched.ensure_cache_available(r, 0)
+                assert p.staged_first(r)
                 hit = p.sched.has_cache_item(h)
                 waits.append(time.perf_counter() - t0)
                 assert hit == (h == near), (i, h, hit)
@@ -1224,14 +1242,15 @@ def test_a_slow_remote_store_costs_the_scheduler_misses_not_its_circuit(
             assert max(waits) < budget, waits  # (and far below the store's 20 s)
             with BrokerClient(here.socket_path) as c:
                 st = c.stats()
-                assert st["remote_lookups_cut_short"] == 2, str({k: v for k, v in st.items() if v})
+                # (the second lookup of far may join the first, still running: >= 1)
+                assert st["remote_lookups_cut_short"] >= 1, str({k: v for k, v in st.items() if v})
     finally:
         srv.stop()
 
 
 def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
     """Worker side: the first put waits worker_budget_ms, later puts are skipped at
-    once and counted, a load fails at once (and is encoded); all published after.
+    once and counted, a staging fails at once (the item is encoded); all published after.
     Without put arenas: a put into its arena waits for nothing, hung broker or not
     (tests/test_put_arena.py), so here the first wait would be the load's.
 
@@ -1254,13 +1273,11 @@ def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
         assert 0.9 * budget < waits[0] < 3 * budget and max(waits[1:]) < budget / 3, waits
         assert p.worker.puts_skipped == 5 and p.worker.broker_timeouts == 1
         r = make_request("r", "0" * 64)
-        so = SchedulerOutput.make_empty()
         p.sched._step_state["0" * 64] = LookupState.READY  # a hit seen before the hang
-        p.sched.update_state_after_alloc(r, 0)
         t0 = time.perf_counter()
-        shipped = run_worker_step(p.sched, p.worker, so, {}, [(r, 0)])
+        assert p.staged_first(r)  # ordered; the worker's staging fails at once
         assert time.perf_counter() - t0 < budget / 3
-        assert shipped.scheduled_encoder_inputs == {"r": [0]}
+        assert not p.sched.has_cache_item("0" * 64) and p.worker.load_failures == 1
     finally:
         os.kill(b.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30

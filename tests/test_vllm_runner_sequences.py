@@ -2,14 +2,17 @@
 in-process on CPU (tests/vllm_runner_harness.py says what is vLLM's code and what is
 emulated), against a real broker: V1 and V2 runners, async scheduling on and off,
 the three ways a SchedulerOutput can reach a worker, priority preemption within a
-step, 0.33's encoder_input_updates. Every case checks the two promises: a failed
-load never kills the engine (no exception out of a step) and never changes an
-answer (each request's gathered embeddings are the encoder's own output)."""
+step, 0.33's encoder_input_updates, PP and DP. Hits are staged on the worker before
+they are scheduled (stage_link.py, stage_book.py). Every case checks the promises: a
+load cannot fail once staged, a staging that fails has the item encoded, neither
+kills the engine (no exception out of a step) nor changes an answer (each request's
+gathered embeddings are the encoder's own output)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,9 +86,24 @@ def store(engine: Engine, *hashes: str, num_embeds: int = 16) -> None:
         engine.worker.save_caches({h: stub_encode(h, num_embeds)}, h)
 
 
+def delete_before_staging(engine: Engine, broker, *hashes: str) -> None:
+    """The entries vanish after the scheduler's lookup found them, before the worker
+    stages them (a broker restart, an operator's clear): the staging fails."""
+    worker = engine.worker.connector_worker
+    fetch = worker.fetch
+
+    def vanish_then_fetch(keys: list[str], device: str):
+        with BrokerClient(broker.socket_path) as c:
+            for h in hashes:
+                if engine.sched_connector.key(h) in keys:
+                    c.delete(engine.sched_connector.key(h))
+        return fetch(keys, device)
+
+    worker.fetch = vanish_then_fetch
+
+
 def delete_when_loaded(engine: Engine, broker, *hashes: str) -> None:
-    """The entries vanish after the scheduler counted them as hits, before the worker
-    loads them (a broker restart, an operator's clear)."""
+    """The entries vanish after they were staged, before the step that loads them."""
 
     def hook(so) -> None:
         loads = {s.mm_hash for s in so.ec_connector_metadata.loads}
@@ -120,21 +138,40 @@ def test_hit_loads_and_miss_encodes(engines, v2, async_scheduling):
 
 @pytest.mark.parametrize("executor", ["together", "inprocess", "apart"])
 @pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
-def test_failed_load_is_encoded_in_the_same_step(engines, broker, v2, async_scheduling, executor):
-    """Item 1 of issue 31: with the metadata shipped apart from the SchedulerOutput
-    ("apart"), the old worker wrote the re-encode into a copy of the step's
-    scheduled_encoder_inputs: "Encoder cache miss" killed the engine."""
+def test_failed_staging_is_encoded(engines, broker, v2, async_scheduling, executor):
+    """The entry is gone when the worker stages it: the scheduler, told so, has vLLM
+    encode it (has_cache_item False); nothing of the runner's step is edited, so the
+    way the metadata travels ("apart" killed the engine before issue 31) is moot."""
     e = engines(v2=v2, async_scheduling=async_scheduling, executor=executor)
     x, y = "a1" * 32, "b2" * 32
     store(e, x, y)
-    delete_when_loaded(e, broker, x)
+    delete_before_staging(e, broker, x)
     requests = [make_request("a", [x, y]), make_request("bystander", ["c3" * 32])]
     for r in requests:
         e.add(r)
     e.run()
     assert_answers_unchanged(e, requests)
-    assert e.worker.load_failures == 1 and e.worker.reencoded == 1 and e.worker.loads == 1
+    assert e.worker.load_failures == 1 and e.worker.loads == 1
+    assert e.sched_connector.ec_hits == 1 and e.sched_connector.ec_misses == 2
     assert not e.errors
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
+def test_entry_gone_after_staging_still_loads(engines, broker, v2, async_scheduling):
+    """Issue 41: once staged, a load cannot fail. The entry vanishes from the broker
+    in the step that loads it; the worker moves its staged tensor anyway. (Before,
+    the worker fetched in that step: the load failed and the item was re-encoded by
+    editing the runner's step.)"""
+    e = engines(v2=v2, async_scheduling=async_scheduling)
+    x = "c1" * 32
+    store(e, x)
+    delete_when_loaded(e, broker, x)
+    requests = [make_request("a", [x])]
+    e.add(requests[0])
+    e.run()
+    assert_answers_unchanged(e, requests)
+    assert e.worker.loads == 1 and e.worker.load_failures == 0
+    assert e.sched_connector.ec_hits == 1 and not e.errors
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["loads", "load-fails"])
@@ -150,10 +187,9 @@ def test_request_preempted_in_the_step_that_loads_its_item(engines, broker, v2, 
     """Item 4 of issue 31, with vLLM's priority scheduler: request "lo" is scheduled
     with a hit on its image (a load), then a higher-priority request needs a KV block
     and "lo" is preempted later in the same step. vLLM keeps the item in its encoder
-    cache (freeable), so the worker must hold it when "lo" comes back. Before: the load
-    was shipped for a request the V2 runner had just removed; if it failed, the worker
-    added "lo" to the step's encoder inputs -> KeyError in the V2 encoder runner (and in
-    V1's tower-LoRA mapping)."""
+    cache (freeable), so the worker must hold it when "lo" comes back: the load is
+    shipped all the same and moves the staged tensor; with the entry deleted in that
+    step ("load-fails") nothing changes, the tensor was staged before."""
     e = engines(
         v2=v2,
         priority=True,
@@ -212,10 +248,12 @@ def rewind(e: Engine, request, to: int) -> None:
 
 def test_rewound_request_whose_inputs_the_v2_worker_released(engines, broker, next_src):
     """Item 6 of issue 31 (0.33, V2): encoder_input_updates drop an item's inputs on
-    the worker once consumed. After a rewind the item is a hit again; its load fails;
-    before, the worker asked the runner to encode an item it no longer had inputs
-    for -> "Encoder cache miss". Now an item whose inputs are released is a miss:
-    vLLM encodes it and restores its inputs."""
+    the worker once consumed, and a rewind reads the item again. Before, a load
+    that failed then was re-encoded from inputs the worker no longer had ("Encoder
+    cache miss"). Now nothing is encoded in place of a load: the item, which the
+    scheduler's mirror still counts as held by vLLM in that step, is not staged but
+    encoded by vLLM itself (it restores the inputs); had it been staged, its load
+    could not fail."""
     e = engines(
         v2=True, next_src=next_src, max_num_batched_tokens=16, long_prefill_token_threshold=16
     )
@@ -232,18 +270,17 @@ def test_rewound_request_whose_inputs_the_v2_worker_released(engines, broker, ne
             with BrokerClient(broker.socket_path) as c:  # the hit's entry vanishes
                 c.delete(e.sched_connector.key(img))
 
-    for _ in range(2):  # [0,16) loads the item, [16,32) consumes it
+    for _ in range(3):  # held while staged, [0,16) loads the item, [16,32) consumes it
         e.step()
     assert e.worker.loads == 1
     e.before_worker = hook
     e.step()  # [32,48): the scheduler releases the item's inputs
     assert released == [True], "0.33's scheduler did not release the item's inputs"
     rewind(e, r, 0)
-    hits = e.sched_connector.ec_hits
     e.run()
     assert_answers_unchanged(e, [r])
     assert not e.errors
-    assert e.sched_connector.ec_hits == hits, "an item with released inputs was promised"
+    assert e.worker.load_failures == 0
 
 
 def test_external_launcher_with_several_ranks_never_promises_a_load(model_config, broker):
@@ -274,28 +311,24 @@ def test_external_launcher_with_several_ranks_never_promises_a_load(model_config
         worker.shutdown()
 
 
-def test_v2_runner_with_lora_never_promises_a_load():
-    """Item 5 of issue 31: the V2 runner builds the tower LoRA mapping
-    (set_active_mm_loras) before start_load_caches, so a re-encode after a failed
-    load would run without its mapping: no loads with LoRA on the V2 runner."""
+def test_v2_runner_with_lora_loads():
+    """Item 5 of issue 31 forbade loads with LoRA on the V2 runner (a re-encode in
+    start_load_caches would miss the tower LoRA mapping built before it). Loads no
+    longer encode anything: LoRA loads on both runners."""
     from types import SimpleNamespace
 
     from vllm.config import LoRAConfig
 
-    from lmcache_ec_broker.connector.step_guard import loads_off_reason
+    from lmcache_ec_broker.connector.stage_link import loads_off_reason
 
     # Tower/connector LoRA only: LoRA on the language model alone keeps loads on
     # (issue 39, tests/test_identity.py).
     tower = LoRAConfig(enable_tower_connector_lora=True)
     parallel = SimpleNamespace(distributed_executor_backend="mp", tensor_parallel_size=2)
-    v2_lora = SimpleNamespace(parallel_config=parallel, lora_config=tower, use_v2_model_runner=True)
-    assert "LoRA" in loads_off_reason(v2_lora)
-    v1_lora = SimpleNamespace(
-        parallel_config=parallel, lora_config=tower, use_v2_model_runner=False
-    )
-    assert loads_off_reason(v1_lora) == ""  # V1 builds it inside _execute_mm_encoder
-    v2 = SimpleNamespace(parallel_config=parallel, lora_config=None, use_v2_model_runner=True)
-    assert loads_off_reason(v2) == ""
+    for v2 in (False, True):
+        for lora in (tower, LoRAConfig()):
+            config = SimpleNamespace(parallel_config=parallel, lora_config=lora, use_v2_model_runner=v2)
+            assert loads_off_reason(config) == ""
 
 
 PP_RUNNERS = [
@@ -306,21 +339,21 @@ PP_RUNNERS = [
 
 
 @pytest.mark.parametrize(("v2", "async_scheduling"), PP_RUNNERS)
-def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_scheduling):
+def test_failed_staging_with_pipeline_parallel(engines, broker, v2, async_scheduling):
     """PP=2: vLLM's scheduler with use_pp and its batch queue (as many batches in
     flight as max_concurrent_batches; chunked prefills keep a request in several),
     the runner the first PP rank's (the only one with EC hooks and the encoder). A
-    failed load is encoded in its step; every request reads the encoder's output.
-    With the V1 runner the first rank's EC output never reaches the scheduler (vLLM
-    drops it on a non-last PP rank): the loads' leases are not ended by a report but
-    at lease_ms, which costs nothing in correctness (a later load is served)."""
+    failed staging is encoded; every request reads the encoder's output. With the V1
+    runner the first rank's EC output never reaches the scheduler (vLLM drops it on a
+    non-last PP rank): staging reports travel on the staging link, so hits are served
+    on both runners."""
     e = engines(
         v2=v2, async_scheduling=async_scheduling, pp=2, max_num_batched_tokens=24, lease_ms=300
     )
     assert e.depth == (3 if async_scheduling else 2)
     x, y = "f1" * 32, "f2" * 32
     store(e, x, y)
-    delete_when_loaded(e, broker, x)
+    delete_before_staging(e, broker, x)
     requests = [
         make_request("a", [x, y], max_tokens=3),
         make_request("bystander", ["f3" * 32], max_tokens=3),
@@ -331,10 +364,8 @@ def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_schedulin
     e.run(max_steps=80)
     assert not e.errors
     assert_answers_unchanged(e, requests)
-    assert e.worker.load_failures == 1 and e.worker.reencoded == 1 and e.worker.loads >= 1
-    reported = not e.sched_connector._inflight
-    assert reported == bool(v2), "the V1 runner's EC output reached the scheduler under PP?"
-    # Reports lost or not, a later request's load is promised and served.
+    assert e.worker.load_failures == 1 and e.worker.loads >= 1
+    # A later request's load is promised and served (x was encoded and stored again).
     z = "f5" * 32
     store(e, z)
     loads = e.worker.loads
@@ -347,17 +378,15 @@ def test_failed_load_with_pipeline_parallel(engines, broker, v2, async_schedulin
 
 
 @pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
-def test_failed_load_in_one_data_parallel_rank(engines, broker, v2, async_scheduling):
-    """DP=2 on one host: two engines (each DP rank its own scheduler, connectors and
-    runner, as vLLM's DP engine cores), one broker, stepped in turn. Rank 0 loads the
-    item; the entry is gone before rank 1's worker loads it (its own lookup promised
-    it): rank 1 encodes it in the step and stores it again; rank 0 is untouched. No
-    state crosses DP ranks but the broker's entries, so a failed load stays a rank's
-    own, re-encoded like any other."""
+def test_failed_staging_in_one_data_parallel_rank(engines, broker, v2, async_scheduling):
+    """DP=2 on one host: two engines (each DP rank its own scheduler, connectors,
+    runner and staging link, as vLLM's DP engine cores), one broker, stepped in turn.
+    Rank 0 loads the item; the entry is gone when rank 1's worker stages it (its own
+    lookup found it): rank 1 encodes it and stores it again; rank 0 is untouched."""
     ranks = [engines(v2=v2, async_scheduling=async_scheduling) for _ in range(2)]
     x = "d1" * 32
     store(ranks[0], x)
-    delete_when_loaded(ranks[1], broker, x)
+    delete_before_staging(ranks[1], broker, x)
     per_rank = [
         [make_request(f"r{i}-a", [x], max_tokens=2), make_request(f"r{i}-b", ["d2" * 32])]
         for i in range(2)
@@ -375,6 +404,59 @@ def test_failed_load_in_one_data_parallel_rank(engines, broker, v2, async_schedu
         assert not e.errors
         assert_answers_unchanged(e, requests)
     assert (ranks[0].worker.loads, ranks[0].worker.load_failures) == (1, 0)
-    assert (ranks[1].worker.load_failures, ranks[1].worker.reencoded) == (1, 1)
+    # rank 1 staged x and failed; it loads d2, which rank 0 encoded and stored
+    assert ranks[1].worker.load_failures == 1
+    assert ranks[1].sched_connector.ec_misses == 1 and ranks[1].sched_connector.ec_hits == 1
     with BrokerClient(broker.socket_path) as c:
         assert c.get(ranks[1].sched_connector.key(x)) is not None, "rank 1 did not store it again"
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_an_item_another_instance_is_encoding_is_waited_for(engines, v2):
+    """Issue 41, deliverable 2 on a node: instances A and B (one broker) meet a new
+    item at the same moment. A's lookup claims it and A encodes it; B's lookup finds
+    it claimed and holds its request, then stages and loads A's output: the encoder
+    ran once for the item. (Before: both encoded it.)"""
+    a, b = engines(v2=v2), engines(v2=v2)
+    x = "9a" * 32
+    ra, rb = make_request("a", [x]), make_request("b", [x])
+    a.add(ra)
+    b.add(rb)
+    b_steps: list = []
+
+    def b_meets_it_meanwhile(so) -> None:  # after A's lookup, before A's encode
+        if not b_steps:
+            b_steps.append(b.step())
+
+    a.before_worker = b_meets_it_meanwhile
+    a.run()
+    assert b_steps and not b_steps[0].num_scheduled_tokens, "B was not held"
+    assert b.sched_connector.claim_waits >= 1
+    b.run()
+    assert_answers_unchanged(a, [ra])
+    assert_answers_unchanged(b, [rb])
+    assert a.worker.puts_stored == 1 and a.sched_connector.ec_misses == 1
+    assert b.worker.loads == 1 and b.sched_connector.ec_hits == 1, "B encoded it too"
+    assert b.sched_connector.ec_misses == 0 and not a.errors and not b.errors
+
+
+def test_a_claim_that_never_lands_costs_one_bounded_wait(engines, broker):
+    """The other encoder claimed the item and never stores it (crashed, aborted
+    without letting go): the request waits claim_wait_ms, then encodes it itself."""
+    b = engines(claim_wait_ms=300)
+    x = "9b" * 32
+    with BrokerClient(broker.socket_path) as other:  # another instance's claim
+        (info,) = other.lookup([b.sched_connector.key(x)], claim_ms=60_000)
+        assert info.state == 0  # MISS: claimed for "other"
+        rb = make_request("b", [x])
+        b.add(rb)
+        t0 = time.monotonic()
+        steps = 0
+        while not b.outputs.get("b"):
+            b.step()
+            steps += 1
+            assert time.monotonic() - t0 < 30, "the request hung on a claim"
+        waited = time.monotonic() - t0
+    assert_answers_unchanged(b, [rb])
+    assert 0.3 <= waited < 10, waited
+    assert b.sched_connector.claim_timeouts == 1 and b.sched_connector.ec_misses == 1

@@ -77,12 +77,15 @@ def test_worker_counters_reach_vllms_logged_ec_stats(model_config, broker, v2) -
         for h in (x, y):  # another instance's outputs
             engine.worker.save_caches({h: stub_encode(h, 16)}, h)
 
-        def delete_x(so) -> None:  # x vanishes after the scheduler counted its hit
-            if any(s.mm_hash == x for s in so.ec_connector_metadata.loads):
-                with BrokerClient(broker.socket_path) as c:
-                    c.delete(engine.sched_connector.key(x))
+        part = engine.worker.connector_worker
+        fetch = part.fetch
 
-        engine.before_worker = delete_x
+        def delete_x(keys: list[str], device: str):  # x vanishes before it is staged
+            with BrokerClient(broker.socket_path) as c:
+                c.delete(engine.sched_connector.key(x))
+            return fetch(keys, device)
+
+        part.fetch = delete_x
         for r in (make_request("a", [x, y]), make_request("b", ["c3" * 32])):
             engine.add(r)
         engine.run()
@@ -91,10 +94,10 @@ def test_worker_counters_reach_vllms_logged_ec_stats(model_config, broker, v2) -
         logged = _logged_ec_metrics(engine, stats)
     finally:
         engine.close()
-    assert worker.loads == 1 and worker.load_failures == 1 and worker.reencoded == 1
+    assert worker.loads == 1 and worker.load_failures == 1 and worker.staged == 1
     want = {name: getattr(worker, name) for name in WORKER_STAT_FIELDS if getattr(worker, name)}
     assert {k: logged.get(k, 0) for k in want} == want
-    assert logged["ec_hits"] == 2 and logged["ec_misses"] == 1
+    assert logged["ec_hits"] == 1 and logged["ec_misses"] == 2
     assert not set(logged) - {"ec_hits", "ec_misses", *want}
     # The scheduler's connector now knows them too (its stats() is per role).
     assert {k: engine.sched_connector.stats()[k] for k in want} == want

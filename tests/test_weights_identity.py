@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,11 +83,11 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     assert r["start"] == [static, None]
     assert r["after_first_request"] == [static, static]
     assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
-    assert r["again"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
+    assert r["again"] == {"ec_hits": 1, "w_loads": 1, "loads": 1, "w_staged": 1, "staged": 1}
     # reset_encoder_cache alone, an update of the language model only: unchanged.
     assert r["after_reset_encoder_cache"] == [static, static]
     assert r["after_lm_only_update"] == [static, static]
-    assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
+    assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1, "w_staged": 1, "staged": 1}
     # collective_rpc + model.load_weights of a vision tensor: a new field, misses.
     (changed, worker_changed) = r["after_visual_load_weights"]
     assert changed == worker_changed and changed.startswith(static + "~w")
@@ -101,7 +102,7 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     assert r["after_reload_m2"] == [m2_field, m2_field]
     assert r["m2_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     assert r["after_reload_m1"] == [static, static]
-    assert r["m1_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1}
+    assert r["m1_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1, "w_staged": 1, "staged": 1}
     # Sleep and wake-up with the same weights: unchanged.
     assert r["after_sleep_wake"] == [static, static]
     # Cost (docs/design.md, "Keys"): the fingerprint after a reload is a small part of it.
@@ -179,7 +180,7 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
     cache: dict[str, torch.Tensor] = {}
     fresh = embedding(2)
     p.step(cache, [(req, 0)], encode={STALE: fresh})
-    assert p.worker.loads == 0 and p.worker.reencoded == 1
+    assert p.worker.loads == 0 and p.worker.load_failures == 1
     assert torch.equal(cache[STALE], fresh)
     assert p.worker.puts_stored == 0
 
@@ -194,18 +195,24 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
     assert p.worker.loads == 0 and p.worker.puts_stored == 0
 
 
-def test_leases_under_the_old_field_end_when_it_changes(pairs, broker):  # noqa: F811
-    """A hit leased in a step whose load is still to come, then the weights change
-    (between steps): that load will be refused, so the lease ends at once."""
+def test_stagings_under_the_old_field_end_when_it_changes(pairs, broker):  # noqa: F811
+    """A hit staged for a request not scheduled yet, then the weights change (between
+    steps): the staged tensor, computed by the old weights, is released on the
+    worker and the item is no longer promised."""
     p: Pair = pairs()
     h = "ef" * 32
     p.worker.save_caches({h: embedding(5)}, h)
     req = make_request("r1", h)
-    assert p.sched.ensure_cache_available(req, 0) and p.sched.has_cache_item(h)
-    p.sched.update_state_after_alloc(req, 0)
-    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # shipped, not yet loaded
-    assert broker_stats(broker.socket_path, p)["pins"] == 1
+    assert p.staged_first(req) and p.sched.has_cache_item(h)
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # r1 not scheduled after all
+    link = p.worker.connector_worker.link
+    assert link.held() == {h}
     p.sched._set_field(p.sched.model_id + "~w0123456789abcdef")
+    assert not p.sched.has_cache_item(h)
+    deadline = time.monotonic() + 30
+    while link.held():
+        assert time.monotonic() < deadline, "the old weights' tensor was never released"
+        time.sleep(0.01)
     assert broker_stats(broker.socket_path, p)["pins"] == 0
 
 

@@ -93,6 +93,9 @@ def main(src: str, model: str, socket_path: str) -> None:
             )
         ],
     )
+    assert sched.wait_for_link(30), "the workers' staging link never came up"
+    assert not sched.ensure_cache_available(request, 0)  # held: staging on the worker
+    sched.wait_for_staging(30)
     assert sched.ensure_cache_available(request, 0)
     assert sched.has_cache_item(mm_hash)
     sched.update_state_after_alloc(request, 0)

@@ -218,6 +218,10 @@ class V1Runner:
 
     def execute(self, so: SchedulerOutput) -> tuple[Any, dict[str, torch.Tensor]]:
         self.update_states(so)
+        if not so.total_num_scheduled_tokens:
+            # GPUModelRunner.execute_model returns EMPTY_MODEL_RUNNER_OUTPUT before any
+            # EC hook in a step that schedules nothing (0.32/0.33; V2 has no_forward).
+            return None, {}
         with ECConnectorModelRunnerMixin.maybe_get_ec_connector_output(
             so, encoder_cache=self.encoder_cache
         ) as ec_output:
@@ -348,6 +352,7 @@ class Engine:
         ec_transfer_state._EC_CONNECTOR_AGENT = None
         ec_transfer_state.ensure_ec_transfer_initialized(config)
         self.worker = ec_transfer_state.get_ec_transfer()
+        self.scheduler.ec_connector.wait_for_link(30)  # as a served engine's, up at once
         pp = config.parallel_config.pipeline_parallel_size
         # vLLM's max_concurrent_batches (config/vllm.py) for this runner
         if config.scheduler_config.async_scheduling:
@@ -434,6 +439,9 @@ class Engine:
         self._inflight.append((so, out))
         while len(self._inflight) >= self.depth or (self._inflight and not self.has_work()):
             self._update(*self._inflight.popleft())
+        # The stagings this step's lookups ordered settle before the next step (the
+        # link's thread is quick but not instant): every run takes the same steps.
+        self.sched_connector.wait_for_staging(5.0)
         return so
 
     def has_work(self) -> bool:

@@ -52,6 +52,7 @@ from ..protocol import (
     ProtocolError,
     Publish,
     Reserve,
+    WaitReady,
     encode_frame,
 )
 
@@ -76,7 +77,7 @@ _WRITE_HARD_CAP = 16 << 20
 MAX_QUEUED_FRAMES = 64
 # Requests whose keys are settled first (see BrokerServer.settle_reservations): a
 # delete made after another client's put returned must find that entry too.
-_READS_KEYS = (Has, Get, Lookup, Delete, Publish)
+_READS_KEYS = (Has, Get, Lookup, Delete, Publish, WaitReady)
 _SETTLES = (*_READS_KEYS, Reserve)  # a Reserve settles its key too
 # The most common reply (Release, Commit, Unlease, ...) is a constant: encoded once.
 _OK_FRAME = encode_frame(msgspec.msgpack.Encoder(), OkReply())

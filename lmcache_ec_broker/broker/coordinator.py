@@ -38,7 +38,17 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..protocol import EntryInfo, ErrorReply, GetReply, Hit, LookupState
+from ..protocol import (
+    EntryInfo,
+    ErrorReply,
+    GetReply,
+    Hit,
+    LookupState,
+    ReserveReply,
+    ReserveStatus,
+)
+from .claims import CLAIM_COUNTERS
+from .dedup import Dedup, fleet_tier
 from .entries import MembershipFilter
 from .promotion import TIER_CONN, Promoter, Promotion
 from .remote_asks import RemoteAsks
@@ -57,6 +67,7 @@ COORDINATOR_COUNTERS = (
     "promotion_failures",
     "tier_unavailable",
     "remote_lookups_cut_short",
+    *CLAIM_COUNTERS,
 )
 
 
@@ -84,10 +95,13 @@ class Coordinator:
         self.promoter = Promoter(
             store, self.leases, self.asks, self.writes, self._tasks, self.counters
         )
+        # Encode claims and the waits on them (in-flight deduplication, dedup.py)
+        self.dedup = Dedup(store, self.lookup, fleet_tier(self.remote_tiers))
 
     # ---------------------------------------------------------------- TierEvents
 
     def added(self, tier: LowerTier, key: str) -> None:
+        self.dedup.waiters.wake(key)  # a wait on another broker's encode: it arrived
         if self.membership is not None:
             self.membership.add(key)
             self._sync_partial()
@@ -188,8 +202,12 @@ class Coordinator:
         self.store.open_connection(conn)
 
     def close_connection(self, conn: int) -> None:
+        state = self.store.conns.get(conn)
+        reservations = self.store.reservations
+        reserved = [reservations[t].key for t in state.reservations] if state else []
         self.store.close_connection(conn)
         self.leases.drop(conn)
+        self.dedup.closed(conn, reserved)
 
     # ---------------------------------------------------------------- leases
 
@@ -199,6 +217,7 @@ class Coordinator:
         self.leases.end_many(conn, keys)
 
     def expire_leases(self) -> int:
+        self.dedup.expire()
         expired = self.store.expire_leases()
         return expired + self.leases.expire(self.store.now())
 
@@ -446,12 +465,32 @@ class Coordinator:
         entry = self.store.reservations.get(token)
         err = self.store.commit(conn, token)
         if err is None and entry is not None:
+            self.dedup.landed(entry.key)
             self.writes.offer(entry, skip=None)
         return err
 
     def placed(self, entry: Entry) -> None:
         """An entry stored from a put arena (Store.place): offered down as a commit's is."""
+        self.dedup.landed(entry.key)
         self.writes.offer(entry, skip=None)
+
+    def reserve(
+        self, conn: int, key: str, nbytes: int, dtype: str, shape: list[int]
+    ) -> ReserveReply | ErrorReply:
+        """Store.reserve; a key found present fulfils its claim (the claimant's put of an
+        entry that landed another way -- a promotion -- commits nothing)."""
+        reply = self.store.reserve(conn, key, nbytes, dtype, shape)
+        if isinstance(reply, ReserveReply) and reply.status == ReserveStatus.PRESENT:
+            self.dedup.landed(key, written=False)
+        return reply
+
+    def abort(self, conn: int, token: int) -> ErrorReply | None:
+        """Store.abort; the key's claim ends (its encoder gave up) and its waiters wake."""
+        entry = self.store.reservations.get(token)
+        err = self.store.abort(conn, token)
+        if err is None and entry is not None:
+            self.dedup.failed(entry.key)
+        return err
 
     def delete(self, keys: list[str]) -> list[bool]:
         deleted = self.store.delete(keys)
@@ -482,6 +521,7 @@ class Coordinator:
         out.update(all_empty_stats())
         out["tier_leases"] = len(self.leases)
         out["promotions_in_flight"] = len(self.promoter.in_flight)
+        out.update(self.dedup.stats())
         for tier in self.lower_tiers:
             out.update(tier.stats())
         return out

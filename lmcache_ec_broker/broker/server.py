@@ -69,7 +69,9 @@ from ..protocol import (
     Shutdown,
     Stats,
     StatsReply,
+    Unclaim,
     Unlease,
+    WaitReady,
     encode_frame,
 )
 from ..shm.filter import FilterWriter, slots_for
@@ -253,6 +255,8 @@ class BrokerServer:
             if isinstance(got, Entry):
                 self.tiers.placed(got)
                 got = PlaceReply(True)
+            elif isinstance(got, PlaceReply) and store.ready(msg.key) is not None:
+                self.tiers.dedup.landed(msg.key, written=False)  # present: ends its claim
             return got
         finally:
             slot = store.arena_slot(conn)
@@ -284,8 +288,24 @@ class BrokerServer:
                 if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
                     return refusal
                 lease = min(max(lease_ms, 0), MAX_LEASE_MS)
-                got = tiers.lookup(conn, keys, lease, _wait(wait_ms), fresh)
+                if msg.claim_ms > 0:  # in-flight deduplication (dedup.py)
+                    got = tiers.dedup.lookup(
+                        conn, peer_uid, keys, lease, _wait(wait_ms), fresh, msg.claim_ms
+                    )
+                else:
+                    got = tiers.lookup(conn, keys, lease, _wait(wait_ms), fresh)
                 return LookupReply(got) if isinstance(got, list) else _wrap(got, LookupReply)
+            case WaitReady(keys=keys, wait_ms=wait_ms, lease_ms=lease_ms, claim_ms=claim_ms):
+                if lease_ms > 0 and (refusal := self._admit_leases(conn, keys)) is not None:
+                    return refusal
+                lease = min(max(lease_ms, 0), MAX_LEASE_MS)
+                waiting = tiers.dedup.wait_ready(
+                    conn, peer_uid, keys, wait_ms, lease, claim_ms, msg.fresh
+                )
+                return _wrap(waiting, LookupReply)
+            case Unclaim(keys=keys):
+                tiers.dedup.unclaim(conn, keys)
+                return OkReply()
             case Publish(keys=keys, wait_ms=wait_ms):
                 # bounded by the client's wait, and by a lease's longest life at most
                 wait_s = min(max(wait_ms, 0), MAX_LEASE_MS) / 1000.0
@@ -307,7 +327,7 @@ class BrokerServer:
                 hits = tiers.has(conn, keys, min(max(lease_ms, 0), MAX_LEASE_MS), _wait(wait_ms))
                 return HasReply(hits) if isinstance(hits, list) else _wrap(hits, HasReply)
             case Reserve(key=key, nbytes=nbytes, dtype=dtype, shape=shape):
-                return store.reserve(conn, key, nbytes, dtype, shape)
+                return tiers.reserve(conn, key, nbytes, dtype, shape)
             case Commit(token=token):
                 return tiers.commit(conn, token) or OkReply()
             case Place():
@@ -317,7 +337,7 @@ class BrokerServer:
                     return ErrorReply(ErrorCode.BAD_REQUEST, "this broker grants no put arenas")
                 return self._grant(conn, nbytes)
             case Abort(token=token):
-                return store.abort(conn, token) or OkReply()
+                return tiers.abort(conn, token) or OkReply()
             case Get(keys=keys):
                 if (refusal := store.admit_pins(conn, keys)) is not None:
                     return refusal

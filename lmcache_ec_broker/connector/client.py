@@ -68,7 +68,9 @@ from ..protocol import (
     Shutdown,
     Stats,
     StatsReply,
+    Unclaim,
     Unlease,
+    WaitReady,
 )
 from ..shm.residency import ResidencyReader
 from . import index_path, reads, writes
@@ -390,24 +392,38 @@ class BrokerClient:
             return reply.hits if mask is None else _expand(mask, reply.hits, False)
 
     def lookup(
-        self, keys: list[str], lease_ms: int = 0, wait_ms: int = 0, fresh: bool = False
+        self,
+        keys: list[str],
+        lease_ms: int = 0,
+        wait_ms: int = 0,
+        fresh: bool = False,
+        claim_ms: int = 0,
     ) -> list[EntryInfo]:
         """Per key: MISS, READY (in the slab) or PENDING (being promoted from a lower
         tier: ask again shortly), with dtype and shape for the last two. Leases and
         bounds the wait (``wait_ms``) as ``has`` does. An outage answers all MISS.
         ``fresh``: the membership filter's absences are not trusted -- every key is
         asked of the broker, which asks its remote store for the keys it does not know
-        (an entry another node published just now; protocol.Lookup.fresh)."""
+        (an entry another node published just now; protocol.Lookup.fresh).
+
+        ``claim_ms > 0`` (in-flight deduplication, docs/design.md "Claims"): a MISS
+        means "encode it" -- this connection now holds the key's claim for up to
+        ``claim_ms`` (or the broker's bounds refused one: encode anyway) -- and
+        CLAIMED means another encoder (another instance, or another node through the
+        remote store) is on it: ``wait_ready`` for it. All or nothing: if any key is
+        CLAIMED, no key of this call was claimed. Every key is asked of the broker."""
         miss = EntryInfo(LookupState.MISS)
         with self._link.lock:
             s = self._link.session
-            mask = self._maybe_mask(s, keys) if s is not None and not fresh else None
+            local = s is not None and not fresh and claim_ms <= 0
+            mask = self._maybe_mask(s, keys) if local else None
             ask = list(keys) if mask is None else [k for k, m in zip(keys, mask, strict=True) if m]
             self.local_misses += len(keys) - len(ask)
             if not ask:
                 return [miss] * len(keys)
             try:
-                reply: LookupReply = self._link.call(Lookup(ask, lease_ms, wait_ms, fresh))
+                msg = Lookup(ask, lease_ms, wait_ms, fresh, max(claim_ms, 0))
+                reply: LookupReply = self._link.call(msg)
             except BrokerUnavailable:
                 return [miss] * len(keys)
             if mask is None or len(ask) == len(keys):
@@ -438,6 +454,58 @@ class BrokerClient:
                 if before is not None and s.wire.sock is sock:
                     sock.settimeout(before)
             return list(reply.states)
+
+    def wait_ready(
+        self,
+        keys: list[str],
+        wait_ms: int,
+        lease_ms: int = 0,
+        claim_ms: int = 0,
+        fresh: bool = False,
+    ) -> list[EntryInfo]:
+        """Wait until no key of ``keys`` is CLAIMED any more (each claim ended: the key
+        landed, or its encoder gave up), at most ``wait_ms`` on the broker's side, then
+        answer as ``lookup(keys, lease_ms, claim_ms=claim_ms, fresh=fresh)`` would: a
+        key still CLAIMED at the deadline is the caller's to encode. The broker wakes
+        the wait on the claim's end (no polling on the node). This call alone holds
+        its connection for up to ``wait_ms`` plus ``timeout_s``; an outage answers all
+        MISS (encode)."""
+        miss = EntryInfo(LookupState.MISS)
+        if not keys:
+            return []
+        with self._link.lock:
+            s = self._link.live()
+            if s is None:
+                return [miss] * len(keys)
+            sock = s.wire.sock
+            before = sock.gettimeout() if hasattr(sock, "gettimeout") else None
+            if before is not None:
+                sock.settimeout(before + max(wait_ms, 0) / 1000.0)
+            try:
+                msg = WaitReady(list(keys), max(wait_ms, 0), lease_ms, max(claim_ms, 0), fresh)
+                reply: LookupReply = s.wire.call(msg)
+            except BrokerUnavailable:
+                return [miss] * len(keys)
+            finally:
+                if before is not None and s.wire.sock is sock:
+                    sock.settimeout(before)
+            return list(reply.items)
+
+    def unclaim(self, keys: list[str]) -> None:
+        """End this client's claims on ``keys`` (it will not put them after all: the
+        encode failed, the request ended). Sent without waiting for the reply; claims
+        also end when the key's put commits or aborts, the connection closes, or the
+        ``claim_ms`` given at the lookup passes."""
+        if not keys:
+            return
+        with self._link.lock:
+            s = self._link.session
+            if s is None:
+                return  # claims died with the connection
+            try:
+                s.wire.post(Unclaim(list(keys)))
+            except BrokerUnavailable:
+                pass
 
     def unlease(self, keys: list[str]) -> None:
         """End this client's leases on ``keys`` (sent without waiting for the reply)."""

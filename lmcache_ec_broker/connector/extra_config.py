@@ -23,6 +23,8 @@ KEYS = {
     "probe_interval_ms": "how often a broker that timed out is probed",
     "lease_ms": "how long a hit the scheduler saw is protected from eviction",
     "max_defer_s": "how long a request may wait for a promotion",
+    "stage_wait_ms": "how long a request may wait for its hits to be staged on the workers",
+    "claim_wait_ms": "how long a request may wait for an item another instance is encoding",
     "model_name": "the model field of the keys",
     "client_uuid_namespace": "who may share entries keyed by client multi_modal_uuids",
     "publish_wait_ms": "how long an encoder-only producer's step waits for its entries "

@@ -18,14 +18,18 @@ worker's loads and puts), ``probe_interval_ms`` (500: how often a broker that
 timed out is probed in the background), ``lease_ms`` (30000: how long a hit the
 scheduler saw is protected from eviction if nothing releases it earlier),
 ``max_defer_s`` (10.0: how long a request may wait for its entries to be promoted
-from a lower tier before they are encoded instead), ``model_name`` (the model field
-of the keys, followed by the configuration's fingerprint; default: the model path
-plus a fingerprint of its weights, see :mod:`lmcache_ec_broker.connector.model_id`;
-after an in-place weight update, plus a fingerprint of the encoder's weights in
-memory, see :mod:`lmcache_ec_broker.connector.weights_identity`),
-``client_uuid_namespace`` (unset: client ``multi_modal_uuids`` are never shared; set:
-shared among instances with the same namespace, see
-:mod:`lmcache_ec_broker.connector.identifiers`), ``publish_wait_ms`` (2000; an
+from a lower tier before they are encoded instead), ``stage_wait_ms``
+(``worker_budget_ms`` + 500: how long a request may wait for its hits to be staged
+on the workers before they are encoded instead), ``claim_wait_ms`` (10000: how long
+a request may wait for an item another encoder has claimed, 0 = never wait),
+``model_name`` (the model field of the keys, followed by the configuration's
+fingerprint; default: the model path plus a fingerprint of its weights, see
+:mod:`lmcache_ec_broker.connector.model_id`; after an in-place weight update, plus a
+fingerprint of the encoder's weights in memory, see
+:mod:`lmcache_ec_broker.connector.weights_identity`), ``client_uuid_namespace``
+(unset: client ``multi_modal_uuids`` are never shared; set: shared among instances
+with the same namespace, see :mod:`lmcache_ec_broker.connector.identifiers`),
+``publish_wait_ms`` (2000; an
 ``ec_producer`` only: the longest a step waits for its entries to reach the fleet,
 0 = no wait; below).
 
@@ -41,46 +45,35 @@ them (at most ``publish_wait_ms``; failures counted and logged). An ``ec_consume
 lookups are ``fresh`` too. ``ec_both`` (aggregated) is unchanged: it looks up and loads
 as a consumer and never waits.
 
-Flow per engine step (vLLM >= 0.24; older versions skip the first hook):
+Flow per engine step (staged loads: docs/design.md, "Staged loads"):
 
 - scheduler ``ensure_cache_available`` (per multimodal request): one ``lookup``
   with a lease for the request's items still ahead of its computed tokens, within
   this step's reach (its token budget) and not held by vLLM's own encoder cache
   (mirrored from ``update_state_after_alloc`` and the step's freed hashes).
-  READY with the expected dtype and shape: a hit. PENDING (being promoted from
-  the disk tier): the request waits for a later step, so the worker's load never
-  waits on a promotion. A wrong dtype or shape: a miss, counted, and this request
-  encodes the item; the entry is left alone (never deleted: it is another
-  configuration's). Answers are memoised for the step.
-- scheduler ``has_cache_item`` answers from that memo (asking the broker itself
-  only if vLLM did not call the hook above); ``update_state_after_alloc`` queues
-  exactly the items answered True.
+  READY with the expected dtype and shape: a stage order goes to every encoder
+  rank over the staging link (stage_link.py; the book of orders: stage_book.py),
+  and the request is held (False) until every rank reports the item staged, or
+  the staging fails (then it is a miss: vLLM encodes it), bounded by
+  ``stage_wait_ms``. PENDING (being promoted from the disk tier): the request waits
+  for a later step (``max_defer_s``). CLAIMED (another encoder is encoding it): the
+  request waits, at most ``claim_wait_ms``. A wrong dtype or shape: a miss,
+  counted, and this request encodes the item; the entry is left alone (never
+  deleted: it is another configuration's). Answers are memoised for the step.
+- scheduler ``has_cache_item``: True only for an item staged on every encoder
+  rank; ``update_state_after_alloc`` queues exactly those loads.
 - ``build_connector_meta`` ships ``(req_id, mm_hash, num_embeds)`` loads to workers
-  and ends the leases that protect nothing any more (hits not loaded this step).
-- worker ``start_load_caches``: one ``get_many`` onto the runner's device; the
-  worker reports the hashes it handled, and ``update_connector_output`` ends their
-  leases (``start_load_caches`` is synchronous in the step). ``request_finished``
-  ends the leases of a request that stops while it waits.
+  (each ends its stage order) and ends the leases that protect nothing any more.
+- worker ``start_load_caches``: moves each load's staged tensor into vLLM's encoder
+  cache; it fetches nothing and cannot fail. ``request_finished`` releases the
+  stagings only that request waited for.
 - worker ``save_caches``: ``put`` from every TP rank; the broker's two-phase put lets
   exactly one of them copy.
 
-If an entry the scheduler counted as a hit is gone (or wrong) when the worker
-loads it, the worker has the runner encode the item in the same step: it adds the
-failed ``(request, item index)`` to the ``scheduled_encoder_inputs`` of the
-``SchedulerOutput`` the runner is executing (found in the frame of vLLM's EC wrapper
-that calls ``start_load_caches``, ``runner_step.py``), so this holds however the
-metadata travels (one message with the output, or apart from it). Under
-tensor parallelism the ranks first agree (through shared memory with a bounded wait
-when the TP ranks share a host, else a max all-reduce over the TP group's CPU group:
-connector/tp_agree.py) so that every rank runs the encoder on the same items. Nothing is ever
-inserted that the model did not compute; no request is failed; see
-docs/design.md, "A load that fails".
-
-The worker side (loads, puts, the re-encode of a failed load) is a part this
-connector holds for the worker role, ``vllm_worker.ECBrokerWorker``; which loads
-ship with a step, another, ``step_guard.StepGuard`` (docs/design.md, "The vLLM
-connector's parts"); the messages between the two sides and the key format are in
-``vllm_meta.py``.
+The worker side (staging, loads, puts) is a part this connector holds for the
+worker role, ``vllm_worker.ECBrokerWorker``; the stage orders another,
+``stage_book.StageBook`` (docs/design.md, "The vLLM connector's parts"); the
+messages between the two sides and the key format are in ``vllm_meta.py``.
 """
 
 from __future__ import annotations
@@ -108,7 +101,14 @@ from lmcache_ec_broker.connector.model_id import (
     model_id,
     with_config,
 )
-from lmcache_ec_broker.connector.step_guard import StepGuard
+from lmcache_ec_broker.connector.stage_book import StageBook, StageState
+from lmcache_ec_broker.connector.stage_link import (
+    StageHub,
+    StageItem,
+    encoder_ranks,
+    link_path,
+    loads_off_reason,
+)
 from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
     ECBrokerConnectorMetadata,
@@ -140,6 +140,8 @@ DEFAULT_SCHEDULER_BUDGET_MS = 50.0
 DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
 DEFAULT_PUBLISH_WAIT_MS = 2000
+DEFAULT_CLAIM_WAIT_MS = 10_000
+CLAIM_MS = 30_000  # how long this instance's encode claim holds at most (its put ends it)
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
 
@@ -165,14 +167,14 @@ def _worker_count(name: str) -> property:
 
 class ECBrokerConnector(ECConnectorBase):
     """The scheduler side is this class; the worker side is a part it holds for the
-    worker role (``connector_worker``, vllm_worker.py), the step's load rules another
-    (``step_guard``, step_guard.py): see docs/design.md, "The vLLM connector's parts"."""
+    worker role (``connector_worker``, vllm_worker.py), the stage orders another
+    (``_book``, stage_book.py): see docs/design.md, "The vLLM connector's parts"."""
 
     # The worker part's class (a test injecting faults subclasses it).
     worker_class: type[ECBrokerWorker] = ECBrokerWorker
     loads = _worker_count("loads")
+    staged = _worker_count("staged")
     load_failures = _worker_count("load_failures")
-    reencoded = _worker_count("reencoded")
     puts_stored = _worker_count("puts_stored")
     put_errors = _worker_count("put_errors")
     puts_skipped = _worker_count("puts_skipped")
@@ -230,6 +232,27 @@ class ECBrokerConnector(ECConnectorBase):
         self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
         self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
+        # In-flight deduplication (docs/design.md, "Staged loads"): an instance that
+        # stores what it encodes claims the items it misses; an item another encoder
+        # claimed holds the request, at most claim_wait_ms, then it is encoded here.
+        claim_wait_ms = float(extra("claim_wait_ms", DEFAULT_CLAIM_WAIT_MS))
+        if claim_wait_ms < 0:
+            raise ValueError(
+                f"ec_connector_extra_config: claim_wait_ms must be >= 0 (got {claim_wait_ms:g};"
+                " 0 = never wait for another encoder)"
+            )
+        self._claim_wait_s = claim_wait_ms / 1000
+        self._claims = self.is_producer and claim_wait_ms > 0
+        self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
+        self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
+        # The hold bound of a staging (stage_book.py): past a worker's own bounded wait.
+        worker_ms = float(extra("worker_budget_ms", DEFAULT_WORKER_BUDGET_MS))
+        self._stage_wait_s = float(extra("stage_wait_ms", worker_ms + 500)) / 1000
+        if self._stage_wait_s <= 0:
+            raise ValueError(
+                "ec_connector_extra_config: stage_wait_ms must be > 0 "
+                f"(got {self._stage_wait_s * 1000:g})"
+            )
         if self._lease_ms <= 0 or self._max_defer_s < 0:
             raise ValueError(
                 "ec_connector_extra_config: lease_ms must be > 0 and max_defer_s >= 0 "
@@ -292,6 +315,8 @@ class ECBrokerConnector(ECConnectorBase):
         self.ec_deferred = 0  # steps a request waited for a promotion
         self.promotion_failures = 0  # waited for a promotion that did not come: encoded
         self.invalid_skipped = 0  # entries of the wrong dtype/shape: misses, left alone
+        self.claim_waits = 0  # steps a request waited for another encoder's claim
+        self.claim_timeouts = 0  # ... that did not land within claim_wait_ms: encoded
         self._reported: dict[str, int] = {}
         # Worker counters summed from the workers' metadata (scheduler role only): the
         # one route to vLLM's EC stats on the V1 runner too (vllm_worker.py says why).
@@ -299,15 +324,12 @@ class ECBrokerConnector(ECConnectorBase):
 
         # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
         # every hook of the step sees one decision), which answers were counted, and the
-        # hashes leased. Across steps: requests waiting for promotions and loads the
-        # worker has not reported yet; both keep their leases.
+        # hashes leased. Across steps: requests waiting for promotions, and the stage
+        # orders (``_book``, stage_book.py); both keep their leases until they settle.
         self._step_state: dict[str, int] = {}
         self._counted: set[str] = set()
         self._step_leased: set[str] = set()
         self._waiting: dict[str, _Waiting] = {}
-        # mm_hash -> [steps that shipped its load and the worker has not reported done,
-        # when the last of them was shipped]
-        self._inflight: dict[str, list[float]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
         # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
@@ -315,12 +337,24 @@ class ECBrokerConnector(ECConnectorBase):
         # "held" after vLLM's reset_encoder_cache; has_cache_item then sees a held
         # hash (vLLM asks only about items it lacks) and drops the mirror.
         self._held: set[str] = set()
+        # This step's items _ahead skipped as held: mm_hash -> (embeddings, width)
+        self._held_skipped: dict[str, tuple[int, int | None]] = {}
 
-        # Which loads may be promised and shipped (step_guard.py).
-        self.step_guard = StepGuard(vllm_config, self._width)
-        self.loads_off = self.step_guard.loads_off
+        # Whether hits may be staged and loaded at all (stage_link.loads_off_reason).
+        self.loads_off = loads_off_reason(vllm_config)
         if self.loads_off and role == ECConnectorRole.SCHEDULER and self.is_consumer:
             logger.warning("EC broker: no loads in this configuration (%s); saving only", self.loads_off)
+        stages = self.is_consumer and not self._encoder_only_producer and not self.loads_off
+        # The scheduler's stage orders, through the engine's staging link (stage_link.py).
+        self._book: StageBook | None = None
+        if stages and role == ECConnectorRole.SCHEDULER:
+            try:
+                hub = StageHub(link_path(vllm_config), encoder_ranks(vllm_config))
+            except (OSError, ValueError) as exc:
+                self.loads_off = f"the staging link could not be set up: {exc}"
+                logger.warning("EC broker: no loads (%s); saving only", self.loads_off)
+            else:
+                self._book = StageBook(hub, self._stage_wait_s)
 
         # The worker side: a part of its own, given what it reads (vllm_worker.py).
         self.connector_worker: ECBrokerWorker | None = None
@@ -341,6 +375,8 @@ class ECBrokerConnector(ECConnectorBase):
                 item_key=self._ids.item_key,
             )
             track_model_loads(model_config)  # weight changes seen where they happen
+            if stages:
+                self.connector_worker.start_staging(link_path(vllm_config))
 
         # The engine core's weight-changing calls refresh the field at once
         # (weights_identity.py); the workers also report changes they see themselves.
@@ -379,7 +415,8 @@ class ECBrokerConnector(ECConnectorBase):
         )
         held = self._needed()
         self._field = field
-        self._inflight.clear()
+        if self._book is not None:  # orders keyed by the old field: encoded instead
+            self._book.clear()
         if old and held and self._client is not None and self._client_pid == os.getpid():
             try:
                 self._client.unlease(
@@ -476,7 +513,47 @@ class ECBrokerConnector(ECConnectorBase):
             return None
         return ECBrokerStats(data=dict(data or {}))
 
+    @property
+    def stage_timeouts(self) -> int:
+        """Stagings whose hold bound passed (a worker did not answer in time)."""
+        return self._book.timeouts if self._book is not None else 0
+
+    def wait_for_link(self, timeout_s: float) -> bool:
+        """Block until every encoder rank's staging link is up, at most ``timeout_s``
+        (tests and benchmarks that send a request at once; a served engine's workers
+        link long before its first request). True if up (or nothing to link)."""
+        book = self._book
+        if book is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._settle(book.refresh())
+            left = deadline - time.monotonic()
+            if book.ready or left <= 0:
+                return book.ready
+            book.wait(min(left, 0.05))
+
+    def wait_for_staging(self, timeout_s: float) -> None:
+        """Block until every staging ordered so far is settled (staged or failed), at
+        most ``timeout_s``: for a caller driving the engine's steps itself (tests,
+        benchmarks), which then sees the same steps whatever the link's timing."""
+        book = self._book
+        if book is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while book.staging():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            book.wait(left)
+            self._settle(book.refresh())
+
     def shutdown(self) -> None:
+        if self._book is not None:
+            self._book.close()
+        worker = self.connector_worker
+        if worker is not None and worker.link is not None:
+            worker.link.close()
         with self._client_lock:
             if self._client is not None and self._client_pid == os.getpid():
                 self._client.close()
@@ -544,24 +621,45 @@ class ECBrokerConnector(ECConnectorBase):
         self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any
     ) -> bool:
         """vLLM >= 0.24, every step before a multimodal request is scheduled: False
-        defers the request to a later step (never on an encoder-only producer: an
-        item on a lower tier is held by the fleet, it need not come here)."""
+        holds the request for a later step while a hit is being staged on the workers
+        (bounded: stage_book.py) or an entry promoted from a lower tier (``max_defer_s``);
+        never on an encoder-only producer (an item on a lower tier is held by the
+        fleet, it need not come here)."""
         if self._encoder_only_producer:
             expected = self._ahead(request, num_computed_tokens)
             ask = [h for h in expected if h not in self._step_state]
             if ask:
-                self._lookup(ask, expected)
+                self._lookup(ask, expected, request.request_id)
+            return not self._claim_hold(request.request_id, expected)
+        book = self._book
+        if not self.is_consumer or self.loads_off or book is None:
             return True
-        if not self.is_consumer or self.loads_off:
-            return True
+        self._settle(book.refresh())
         expected = self._ahead(request, num_computed_tokens)
-        for h in self.step_guard.note_request(request, num_computed_tokens):
-            # inputs released on the worker: a load could not be re-encoded
-            self._step_state.setdefault(h, LookupState.MISS)
-        ask = [h for h in expected if h not in self._step_state]
-        if ask:
-            self._lookup(ask, expected)
+        ask = [h for h in expected if h not in self._step_state and book.state(h) is None]
         req_id = request.request_id
+        if ask:
+            self._lookup(ask, expected, req_id)
+        if self._claim_hold(req_id, expected):
+            return False
+        # Hits the broker holds: staged on every encoder rank before they are promised.
+        order = [
+            StageItem(h, self.key(h), *expected[h])
+            for h in expected
+            if book.state(h) is not None or self._step_state.get(h) == LookupState.READY
+        ]
+        if order and not book.order(req_id, order):
+            for item in order:  # the link is not up: these are encoded
+                if book.state(item.mm_hash) is None:
+                    self._step_state[item.mm_hash] = LookupState.MISS
+        staging = False
+        for h in expected:
+            state = book.state(h)
+            if state is StageState.FAILED:  # could not be staged: encoded, order ended
+                book.release({h})
+                self._step_state[h] = LookupState.MISS
+            elif state is StageState.STAGING:
+                staging = True
         waiting = self._waiting.get(req_id)
         if waiting is not None:
             # Waited for these; the broker now says MISS: the promotion failed.
@@ -571,7 +669,7 @@ class ECBrokerConnector(ECConnectorBase):
         pending = {h for h in expected if self._step_state.get(h) == LookupState.PENDING}
         if not pending:
             self._waiting.pop(req_id, None)
-            return True
+            return not staging
         now = time.monotonic()
         since = waiting.since if waiting is not None else now
         if now - since >= self._max_defer_s:
@@ -586,7 +684,7 @@ class ECBrokerConnector(ECConnectorBase):
             for h in pending:
                 self._step_state[h] = LookupState.MISS
             self._waiting.pop(req_id, None)
-            return True
+            return not staging
         if waiting is None:
             logger.info(
                 "EC defer: request %s waits for %s (being promoted into the broker's slab)",
@@ -596,6 +694,62 @@ class ECBrokerConnector(ECConnectorBase):
         self._waiting[req_id] = _Waiting(since, pending)
         self.ec_deferred += 1
         return False
+
+    def _claim_hold(self, req_id: str, expected: dict[str, tuple[int, int | None]]) -> bool:
+        """Hold the request while another encoder (instance, node) has claimed one of
+        its items, at most claim_wait_ms; then those are encoded here (never wrong,
+        only duplicated). Each step looks them up again (with a claim): READY is
+        staged, MISS is ours to encode."""
+        claimed = [h for h in expected if self._step_state.get(h) == LookupState.CLAIMED]
+        if not claimed:
+            self._claim_waiting.pop(req_id, None)
+            return False
+        now = time.monotonic()
+        since = self._claim_waiting.setdefault(req_id, now)
+        if now - since < self._claim_wait_s:
+            if since == now:
+                logger.info(
+                    "EC claim: request %s waits for %s (being encoded by another instance)",
+                    req_id,
+                    ", ".join(f"mm_hash={h}" for h in sorted(claimed)),
+                )
+            self.claim_waits += 1
+            return True
+        logger.warning(
+            "EC claim: %d item(s) of request %s not encoded elsewhere within %.1f s; "
+            "encoding here",
+            len(claimed),
+            req_id,
+            self._claim_wait_s,
+        )
+        self.claim_timeouts += len(claimed)
+        for h in claimed:
+            self._step_state[h] = LookupState.MISS
+        self._claim_waiting.pop(req_id, None)
+        return False
+
+    def _stage_now(self, mm_hash: str, dims: tuple[int, int | None]) -> None:
+        """An item the stale mirror hid from ensure_cache_available (after vLLM's
+        reset_encoder_cache, which tells connectors nothing): look it up and stage it
+        while the scheduler waits, bounded by the hold bound (once per outage, as any
+        staging: stage_book.py). Rare: the first step after a reset, per item."""
+        book = self._book
+        assert book is not None
+        self._lookup([mm_hash], {mm_hash: dims})
+        if self._step_state.get(mm_hash) != LookupState.READY:
+            return
+        if not book.order("", [StageItem(mm_hash, self.key(mm_hash), *dims)]):
+            return
+        self.wait_for_staging(self._stage_wait_s)
+        if book.state(mm_hash) is not StageState.STAGED:
+            book.release({mm_hash})
+
+    def _settle(self, settled: set[str]) -> None:
+        """Stagings that ended (staged or failed) need their broker leases no more:
+        a staged tensor is on every encoder rank, a failed one is encoded."""
+        if settled:
+            self._step_leased -= settled
+            self._unlease(settled)
 
     def _ahead(
         self, request: Request, num_computed_tokens: int
@@ -611,7 +765,13 @@ class ECBrokerConnector(ECConnectorBase):
             if pos.offset >= reach:
                 continue  # not in this step's reach
             if feature.identifier in self._held:
-                continue  # vLLM's own encoder cache has it: never looked up nor leased
+                # vLLM's own encoder cache has it: never looked up nor leased (noted,
+                # in case the mirror is stale: has_cache_item)
+                self._held_skipped[feature.identifier] = (
+                    _num_embeds(request, index),
+                    self._width(feature.modality),
+                )
+                continue
             if self._private(feature.identifier):
                 continue  # a tower LoRA adapter's item: never looked up
             if feature.identifier not in expected:
@@ -619,7 +779,12 @@ class ECBrokerConnector(ECConnectorBase):
                 expected[feature.identifier] = (_num_embeds(request, index), width)
         return expected
 
-    def _lookup(self, hashes: list[str], expected: dict[str, tuple[int, int | None]]) -> None:
+    def _lookup(
+        self,
+        hashes: list[str],
+        expected: dict[str, tuple[int, int | None]],
+        req_id: str | None = None,
+    ) -> None:
         """One batched lookup with a lease; memoises a state per hash for the step."""
         if not self._field:  # weights changing: no field to key with yet
             for mm_hash in hashes:
@@ -628,10 +793,15 @@ class ECBrokerConnector(ECConnectorBase):
         keys = [self.key(h) for h in hashes]
         # An encoder-only producer never loads: nothing to protect from eviction.
         lease_ms = 0 if self._encoder_only_producer else self._lease_ms
+        claim_ms = CLAIM_MS if self._claims else 0
         try:
             infos = self._on_live_connection(
                 lambda c: c.lookup(
-                    keys, lease_ms=lease_ms, wait_ms=self._lookup_wait_ms, fresh=self._fresh
+                    keys,
+                    lease_ms=lease_ms,
+                    wait_ms=self._lookup_wait_ms,
+                    fresh=self._fresh,
+                    claim_ms=claim_ms,
                 )
             )
         except Exception as exc:  # never take the scheduler down
@@ -648,7 +818,11 @@ class ECBrokerConnector(ECConnectorBase):
                 if why:
                     bad.append((mm_hash, why))
                     state = LookupState.MISS
+            elif state == LookupState.CLAIMED and claim_ms:
+                pass  # another encoder is on it: the request waits (_claim_hold)
             else:
+                if claim_ms and state == LookupState.MISS and req_id is not None:
+                    self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
                 state = LookupState.MISS  # including states a newer broker may invent
             self._step_state[mm_hash] = state
         if bad:
@@ -656,21 +830,30 @@ class ECBrokerConnector(ECConnectorBase):
 
     def has_cache_item(self, identifier: str) -> bool:
         producer = self._encoder_only_producer
-        if not producer and (not self.is_consumer or self.loads_off):
+        book = self._book
+        if not producer and (not self.is_consumer or self.loads_off or book is None):
             return False
-        if identifier in self._held:
+        stale = identifier in self._held
+        if stale:
             # vLLM asks only about items its encoder cache lacks: the mirror is stale
             # (reset_encoder_cache), so forget it; it refills from the allocations.
             self._held.clear()
-        if self._private(identifier):
-            self._step_state[identifier] = LookupState.MISS
-        if identifier not in self._step_state:
-            # vLLM did not call ensure_cache_available (older than 0.24) for this item:
-            # without a way to defer, an entry still on a lower tier is encoded instead.
-            self._lookup([identifier], {})
-        state = self._step_state[identifier]
-        # A producer skips what the fleet holds anywhere; a consumer loads only from the slab.
-        answer = state == LookupState.READY or (producer and state == LookupState.PENDING)
+        if producer:
+            if self._private(identifier):
+                self._step_state[identifier] = LookupState.MISS
+            if identifier not in self._step_state:
+                self._lookup([identifier], {})
+            # A producer skips what the fleet holds anywhere.
+            state = self._step_state[identifier]
+            answer = state in (LookupState.READY, LookupState.PENDING)
+        else:
+            # A consumer promises only what every encoder rank holds staged (an item
+            # ensure_cache_available did not order, or that failed, is encoded).
+            assert book is not None
+            dims = self._held_skipped.get(identifier)
+            if stale and dims is not None and book.state(identifier) is None:
+                self._stage_now(identifier, dims)
+            answer = book.state(identifier) is StageState.STAGED
         if identifier not in self._counted:
             self._counted.add(identifier)
             if answer:
@@ -688,8 +871,11 @@ class ECBrokerConnector(ECConnectorBase):
             if self._step_state.get(mm_hash) in (LookupState.READY, LookupState.PENDING):
                 self._publish.append(mm_hash)  # skipped: its workers publish it
             return
-        if not self.is_consumer or self._step_state.get(mm_hash) != LookupState.READY:
+        book = self._book
+        if book is None or book.state(mm_hash) is not StageState.STAGED:
             return
+        if any(spec.mm_hash == mm_hash for spec in self._pending_loads):
+            return  # one load per item and step
         modality = request.mm_features[index].modality
         self._pending_loads.append(
             LoadSpec(
@@ -702,39 +888,33 @@ class ECBrokerConnector(ECConnectorBase):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        # Every vLLM with EC connectors passes its SchedulerOutput here.
-        self._pending_loads = self.step_guard.guard_loads(scheduler_output, self._pending_loads)
-        encoder_inputs = getattr(scheduler_output, "scheduled_encoder_inputs", None)
+        # Every vLLM with EC connectors passes its SchedulerOutput here. Every load goes
+        # out, even one whose request was preempted later in the step: its tensor
+        # moves into the encoder cache (vLLM holds the item) and its order ends.
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         meta = ECBrokerConnectorMetadata(
             loads=self._pending_loads,
-            encoder_inputs=encoder_inputs,
             model=self.model_id,
             publish=self._publish,
         )
         self._publish = []
-        now = time.monotonic()
-        if self._inflight:
-            # A report that never came (a failed step): the broker ended that lease at
-            # lease_ms anyway, so stop holding later leases of the hash for it.
-            expired = now - self._lease_ms / 1000
-            for mm_hash in [h for h, (_, t) in self._inflight.items() if t < expired]:
-                del self._inflight[mm_hash]
-        for mm_hash in {spec.mm_hash for spec in self._pending_loads}:
-            count = self._inflight[mm_hash][0] if mm_hash in self._inflight else 0
-            self._inflight[mm_hash] = [count + 1, now]
+        if self._book is not None:
+            for spec in self._pending_loads:
+                self._book.shipped(spec.mm_hash)
         leased = self._step_leased
         self._pending_loads = []
         self._step_state = {}
         self._counted = set()
         self._step_leased = set()
-        # Hits not loaded this step (the request was not scheduled after all, the item
-        # was in vLLM's own encoder cache, a wrong entry) protect nothing any more.
+        self._held_skipped = {}
+        # Hits not staging (the request was not scheduled after all, the item was in
+        # vLLM's own encoder cache, a wrong entry, staged already) protect nothing.
         self._unlease(leased)
         return meta
 
     def _needed(self) -> set[str]:
-        needed = set(self._inflight) | self._step_leased
+        needed = set(self._book.staging()) if self._book is not None else set()
+        needed |= self._step_leased
         for waiting in self._waiting.values():
             needed |= waiting.hashes
         return needed
@@ -760,21 +940,24 @@ class ECBrokerConnector(ECConnectorBase):
         for name, delta in meta.counts.items():
             if name in STAT_FIELDS:
                 self._from_workers[name] = self._from_workers.get(name, 0) + delta
-        ended = set()
-        for mm_hash in meta.done:
-            entry = self._inflight.get(mm_hash)
-            if entry is None:
-                continue
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del self._inflight[mm_hash]
-                ended.add(mm_hash)
-        self._unlease(ended)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._claim_waiting.pop(request.request_id, None)
+        claimed = self._claimed_by.pop(request.request_id, None)
+        if claimed and self._field and self._client is not None:
+            # a claim whose put landed is gone already; one of an aborted request is
+            # let go so that no other instance waits for an encode that will not come
+            try:
+                self._client.unclaim([self.key(h) for h in claimed])
+            except Exception as exc:  # claims also end on their own (CLAIM_MS)
+                logger.warning("EC broker unclaim failed: %s", exc)
         waiting = self._waiting.pop(request.request_id, None)
         if waiting is not None:  # aborted or failed while waiting for a promotion
             self._unlease(waiting.hashes)
+        if self._book is not None:  # its stagings no other request waits for end
+            before = self._book.staging()
+            self._book.forget_request(request.request_id)
+            self._unlease(before - self._book.staging())
         return False, None
 
 

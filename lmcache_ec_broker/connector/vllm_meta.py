@@ -2,7 +2,8 @@
 
 ``ECBrokerConnectorMetadata`` goes from the scheduler to every worker each step (pickled
 by vLLM together with the SchedulerOutput); ``ECBrokerWorkerMetadata`` comes back from
-each worker and is aggregated over TP ranks; ``ECBrokerStats`` carries counter deltas;
+each worker with its counters and is aggregated over TP ranks (stage orders and
+reports travel on the staging link instead: stage_link.py says why); ``ECBrokerStats`` carries counter deltas;
 ``make_key`` is the broker key both sides use for an item.
 """
 
@@ -48,11 +49,9 @@ class LoadSpec:
 
 @dataclass
 class ECBrokerConnectorMetadata(ECConnectorMetadata):
+    # Items staged on every encoder rank (stage_book.py) whose tensors start_load_caches
+    # moves into the encoder cache this step.
     loads: list[LoadSpec] = field(default_factory=list)
-    # Invariant: the very dict object of the step's SchedulerOutput.scheduled_encoder_inputs
-    # (req_id -> item indices the runner encodes). It travels in the same pickled
-    # message as the SchedulerOutput, so the worker's copy is the runner's copy too.
-    encoder_inputs: dict[str, list[int]] | None = None
     # The scheduler's model field (see ECBrokerConnector.model_id). A worker loads and
     # stores in this step only if it is its own field too; "" (unknown: weights
     # changing) means neither (weights_identity.py).
@@ -64,8 +63,6 @@ class ECBrokerConnectorMetadata(ECConnectorMetadata):
 
 @dataclass
 class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
-    # every mm_hash of the step's loads, loaded or encoded instead: their leases can end
-    done: set[str] = field(default_factory=set)
     # worker counter deltas since the last metadata (WORKER_STAT_FIELDS, broker_timeouts)
     counts: dict[str, int] = field(default_factory=dict)
     # the model field the worker found its weights under (weights_identity.py), when it
@@ -73,10 +70,8 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     identity: str | None = None
 
     def aggregate(self, other: Any) -> ECBrokerWorkerMetadata:
-        # TP ranks load the same hashes in the same step: a union, not a sum. Counters
-        # are summed over ranks, as vLLM sums the V2 runner's per-worker stats.
+        # Counters are summed over ranks, as vLLM sums the V2 runner's per-worker stats.
         if isinstance(other, ECBrokerWorkerMetadata):
-            self.done |= other.done
             if other.identity is not None:  # ranks that disagree: unknown (misses)
                 same = self.identity in (None, other.identity)
                 self.identity = other.identity if same else ""
@@ -88,8 +83,8 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
 # The worker part's counters (vllm_worker.py), which its metadata carries.
 WORKER_STAT_FIELDS = (
     "loads",
+    "staged",
     "load_failures",
-    "reencoded",
     "puts_stored",
     "put_errors",
     "puts_skipped",
@@ -102,6 +97,9 @@ STAT_FIELDS = (
     "ec_deferred",
     "promotion_failures",
     "invalid_skipped",
+    "stage_timeouts",
+    "claim_waits",
+    "claim_timeouts",
     *WORKER_STAT_FIELDS,
     "broker_timeouts",
 )

@@ -3,10 +3,13 @@
 ``ECBrokerWorker`` is a part the connector holds for the worker role (as vLLM's
 own connectors hold a worker delegate); it is given what it reads. Its promises:
 
-- a load never takes the worker down and never inserts what the model did not
-  compute: an entry gone, of the wrong dtype/shape, or a broker away makes the
-  runner encode the item in the same step (``_encode_instead``), on every TP rank
-  alike (``union_over_tp``);
+- a load cannot fail: the item was staged on this worker's device before the
+  scheduler promised it (``start_staging``: the link's thread copies each ordered
+  entry from the broker, checks it, holds it; stage_link.py), and
+  ``start_load_caches`` only moves the held tensor into vLLM's encoder cache. An
+  entry gone, of the wrong dtype/shape, keyed by other weights, or a broker away
+  fails the *staging*: the scheduler then has vLLM encode the item (never inserted
+  is what the model did not compute);
 - a put never fails the step: refused or failed puts are counted and logged; one
   the broker was away for is retried from ``start_save_caches`` once it is back,
   while vLLM still holds the output (at most ``MAX_UNSAVED`` hashes);
@@ -27,13 +30,11 @@ from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
 from lmcache_ec_broker.connector.model_id import model_id
-from lmcache_ec_broker.connector.runner_step import runner_step
-from lmcache_ec_broker.connector.tp_agree import union_over_tp
+from lmcache_ec_broker.connector.stage_link import StageItem, StageLink
 from lmcache_ec_broker.connector.vllm_meta import (
     WORKER_STAT_FIELDS,
     ECBrokerConnectorMetadata,
     ECBrokerWorkerMetadata,
-    LoadSpec,
     dtype_short_name,
     make_key,
 )
@@ -61,7 +62,7 @@ class ECBrokerWorker:
         is_producer: bool,
         dtype: torch.dtype,
         model: str | None,
-        model_source: tuple[str, str | None],
+        model_source: tuple[Any, ...],
         bound_metadata: Callable[[], Any],
         client: Callable[[], BrokerClient],
         on_live_connection: Callable[[Callable[[BrokerClient], Any]], Any],
@@ -94,13 +95,14 @@ class ECBrokerWorker:
         self._identity_told: str | None = None  # the identity last sent to the scheduler
         self._base: str | None = None  # the field of the weights as loaded
         self._unsaved: set[str] = set()  # put while the broker was away (<= MAX_UNSAVED)
-        self._done_this_step: set[str] = set()  # reported to the scheduler (leases end)
+        self.link: StageLink | None = None  # the staging link (start_staging)
+        self._device = "cpu"
         self._publish_wait_ms = publish_wait_ms  # > 0: a pure producer's steps publish
         self._put_this_step: list[str] = []  # mm_hashes put this step (to publish)
         # Counters (the connector's stats() reads them).
         self.loads = 0
-        self.load_failures = 0
-        self.reencoded = 0  # failed loads encoded in the same step instead
+        self.staged = 0  # entries staged on this worker's device
+        self.load_failures = 0  # stage orders this worker could not stage (encoded)
         self.puts_stored = 0
         self.put_errors = 0
         self.puts_skipped = 0  # broker unavailable: not waited for (retried once it is back)
@@ -136,15 +138,17 @@ class ECBrokerWorker:
             self._base = self._model if self._model is not None else model_id(*self._model_source)
         return self._base
 
-    def check_weights(self) -> None:
+    def check_weights(self) -> bool:
         """Before a step's loads or stores: fingerprint again if ``load_weights`` ran on
         the model since the last fingerprint (an integer compare otherwise). Every TP
         rank runs the same hooks in the same step, and vLLM and RL frameworks call
-        ``load_weights`` on every rank: the ranks reach the digest's all-gather together."""
+        ``load_weights`` on every rank: the ranks reach the digest's all-gather together.
+        True if this worker's field changed."""
         model = TRACKER.model
         if model is None or TRACKER.version == self._weights_seen:
-            return
-        self.refresh_identity(model, self.base_field())
+            return False
+        before = self.identity
+        return self.refresh_identity(model, self.base_field()) != before
 
     def refresh_identity(self, model: Any, base: str) -> str:
         """Fingerprint ``model`` now (every TP rank together), key with the field it
@@ -195,31 +199,96 @@ class ECBrokerWorker:
 
     # ------------------------------------------------------------------- hooks
 
+    def start_staging(self, path: str) -> None:
+        """Link to the scheduler's hub (stage_link.py) if this worker runs the encoder
+        (the first pipeline stage); its TP rank says which reports are its own."""
+        rank, first_stage = _ranks()
+        if first_stage:
+            self._device = _runner_device()
+            self.link = StageLink(path, rank, self._stage_fetch)
+
+    def _stage_fetch(self, items: list[StageItem]) -> list[torch.Tensor | str]:
+        """The link's thread: the ordered entries on this worker's device, checked (the
+        model field is this worker's own, dtype and shape the item's); else why not."""
+        out: list[torch.Tensor | str] = []
+        fetch = []
+        # load_weights ran since the last fingerprint (the step thread takes the next
+        # one, every rank together): the field of the weights now is not known yet.
+        changing = TRACKER.model is not None and TRACKER.version != self._weights_seen
+        for item in items:
+            field = item.key.split("@", 1)[0]
+            if changing:
+                out.append("weights changed, not fingerprinted yet")  # encoded
+            elif self.identity is not None and field != self.identity:
+                out.append("keyed by other weights")  # weights changed: encoded
+            else:
+                out.append("")
+                fetch.append(item)
+        tensors = iter(self.fetch([i.key for i in fetch], self._device)) if fetch else iter(())
+        invalid: list[tuple[str, str]] = []
+        for n, item in enumerate(items):
+            if out[n]:
+                self.load_failures += 1
+                continue
+            tensor = next(tensors)
+            why = "entry gone or broker unavailable"
+            if tensor is not None:
+                why = self._mismatch(
+                    dtype_short_name(tensor.dtype), list(tensor.shape), item.num_embeds, item.width
+                )
+                if not why:
+                    out[n] = tensor
+                    self.staged += 1
+                    continue
+                invalid.append((item.mm_hash, why))
+            out[n] = why
+            self.load_failures += 1
+            logger.warning("EC staging failed for mm_hash=%s (%s): encoded", item.mm_hash, why)
+        if invalid:
+            self._delete_invalid(invalid)
+        return out
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        self.check_weights()
+        """Move each shipped load's staged tensor into the encoder cache. The scheduler
+        ships a load only once every encoder rank reported the item staged, and the
+        tensor stays held until this takes it (stage_book.py): this cannot fail.
+
+        A weight change this worker sees first here (``load_weights`` called on the
+        model directly) cannot reach a staged tensor fetched after it (``_stage_fetch``
+        refuses while a change is not fingerprinted); one staged just before it is
+        inserted, as vLLM's own encoder cache keeps what it holds across such a call,
+        and the new field keys every lookup from this step on."""
+        if self.check_weights():
+            logger.warning(
+                "EC broker: weights changed under %d shipped load(s); they were staged "
+                "before the change and are inserted (as vLLM's encoder cache keeps its "
+                "entries); lookups use the new field from now on",
+                len(self._bound_loads()),
+            )
         metadata = self._bound_metadata()
         assert isinstance(metadata, ECBrokerConnectorMetadata)
-        if not metadata.loads:
-            return
-        todo: dict[str, list[LoadSpec]] = {}
-        for spec in metadata.loads:
-            self._done_this_step.add(spec.mm_hash)
-            todo.setdefault(spec.mm_hash, []).append(spec)
-        missing = [h for h in todo if h not in encoder_cache]
-        here: set[str] = set()
-        if missing:
-            # Weights changed under the scheduler's field (weights_identity.py): encode.
-            here = (
-                set(missing)
-                if not self.keys_agree()
-                else self._load(encoder_cache, {h: todo[h][0] for h in missing})
-            )
-        # Every rank, even one with nothing to load: the metadata, hence the call, is
-        # the same on all ranks of the TP group.
-        failed = union_over_tp(list(todo), here)
-        if failed:
-            specs = {h: todo[h][0] for h in failed}
-            self._encode_instead(encoder_cache, metadata, specs, failed - here)
+        for spec in {s.mm_hash: s for s in metadata.loads}.values():
+            tensor = self.link.take(spec.mm_hash) if self.link is not None else None
+            if spec.mm_hash in encoder_cache:
+                continue  # vLLM holds it already (the order is ended all the same)
+            if tensor is None:  # stage_book.py's invariant 1 broken: say so, fetch it
+                logger.error(
+                    "EC broker: load of mm_hash=%s shipped without a staged tensor on "
+                    "this worker (a bug); fetching it in the step",
+                    spec.mm_hash,
+                )
+                (tensor,) = self.fetch([self.key(spec.mm_hash)], self._device)
+                if tensor is None:
+                    self.load_failures += 1
+                    continue
+            encoder_cache[spec.mm_hash] = tensor
+            self.loads += 1
+            nbytes = tensor.numel() * tensor.element_size()
+            logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, spec.mm_hash)
+
+    def _bound_loads(self) -> list[Any]:
+        meta = self._bound_metadata()
+        return list(meta.loads) if isinstance(meta, ECBrokerConnectorMetadata) else []
 
     def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
         """The entries under ``keys`` on ``device``; None where one cannot be had."""
@@ -228,89 +297,6 @@ class ECBrokerWorker:
         except Exception as exc:  # never take the worker down: the items are encoded
             logger.warning("EC broker get failed: %s", exc)
             return [None] * len(keys)
-
-    def _load(self, encoder_cache: dict[str, torch.Tensor], specs: dict[str, LoadSpec]) -> set[str]:
-        """Load ``specs`` into ``encoder_cache``; the hashes that could not be loaded."""
-        hashes = list(specs)
-        tensors = self.fetch([self.key(h) for h in hashes], _runner_device())
-        failed: set[str] = set()
-        invalid: list[tuple[str, str]] = []
-        for mm_hash, tensor in zip(hashes, tensors, strict=True):
-            spec = specs[mm_hash]
-            why = "entry gone or broker unavailable"
-            if tensor is not None:
-                why = self._mismatch(
-                    dtype_short_name(tensor.dtype), list(tensor.shape), spec.num_embeds, spec.width
-                )
-                if not why:
-                    encoder_cache[mm_hash] = tensor
-                    self.loads += 1
-                    nbytes = tensor.numel() * tensor.element_size()
-                    logger.info("EC load: loaded %d bytes for mm_hash=%s", nbytes, mm_hash)
-                    continue
-                invalid.append((mm_hash, why))
-            self.load_failures += 1
-            logger.warning("EC load failed for mm_hash=%s (%s)", mm_hash, why)
-            failed.add(mm_hash)
-        if invalid:
-            self._delete_invalid(invalid)
-        return failed
-
-    def _encode_instead(
-        self,
-        encoder_cache: dict[str, torch.Tensor],
-        metadata: ECBrokerConnectorMetadata,
-        specs: dict[str, LoadSpec],
-        elsewhere: set[str],
-    ) -> None:
-        """Have the runner encode ``specs`` in this step: it encodes the step's
-        ``scheduled_encoder_inputs`` right after this hook returns, from the request's
-        own multimodal inputs, then puts the outputs (save_caches) as for any miss.
-
-        The dict written is the runner's own (``runner_step``: the SchedulerOutput in
-        the calling frame whose metadata is the bound one), so it holds however the
-        metadata travelled; only if that cannot be found, the metadata's reference
-        (the same dict when both travel as one message, as every vLLM executor does).
-        A spec whose request is not in the runner's step is not added (the V2 runner
-        no longer holds a request preempted in its step: a KeyError in its encoder);
-        the scheduler never ships one (``StepGuard``)."""
-        step = runner_step(metadata)
-        if step is not None:
-            inputs = step.scheduled_encoder_inputs
-            scheduled = step.num_scheduled_tokens
-        else:
-            inputs = metadata.encoder_inputs
-            scheduled = None
-            if inputs is None:  # never with vLLM; a caller that built the metadata by hand
-                raise RuntimeError(
-                    "EC load failed and the step's scheduled_encoder_inputs are unknown: pass "
-                    "vLLM's SchedulerOutput to build_connector_meta"
-                )
-            logger.warning(
-                "EC load failed and the runner's SchedulerOutput was not found above "
-                "start_load_caches: re-encoding through the metadata's reference"
-            )
-        for mm_hash, spec in specs.items():
-            if scheduled is not None and spec.req_id not in scheduled:
-                logger.error(
-                    "EC load of mm_hash=%s failed for request %s, which is not in this step: "
-                    "not re-encoded",
-                    mm_hash,
-                    spec.req_id,
-                )
-                continue
-            # A rank that did load it drops its copy: all ranks must encode the same items
-            # (and vLLM's v2 runner skips items already in its cache).
-            encoder_cache.pop(mm_hash, None)
-            # A new list: in-process executors share the scheduler's own lists.
-            inputs[spec.req_id] = sorted({*inputs.get(spec.req_id, ()), spec.index})
-            self.reencoded += 1
-            logger.warning(
-                "EC load of mm_hash=%s failed%s; request %s encodes it in this step",
-                mm_hash,
-                " on another TP rank" if mm_hash in elsewhere else "",
-                spec.req_id,
-            )
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
@@ -409,10 +395,9 @@ class ECBrokerWorker:
                 ", ".join(f"mm_hash={h}" for h in bad[:8]),
             )
 
-    def build_connector_worker_meta(
-        self, broker_timeouts: int = 0
-    ) -> ECBrokerWorkerMetadata | None:
-        """The step's handled hashes and the counters' deltas since the last call.
+    def build_connector_worker_meta(self, broker_timeouts: int = 0) -> ECBrokerWorkerMetadata | None:
+        """The counters' deltas since the last call, and this worker's model field when
+        it changed.
 
         The counters go to vLLM's EC stats this way, through the scheduler's connector
         (update_connector_output, get_ec_connector_stats), because it is the one route
@@ -427,13 +412,11 @@ class ECBrokerWorker:
         counts = {k: v - told.get(k, 0) for k, v in now.items() if v != told.get(k, 0)}
         # A field this worker found itself (check_weights): the scheduler adopts it.
         identity = self.identity if self.identity != self._identity_told else None
-        if not self._done_this_step and not counts and identity is None:
+        if not counts and identity is None:
             return None
         self._told = now
         self._identity_told = self.identity
-        meta = ECBrokerWorkerMetadata(done=self._done_this_step, counts=counts, identity=identity)
-        self._done_this_step = set()
-        return meta
+        return ECBrokerWorkerMetadata(counts=counts, identity=identity)
 
 
 def _runner_device() -> str:
@@ -443,3 +426,14 @@ def _runner_device() -> str:
     if current_platform.is_cuda_alike():
         device = f"{device}:{torch.cuda.current_device()}"
     return device
+
+
+def _ranks() -> tuple[int, bool]:
+    """This worker's TP rank and whether it is in the first pipeline stage (0, True
+    outside a distributed run: one worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return int(get_tp_group().rank_in_group), bool(get_pp_group().is_first_rank)
+    except Exception:  # no distributed state: a single in-process worker
+        return 0, True

@@ -2,13 +2,14 @@
 ``ec_connector_module_path`` (PYTHONPATH points here).
 
 Armed by the test through the file named by $LMCACHE_EC_FAULT_FILE; the fault
-fires at the start of the next worker step that has loads (the moment between the
-scheduler's hit and the worker's load), once, then the file is gone:
+fires at the next staging fetch of a worker (the moment between the scheduler's
+lookup and the worker's copy of the entry, docs/design.md "Staged loads"), once,
+then the file is gone:
 
-- ``drop``: delete the step's entries from the broker (a broker restart, ``clear``);
+- ``drop``: delete the entries being staged from the broker (a restart, ``clear``);
 - ``kill PID``: SIGKILL the broker process PID;
-- ``fail-rank R``: on tensor-parallel rank R only, the load gets nothing (the other
-  ranks load normally).
+- ``fail-rank R``: on tensor-parallel rank R only, the staging gets nothing (the
+  other ranks stage normally).
 
 Pacing: while the file ``$LMCACHE_EC_FAULT_FILE.pace`` exists, every worker step
 first sleeps the seconds it holds, so a long request stays in the engine for as
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lmcache_ec_broker.connector.vllm import ECBrokerConnector, ECBrokerConnectorMetadata
+from lmcache_ec_broker.connector.vllm import ECBrokerConnector
 from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker
 
 FAULT_FILE_ENV = "LMCACHE_EC_FAULT_FILE"
@@ -49,10 +50,8 @@ def _pace() -> None:
 
 
 class _WorkerWithFaults(ECBrokerWorker):
-    fail_fetch = False
-
     def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
-        if self.fail_fetch:
+        if _fire(self._client(), keys):  # "fail-rank": this rank gets nothing
             return [None] * len(keys)
         return super().fetch(keys, device)
 
@@ -62,39 +61,30 @@ class ECBrokerConnectorWithFaults(ECBrokerConnector):
 
     def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
         _pace()
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, ECBrokerConnectorMetadata)
-        if metadata.loads:
-            self._fire(metadata)
-        try:
-            super().start_load_caches(encoder_cache, **kwargs)
-        finally:
-            self._faulty().fail_fetch = False
+        super().start_load_caches(encoder_cache, **kwargs)
 
-    def _faulty(self) -> _WorkerWithFaults:
-        worker = self.connector_worker
-        assert isinstance(worker, _WorkerWithFaults)
-        return worker
 
-    def _fire(self, metadata: ECBrokerConnectorMetadata) -> None:
-        path = os.environ.get(FAULT_FILE_ENV, "")
-        try:
-            with open(path) as f:
-                fault = f.read().split()
-        except OSError:
-            return
-        if not fault:
-            return
-        if fault[0] == "fail-rank" and int(fault[1]) != _tp_rank():
-            return  # armed for another rank: leave it to that one
-        try:
-            os.unlink(path)  # once
-        except FileNotFoundError:
-            return  # another process fired it
-        if fault[0] == "drop":
-            for spec in metadata.loads:
-                self.client.delete(self.key(spec.mm_hash))
-        elif fault[0] == "kill":
-            os.kill(int(fault[1]), signal.SIGKILL)
-        elif fault[0] == "fail-rank":
-            self._faulty().fail_fetch = True
+def _fire(client: Any, keys: list[str]) -> bool:
+    """Fire the armed fault, if any, at this staging fetch; True: fail this fetch."""
+    path = os.environ.get(FAULT_FILE_ENV, "")
+    try:
+        with open(path) as f:
+            fault = f.read().split()
+    except OSError:
+        return False
+    if not fault:
+        return False
+    if fault[0] == "fail-rank" and int(fault[1]) != _tp_rank():
+        return False  # armed for another rank: leave it to that one
+    try:
+        os.unlink(path)  # once
+    except FileNotFoundError:
+        return False  # another process fired it
+    if fault[0] == "drop":
+        for key in keys:
+            client.delete(key)
+    elif fault[0] == "kill":
+        os.kill(int(fault[1]), signal.SIGKILL)
+    elif fault[0] == "fail-rank":
+        return True
+    return False

@@ -38,6 +38,7 @@ from ..remote.stats import REMOTE_COUNTERS
 from ..remote.tier import Meter, RemoteTier
 from ..remote.transport import LookupAnswer, Node, Outcome, Retry, StoreDown, WriteItem, owned
 from ..remote.value import stored_key
+from . import claims as fleet_claims
 from .data_path import (
     BATCH_WRITE_BYTES,
     BATCH_WRITES,
@@ -341,6 +342,31 @@ class MooncakeTransport:
     ) -> None:
         """Mooncake has no announcements: the key list is polled (``poll_s``)."""
         return None
+
+    # ------------------------------------------------------------ fleet claims
+
+    def claim_keys(self, owner: bytes, keys: list[str], ttl_ms: int) -> list[bool | None]:
+        """In-flight deduplication across brokers (mooncake/claims.py): per key True
+        (ours), False (another broker's, or the value is in the store already: our claim
+        is given back), None (unknown). Raises StoreDown / Retry."""
+        store, io = self._client()
+        out: list[bool | None] = []
+        for key in keys:
+            mkey = io.mkey(key)
+            won = fleet_claims.claim(store, mkey, owner, ttl_ms)
+            if won and fleet_claims.value_exists(store, mkey):
+                fleet_claims.unclaim(store, [mkey], owner)
+                won = False
+            out.append(won)
+        return out
+
+    def claimed_by_others(self, owner: bytes, keys: list[str]) -> list[bool]:
+        store, io = self._client()
+        return [fleet_claims.held_by_others(store, io.mkey(k), owner) for k in keys]
+
+    def unclaim_keys(self, owner: bytes, keys: list[str]) -> None:
+        store, io = self._client()
+        fleet_claims.unclaim(store, [io.mkey(k) for k in keys], owner)
 
 
 class MooncakeTier(RemoteTier):

@@ -65,6 +65,7 @@ from ..remote.value import (
     default_algo,
     encode_header,
 )
+from . import claims as fleet_claims
 from .announce import Announcements
 from .keys import clear, scan
 from .link import UNMAPPED, Link, with_asking
@@ -338,6 +339,18 @@ class RedisTransport:
             self.link.call(ep, lambda c: c.command("PING"))
         except RespError as exc:
             raise StoreDown([node], str(exc)) from None
+
+    # ------------------------------------------------------------ fleet claims
+
+    def claim_keys(self, owner: bytes, keys: list[str], ttl_ms: int) -> list[bool]:
+        """In-flight deduplication across brokers (redis/claims.py). Raises StoreDown."""
+        return fleet_claims.claim(self.link, owner, keys, ttl_ms)
+
+    def claimed_by_others(self, owner: bytes, keys: list[str]) -> list[bool]:
+        return fleet_claims.held_by_others(self.link, owner, keys)
+
+    def unclaim_keys(self, owner: bytes, keys: list[str]) -> None:
+        fleet_claims.unclaim(self.link, owner, keys)
 
     # ------------------------------------------------------------ announcements
 

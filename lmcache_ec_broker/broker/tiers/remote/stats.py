@@ -29,6 +29,9 @@ REMOTE_COUNTERS = (
     "remote_loop_lookups",  # lookups done on the event loop (no worker thread)
     "remote_loop_reads",  # promotions read on the event loop (no worker thread)
     "remote_staged_reads",  # Mooncake: gets read in one transfer via a staging buffer
+    "remote_fleet_claims_won",  # encode claims this broker took in the store (dedup.py)
+    "remote_fleet_claims_lost",  # ... another broker held: its client waits instead
+    "remote_fleet_claims_unknown",  # store down, slow or busy: encoded here unclaimed
     *LATENCY_KEYS,
     "remote_latency_seconds_sum",
 )

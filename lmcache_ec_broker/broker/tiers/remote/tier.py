@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -106,6 +107,15 @@ async def _uncancellable(fut: asyncio.Future[Any]) -> Any:
     return fut.result()
 
 
+def _ignore_failure(inflight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def done(fut: asyncio.Future[Any]) -> None:
+        inflight.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("remote tier: deleting fleet claims failed: %s", fut.exception())
+
+    return done
+
+
 class RemoteTier(LowerTier):
     """A LowerTier over any transport; subclasses build the transport and limits."""
 
@@ -129,6 +139,11 @@ class RemoteTier(LowerTier):
         self._maintainer: asyncio.TimerHandle | None = None
         self._poll_s = float(getattr(transport, "poll_s", 0.0))
         self._last_poll = 0.0
+        # Fleet encode claims (claim_fleet): this broker start's owner token, and the
+        # keys whose claim it holds in the store (deleted when their write-behind ends,
+        # or when the node claim ends without the key; else they expire by their TTL).
+        self._claim_owner = uuid.uuid4().hex.encode()
+        self._fleet_held: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -146,6 +161,8 @@ class RemoteTier(LowerTier):
                 lim.write_workers, "ec-remote-write", initializer=_background_priority
             ),
             "control": ThreadPoolExecutor(1, "ec-remote-control", initializer=_background_priority),
+            # fleet encode claims: never queued behind (or ahead of) the policy's lookups
+            "claims": ThreadPoolExecutor(2, "ec-remote-claims"),
         }
         self.transport.start(slab)
         log.info("remote tier: %s, timeout %.2fs", self.describe, lim.timeout_s)
@@ -270,6 +287,8 @@ class RemoteTier(LowerTier):
     def write_ended(self, job: WriteJob) -> None:
         if job.waiter is not None and not job.waiter.done():
             job.waiter.set_result(None)
+        if job.key in self._fleet_held:  # stored (or failed): the claim has done its part
+            self.unclaim_fleet([job.key])
 
     @property
     def filter_partial(self) -> bool:  # type: ignore[override]
@@ -485,7 +504,110 @@ class RemoteTier(LowerTier):
             return None
         waiter: asyncio.Future[None] = self._loop.create_future()
         job = self.policy.write(key, meta, extents, waiter)
+        if job is None and key in self._fleet_held:  # not written: nothing to wait for
+            self.unclaim_fleet([key])
         return None if job is None else waiter
+
+    # ------------------------------------------------------------ fleet claims (dedup.py)
+
+    @property
+    def keeps_fleet_claims(self) -> bool:
+        """Does the transport keep encode claims in the store (``claim_keys``)?"""
+        return hasattr(self.transport, "claim_keys")
+
+    async def claimed_fleet(self, keys: Sequence[str], budget_s: float = 0.0) -> list[bool]:
+        """Per key: does another broker hold its claim in the store? Claims nothing; an
+        answer the store does not give in time (``budget_s``, the tier's timeout) or a
+        store that is down reads False (the caller encodes)."""
+        got = await self._on_claims_thread(
+            self.transport.claimed_by_others,  # type: ignore[attr-defined]
+            (self._claim_owner, list(keys)),
+            budget_s,
+        )
+        return [False] * len(keys) if got is None else list(got)
+
+    async def _on_claims_thread(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], budget_s: float
+    ) -> Any | None:
+        """``fn(*args)`` on a claims thread within ``budget_s`` (0: the tier's timeout);
+        None when the store is down, its breaker open, it failed or did not answer in
+        time (the call's result is then dropped)."""
+        loop = self._loop
+        pol = self.policy
+        if loop is None or pol.closing or not (self.transport.ready() and pol.breakers.up):
+            return None
+        try:
+            fut = loop.run_in_executor(self._pools["claims"], fn, *args)
+        except RuntimeError:  # executor shut down
+            return None
+        self._inflight.add(fut)
+        fut.add_done_callback(_ignore_failure(self._inflight))
+        timeout = self.limits.timeout_s if budget_s <= 0 else min(budget_s, self.limits.timeout_s)
+        done, _ = await asyncio.wait({fut}, timeout=max(timeout, 0.001))
+        if not done or fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    async def claim_fleet(
+        self, keys: Sequence[str], ttl_ms: int, budget_s: float = 0.0
+    ) -> list[bool | None]:
+        """Claim ``keys`` in the store for this broker for ``ttl_ms``: per key True (ours),
+        False (another broker's: its client waits) or None (unknown: the store is down,
+        its breaker open, or it did not answer within ``budget_s`` / the tier's timeout --
+        the key is encoded here, unclaimed fleet-wide). Never waits longer than that."""
+        unknown: list[bool | None] = [None] * len(keys)
+        loop = self._loop
+        pol = self.policy
+        if loop is None or pol.closing or not (self.transport.ready() and pol.breakers.up):
+            self.meter.count("remote_fleet_claims_unknown", len(keys))
+            return unknown
+        ttl = max(ttl_ms, 1)  # bounded by the caller (claims.MAX_CLAIM_MS)
+        call = self.transport.claim_keys  # type: ignore[attr-defined]
+        try:
+            fut = loop.run_in_executor(
+                self._pools["claims"], call, self._claim_owner, list(keys), ttl
+            )
+        except RuntimeError:  # executor shut down
+            return unknown
+        self._inflight.add(fut)
+        fut.add_done_callback(lambda f, keys=list(keys): self._claimed(f, keys))
+        timeout = self.limits.timeout_s if budget_s <= 0 else min(budget_s, self.limits.timeout_s)
+        done, _ = await asyncio.wait({fut}, timeout=max(timeout, 0.001))
+        if not done or fut.cancelled() or fut.exception() is not None:
+            self.meter.count("remote_fleet_claims_unknown", len(keys))
+            return unknown
+        won = fut.result()
+        self._fleet_held.update(k for k, w in zip(keys, won, strict=True) if w)  # now, not
+        # at the done callback: the caller may end (and so delete) them at once
+        self.meter.count("remote_fleet_claims_won", sum(1 for w in won if w))
+        self.meter.count("remote_fleet_claims_lost", sum(1 for w in won if w is False))
+        self.meter.count("remote_fleet_claims_unknown", sum(1 for w in won if w is None))
+        return list(won)
+
+    def _claimed(self, fut: asyncio.Future[Any], keys: list[str]) -> None:
+        """A claim call ended (in time or late): the keys it won are held (a late win
+        too: deleted after the key's write-behind, or expiring by its TTL)."""
+        self._inflight.discard(fut)
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        for key, won in zip(keys, fut.result(), strict=True):
+            if won:
+                self._fleet_held.add(key)
+
+    def unclaim_fleet(self, keys: Sequence[str]) -> None:
+        """Delete this broker's claims on ``keys`` in the store, in the background
+        (a failure leaves them to their TTL). Never waits."""
+        held = [k for k in keys if k in self._fleet_held]
+        if not held or self._loop is None:
+            return
+        self._fleet_held.difference_update(held)
+        call = self.transport.unclaim_keys  # type: ignore[attr-defined]
+        try:
+            fut = self._loop.run_in_executor(self._pools["claims"], call, self._claim_owner, held)
+        except RuntimeError:
+            return
+        self._inflight.add(fut)
+        fut.add_done_callback(_ignore_failure(self._inflight))
 
     def publication(self, key: str) -> bool | asyncio.Future[bool] | None:
         """Does the store hold ``key`` (``publish.py``)? True: known to be there (this

@@ -1,0 +1,145 @@
+"""The scheduler's book of staged loads (a part of the scheduler's connector).
+
+Per item (mm_hash) the book holds one *stage order* at a time, sent through the
+engine's ``StageHub`` to every encoder rank (stage_link.py), and its state:
+
+- ``STAGING``: ordered; waiting for every rank's report (bounded by ``hold_s``);
+- ``STAGED``: every rank holds the tensor: a hit ``has_cache_item`` may promise,
+  and whose load cannot fail (``start_load_caches`` only moves the tensor);
+- ``FAILED``: some rank could not stage it (gone, wrong, broker away) or did not
+  answer in time: the request encodes it.
+
+Invariants (what makes a shipped load find its tensor on every rank):
+
+1. **One order, one end.** Every order ends exactly once: *shipped* (a load of
+   the item went out with a step's metadata; each rank's ``start_load_caches``
+   takes the tensor), or *released* (``StageRelease``: no request needs it any more,
+   or it failed; ranks drop it). The workers count orders per item, so an order
+   sent while an older order's load is still on its way to the worker (async
+   scheduling) does not take that load's tensor away.
+2. **A load is promised only for a STAGED item** (``has_cache_item``), and the
+   entry ends when that load ships: a later promise needs a new order.
+3. **Bounded.** A STAGING entry older than ``hold_s`` fails; the hub is then
+   *late* until every rank answered again, and orders nothing meanwhile (lookups
+   are misses): a hung worker or broker costs one bounded wait per outage.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lmcache_ec_broker.connector.stage_link import Stage, StageHub, StageItem, StageRelease
+
+
+class StageState(enum.Enum):
+    STAGING = 1
+    STAGED = 2
+    FAILED = 3
+
+
+@dataclass
+class _Entry:
+    since: float
+    state: StageState = StageState.STAGING
+    ranks: set[int] = field(default_factory=set)  # ranks that reported it staged
+    requests: set[str] = field(default_factory=set)  # requests that wait for it
+
+
+class StageBook:
+    """Owns the stage orders of one scheduler connector; given its hub."""
+
+    def __init__(self, hub: StageHub, hold_s: float) -> None:
+        self._hub = hub
+        self._hold_s = hold_s
+        self._entries: dict[str, _Entry] = {}
+        self._late = False  # a rank missed a hold bound and has not answered since
+        self.timeouts = 0  # hold bounds that passed (a counter, for stats)
+
+    @property
+    def ready(self) -> bool:
+        """May new orders be sent: every rank linked, none late."""
+        return self._hub.up and not self._late
+
+    def order(self, req_id: str, items: list[StageItem]) -> bool:
+        """Order ``items`` (those not in the book yet) for ``req_id``; False if the
+        link is not ready (the caller treats them as misses)."""
+        new = [i for i in items if i.mm_hash not in self._entries]
+        if new:
+            if not self.ready or not self._hub.send(Stage(new)):
+                return False
+            now = time.monotonic()
+            for item in new:
+                self._entries[item.mm_hash] = _Entry(now)
+        for item in items:
+            self._entries[item.mm_hash].requests.add(req_id)
+        return True
+
+    def refresh(self) -> set[str]:
+        """Read the ranks' reports, apply the hold bound; the hashes whose orders
+        became STAGED or FAILED (their broker leases can end)."""
+        settled: set[str] = set()
+        for report in self._hub.poll():
+            self._late = False
+            for h in report.ok:
+                entry = self._entries.get(h)
+                if entry is not None and entry.state is StageState.STAGING:
+                    entry.ranks.add(report.rank)
+                    if len(entry.ranks) >= self._hub.ranks:
+                        entry.state = StageState.STAGED
+                        settled.add(h)
+            for h in report.failed:
+                entry = self._entries.get(h)
+                if entry is not None and entry.state is StageState.STAGING:
+                    entry.state = StageState.FAILED
+                    settled.add(h)
+        expired = time.monotonic() - self._hold_s
+        for h, entry in self._entries.items():
+            if entry.state is StageState.STAGING and (entry.since < expired or not self._hub.up):
+                entry.state = StageState.FAILED
+                settled.add(h)
+                if self._hub.up:
+                    self.timeouts += 1
+                    self._late = True
+        return settled
+
+    def state(self, mm_hash: str) -> StageState | None:
+        entry = self._entries.get(mm_hash)
+        return None if entry is None else entry.state
+
+    def staging(self) -> set[str]:
+        return {h for h, e in self._entries.items() if e.state is StageState.STAGING}
+
+    def shipped(self, mm_hash: str) -> None:
+        """A load of ``mm_hash`` went out: its ranks take the tensor (invariant 1)."""
+        self._entries.pop(mm_hash, None)
+
+    def release(self, hashes: set[str]) -> None:
+        """End these orders without a load (failed, or no longer wanted)."""
+        gone = [h for h in hashes if self._entries.pop(h, None) is not None]
+        if gone:
+            self._hub.send(StageRelease(gone))
+
+    def forget_request(self, req_id: str) -> None:
+        """``req_id`` ended (finished, aborted): orders only it waited for end."""
+        done = set()
+        for h, entry in self._entries.items():
+            entry.requests.discard(req_id)
+            if not entry.requests:
+                done.add(h)
+        self.release(done)
+
+    def clear(self) -> None:
+        self.release(set(self._entries))
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a worker wrote or connected, at most ``timeout_s`` (tests)."""
+        self._hub.wait(timeout_s)
+
+    def close(self) -> None:
+        self._entries.clear()
+        self._hub.close()
+
+    def __len__(self) -> int:
+        return len(self._entries)
