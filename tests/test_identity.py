@@ -96,7 +96,7 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     # 3. TP 2 of the same model and configuration shares TP 1's entry (both ranks load).
     tp2, _ = probe("tp2", model, broker.socket_path)
     assert tp2["field"] == real["field"]
-    assert tp2["image2"]["ec_hits"] == 1 and tp2["image2"]["loads"] == 2, tp2
+    assert tp2["image2"].get("ec_hits") == 1 and tp2["image2"].get("loads") == 2, tp2
     assert "puts_stored" not in tp2["image2"]
 
     # 4. vLLM numbers items: nothing looked up nor stored; one warning with the fix.

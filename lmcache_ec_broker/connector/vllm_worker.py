@@ -214,7 +214,9 @@ class ECBrokerWorker:
         fetch = []
         # load_weights ran since the last fingerprint (the step thread takes the next
         # one, every rank together): the field of the weights now is not known yet.
-        changing = TRACKER.model is not None and TRACKER.version != self._weights_seen
+        # Never fingerprinted yet: the weights as loaded are what the base field keys.
+        seen = self._weights_seen or TRACKER.loaded_version
+        changing = TRACKER.model is not None and TRACKER.version != seen
         for item in items:
             field = item.key.split("@", 1)[0]
             if changing:

@@ -308,12 +308,14 @@ class WeightsTracker:
     Invariants: ``version`` only grows; it moves after every ``load_weights`` call
     on the tracked model (returned or raised: a failed load may have written part of
     the weights) and after every new model load; ``baseline`` is this rank's digest
-    right after the tracked model was loaded."""
+    right after the tracked model was loaded, ``loaded_version`` the version then
+    (the weights as loaded: the scheduler's base field keys them)."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.baseline: str | None = None
         self.version = 0
+        self.loaded_version = 0  # ``version`` right after the tracked model's load
         self._target: tuple[str, tuple[str, ...]] | None = None
         self._lock = threading.Lock()
 
@@ -342,6 +344,7 @@ class WeightsTracker:
         with self._lock:
             self.model, self.baseline = model, baseline
             self.version += 1
+            self.loaded_version = self.version
 
     def bump(self) -> None:
         with self._lock:
