@@ -497,6 +497,22 @@ def test_a_stale_mirror_after_reset_encoder_cache_still_loads(pairs, broker):
     assert torch.equal(cache[x], tensor) and p.worker.loads == 2
 
 
+def test_a_stale_mirror_staging_vllm_does_not_allocate_is_released(pairs, broker):
+    """has_cache_item stages an item the stale mirror hid (above), answers True, and
+    vLLM then does not allocate it (no budget): the order ends with the step, so the
+    workers do not hold its tensor until the next reset."""
+    p = pairs()
+    x = "c9" * 32
+    p.worker.save_caches({x: embedding(33)}, x)
+    p.step({}, [(make_request("r1", x), 0)])  # the mirror now says vLLM holds x
+    request = make_request("r2", x)
+    assert p.sched.ensure_cache_available(request, 0)
+    assert p.sched.has_cache_item(x)  # stale mirror: staged while the scheduler waited
+    assert p.sched.stage_orders == 1
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # not allocated
+    assert p.sched.stage_orders == 0
+
+
 def test_items_beyond_the_steps_reach_are_not_looked_up(pairs, broker, model_config):
     """A chunked prefill: the second image starts past max_num_batched_tokens from
     the computed tokens; it is looked up in the step that can reach it, once."""

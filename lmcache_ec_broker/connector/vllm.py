@@ -518,6 +518,11 @@ class ECBrokerConnector(ECConnectorBase):
         """Stagings whose hold bound passed (a worker did not answer in time)."""
         return self._book.timeouts if self._book is not None else 0
 
+    @property
+    def stage_orders(self) -> int:
+        """Stage orders open now (staging, or staged and not yet shipped)."""
+        return len(self._book) if self._book is not None else 0
+
     def wait_for_link(self, timeout_s: float) -> bool:
         """Block until every encoder rank's staging link is up, at most ``timeout_s``
         (tests and benchmarks that send a request at once; a served engine's workers
@@ -901,6 +906,9 @@ class ECBrokerConnector(ECConnectorBase):
         if self._book is not None:
             for spec in self._pending_loads:
                 self._book.shipped(spec.mm_hash)
+            # _stage_now's orders were for this step's has_cache_item only: one vLLM
+            # did not allocate after all is released here, not held until a reset.
+            self._book.forget_request("")
         leased = self._step_leased
         self._pending_loads = []
         self._step_state = {}
