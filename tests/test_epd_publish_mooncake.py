@@ -122,6 +122,19 @@ def _until(fn, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _stopped(pid: int) -> bool:
+    """Is every thread of process ``pid`` stopped (state T)?"""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:  # the thread ended
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 def _listed(producer: BrokerClient, consumer: BrokerClient) -> None:
     """Both brokers up and the consumer's filter complete (its first key listing
     done): an absent key is then a local miss, never asked of the broker."""
@@ -203,6 +216,10 @@ def test_publish_is_bounded_by_its_wait(nodes: Nodes) -> None:
     pid = nodes.master.proc.pid  # type: ignore[union-attr]
     os.kill(pid, signal.SIGSTOP)
     try:
+        # kill() returns before the master stops: the group stop begins when the thread
+        # the signal woke runs, and until then another of its threads may still serve an
+        # RPC -- on a loaded host the "slow" put below was once stored and PUBLISHED.
+        _until(lambda: _stopped(pid), "the Mooncake master never stopped")
         assert c.put("slow", tensor(2))
         t0 = time.monotonic()
         assert c.publish(["slow"], 200) == [PublishState.TIMEOUT]
