@@ -1,6 +1,8 @@
-"""The store's records: entries, pins, put arenas, per-connection state, and the
-interfaces the store tells of residency changes (filter, residency index, observer).
-Plain data; the rules that change them live in ``store.py``."""
+"""The store's records: entries, pins, put arenas, and the interfaces the store
+tells of residency changes (filter, residency index, observer); and what a new
+entry's key and description must be (``EntryRules``). Plain data; the rules that
+change them live in ``store.py`` (and ``conn_books.py``, which also keeps each
+connection's state)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..protocol import Extent
+from ..protocol import ErrorCode, ErrorReply, Extent, expected_nbytes
 from ..shm.allocator import Run
 
 
@@ -36,6 +38,47 @@ class Entry:
     lapsed: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class EntryRules:
+    """What reserve and place both require of a new entry's key and description."""
+
+    max_key_length: int
+    max_entry_bytes: int
+    capacity_bytes: int  # the slab's (named in the refusal of a too large entry)
+
+    def check_key(self, key: str) -> ErrorReply | None:
+        if not key:
+            return ErrorReply(ErrorCode.KEY_INVALID, "key is empty")
+        if len(key) > self.max_key_length:
+            return ErrorReply(
+                ErrorCode.KEY_INVALID,
+                f"key is {len(key)} characters long; the maximum is {self.max_key_length}",
+            )
+        return None
+
+    def check(self, key: str, nbytes: int, dtype: str, shape: list[int]) -> ErrorReply | None:
+        if (err := self.check_key(key)) is not None:
+            return err
+        try:
+            implied = expected_nbytes(dtype, shape)
+        except ValueError as exc:
+            code = ErrorCode.DTYPE_INVALID if "dtype" in str(exc) else ErrorCode.SHAPE_MISMATCH
+            return ErrorReply(code, str(exc))
+        if nbytes != implied:
+            return ErrorReply(
+                ErrorCode.SHAPE_MISMATCH,
+                f"nbytes={nbytes} but dtype {dtype} with shape {shape} needs {implied} bytes",
+            )
+        if nbytes > self.max_entry_bytes:
+            return ErrorReply(
+                ErrorCode.TOO_LARGE,
+                f"entry of {nbytes} bytes exceeds the maximum entry size of "
+                f"{self.max_entry_bytes} bytes (slab capacity {self.capacity_bytes} bytes); "
+                "start the broker with a larger --shm-size or max_entry_size",
+            )
+        return None
+
+
 @dataclass(slots=True, eq=False)
 class Pin:
     entry: Entry
@@ -47,14 +90,6 @@ class Pin:
 class Arena:
     slot: int  # the connection's placement-journal slot (shm/journal.py)
     free: set[int] = field(default_factory=set)  # granted blocks not part of any entry
-
-
-@dataclass(slots=True)
-class ConnState:
-    reservations: set[int] = field(default_factory=set)
-    pins: set[int] = field(default_factory=set)
-    leases: dict[str, int] = field(default_factory=dict)  # key -> pin id
-    reserved_blocks: int = 0  # blocks of its open reservations (max_reserved_bytes cap)
 
 
 class MembershipFilter(Protocol):

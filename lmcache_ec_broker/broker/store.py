@@ -10,12 +10,10 @@ Invariants (``check()`` asserts them; tests call it after every step):
    gone from the index and no pin refers to it.
 3. Readers never see a partial entry: only READY entries are returned by
    ``get``/``has``.
-4. Pinned (by a get or a lease) and reserved entries are never evicted; one
-   connection's open reservations hold at most ``max_reserved_blocks_per_conn``
-   blocks, except that a connection holding none may reserve one entry past it; and
-   what one client process or uid keeps from eviction (reservations, arenas, pinned
-   and leased entries) stays within its ``quotas`` (quotas.py), that first
-   reservation included (so one neighbour cannot evict or hold the whole slab).
+4. Pinned (by a get or a lease) and reserved entries are never evicted; what one
+   connection, client process or uid holds (open reservations, arenas, pinned and
+   leased entries) stays within its limits (the books': conn_books.py, quotas.py),
+   so one neighbour cannot evict or hold the whole slab.
 5. Allocation fails only if the free blocks plus the blocks of unpinned READY
    entries are not enough.
 6. Everything a connection holds (reservations, pins, leases, its put arena) is
@@ -47,7 +45,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 
 from ..protocol import (
     ArenaReply,
@@ -58,14 +56,13 @@ from ..protocol import (
     PlaceReply,
     ReserveReply,
     ReserveStatus,
-    expected_nbytes,
 )
 from ..shm.allocator import BlockAllocator, Run
-from ..sizes import format_size
 from .arenas import ArenaBooks
+from .conn_books import LIMIT_COUNTERS, ConnBooks, ConnState
 from .entries import (  # re-exported: coordinator, server and tests import them from here
-    ConnState,
     Entry,
+    EntryRules,
     MembershipFilter,
     Pin,
     ResidencyIndex,
@@ -93,9 +90,7 @@ STORE_COUNTERS = (
     "arena_grants",  # grant requests answered (possibly with no blocks)
     "arena_places",  # entries stored by a placement from a put arena
     "arena_place_refused",  # placements refused (bad blocks/key/shape) or of a present key
-    "pin_limit_refusals",  # requests refused: the connection held max_pins_per_connection
-    "lease_limit_refusals",  # requests refused: the connection held max_leases_per_connection
-    "reserve_limit_refusals",  # reserves refused: a reservation limit (quotas.py) reached
+    *LIMIT_COUNTERS,  # requests refused by a per-connection, process or uid limit
     "reservations_expired",  # client reservations that lapsed (reservation_ttl_s) uncommitted
 )
 # has() hits a client answered from the residency index name no key, so the broker
@@ -129,22 +124,33 @@ class Store:
         self.block_size = block_size
         self.nblocks = capacity_bytes // block_size
         self.capacity_bytes = self.nblocks * block_size
-        self.max_entry_bytes = min(max_entry_bytes or self.capacity_bytes, self.capacity_bytes)
-        self.max_key_length = max_key_length
-        # What one client connection may hold at once (see admit_pins/admit_leases):
-        # every pin and lease costs broker memory until released.
-        self.max_pins_per_conn = max_pins_per_conn
-        self.max_leases_per_conn = max_leases_per_conn
-        # Open reservations per connection, in blocks (0: a quarter of the slab).
-        self.max_reserved_blocks_per_conn = max(
-            1, self._blocks_for(max_reserved_bytes_per_conn) or self.nblocks // 4
+        # What a new entry's key and description must be (reserve and place).
+        self.rules = EntryRules(
+            max_key_length,
+            min(max_entry_bytes or self.capacity_bytes, self.capacity_bytes),
+            self.capacity_bytes,
         )
         self.allocator = BlockAllocator(self.nblocks)
         self.lru = LRUPolicy()
         self.entries: dict[str, Entry] = {}
         self.reservations: dict[int, Entry] = {}
-        self.pins: dict[int, Pin] = {}
-        self.conns: dict[int, ConnState] = {}
+        self.counters = dict.fromkeys(STORE_COUNTERS, 0)
+        self._ids = itertools.count(1)  # pin ids and reservation tokens
+        # What each connection holds (reservations, pins, leases) and may hold, and
+        # its process and uid (invariants 4 and 6; conn_books.py, quotas.py). Open
+        # reservations per connection are capped in blocks (0: a quarter of the slab).
+        self.books = ConnBooks(
+            block_size,
+            quotas or QuotaLimits.resolve(self.nblocks, block_size),
+            self.counters,
+            self._ids,
+            self._free_blocks,
+            max_pins=max_pins_per_conn,
+            max_leases=max_leases_per_conn,
+            max_reserved_blocks=max(
+                1, self._blocks_for(max_reserved_bytes_per_conn) or self.nblocks // 4
+            ),
+        )
         # The published membership filter (shm/filter.py); None when not published.
         # This memory tier adds a key before it becomes READY and removes it after
         # it stopped being READY, keeping the filter's invariant for its own keys.
@@ -161,46 +167,72 @@ class Store:
         # connection closed): the Publish requests waiting for it (publish.py).
         self.on_abort: Callable[[str], None] | None = None
         self._clock = clock
-        self._ids = itertools.count(1)
-        self._lease_heap: list[tuple[float, int]] = []
         self.reserved_blocks = 0
         self.used_blocks = 0
-        self.pinned_entries = 0
         # Put arenas (invariants 7, 8, 10): the books own which blocks and journal slot
         # each connection holds; the store allocates and frees their blocks.
         self.arenas = ArenaBooks(self.nblocks, block_size, arena_bytes, arena_slots)
-        # What each client process and uid holds (quotas.py; invariant 4).
-        self.quotas = QuotaBooks(
-            quotas or QuotaLimits.resolve(self.nblocks, block_size),
-            block_size,
-        )
         # Client reservations lapse this long after they were granted (invariant 11).
         self.reservation_ttl = reservation_ttl_s
         self._reservation_heap: list[tuple[float, int]] = []  # (expires_at, token)
-        self.counters = dict.fromkeys(STORE_COUNTERS, 0)
+
+    # What the server, the tiers and the tests read of the parts.
+
+    @property
+    def max_key_length(self) -> int:
+        return self.rules.max_key_length
+
+    @property
+    def max_entry_bytes(self) -> int:
+        return self.rules.max_entry_bytes
+
+    @property
+    def conns(self) -> Mapping[int, ConnState]:
+        """The open connections (``conn in store.conns``); their state is the books'."""
+        return self.books.conns
+
+    @property
+    def pins(self) -> Mapping[int, Pin]:
+        return self.books.pins
+
+    @property
+    def quotas(self) -> QuotaBooks:
+        return self.books.quotas
+
+    @property
+    def max_pins_per_conn(self) -> int:
+        return self.books.max_pins
+
+    @property
+    def max_leases_per_conn(self) -> int:
+        return self.books.max_leases
+
+    @property
+    def max_reserved_blocks_per_conn(self) -> int:
+        return self.books.max_reserved_blocks
 
     # ------------------------------------------------------------ connections
 
     def open_connection(self, conn: int) -> None:
-        self.conns[conn] = ConnState()
+        self.books.open(conn)
 
     def admit_peer(self, conn: int, pid: int, uid: int) -> ErrorReply | None:
         """Charge the open client connection ``conn`` to its process and uid (from
         SO_PEERCRED), or refuse it: past max_connections_per_process/uid."""
-        return self.quotas.open(conn, pid, uid)
+        return self.books.admit_peer(conn, pid, uid)
 
     def close_connection(self, conn: int) -> None:
-        state = self.conns.pop(conn, None)
+        state = self.books.closing(conn)
         if state is None:
             return
         for token in list(state.reservations):
             self._abort(token)
         for pin_id in list(state.pins):
-            self._unpin(pin_id)
+            self.books.unpin(pin_id)
         runs = self.arenas.release(conn)
-        self.quotas.charge_arena(conn, -sum(length for _, length in runs))
+        self.books.charge_arena(conn, -sum(length for _, length in runs))
         self.allocator.free(runs)
-        self.quotas.close(conn)
+        self.books.closed(conn)
 
     # ------------------------------------------------------------ helpers
 
@@ -215,36 +247,6 @@ class Store:
             extents.append((start * self.block_size, n))
             left -= n
         return extents
-
-    def _pin(self, entry: Entry, conn: int, expires_at: float = 0.0) -> int:
-        pin_id = next(self._ids)
-        self.pins[pin_id] = Pin(entry, conn, expires_at)
-        if entry.pins == 0:
-            self.pinned_entries += 1
-        entry.pins += 1
-        self.quotas.charge_pin(conn, entry, bool(expires_at))
-        self.conns[conn].pins.add(pin_id)
-        if expires_at:
-            heapq.heappush(self._lease_heap, (expires_at, pin_id))
-        return pin_id
-
-    def _unpin(self, pin_id: int) -> bool:
-        pin = self.pins.pop(pin_id, None)
-        if pin is None:
-            return False
-        state = self.conns.get(pin.conn)
-        if state is not None:
-            state.pins.discard(pin_id)
-            if pin.expires_at and state.leases.get(pin.entry.key) == pin_id:
-                del state.leases[pin.entry.key]
-        entry = pin.entry
-        self.quotas.refund_pin(pin.conn, entry, bool(pin.expires_at))  # before any free
-        entry.pins -= 1
-        if entry.pins == 0:
-            self.pinned_entries -= 1
-            if entry.doomed:
-                self._free_blocks(entry)
-        return True
 
     def _free_blocks(self, entry: Entry) -> None:
         n = sum(length for _, length in entry.runs)
@@ -271,10 +273,7 @@ class Store:
             self.observer.slab_removed(entry.key)
         self.lru.remove(entry.key)
         if entry.pins:
-            for state in self.conns.values():
-                pin_id = state.leases.get(entry.key)
-                if pin_id is not None and self.pins[pin_id].entry is entry:
-                    self._unpin(pin_id)
+            self.books.end_leases(entry)
         if entry.pins:
             entry.doomed = True
         else:
@@ -302,101 +301,27 @@ class Store:
             self.counters["evictions"] += 1
         return True
 
-    def validate_key(self, key: str) -> ErrorReply | None:
-        if not key:
-            return ErrorReply(ErrorCode.KEY_INVALID, "key is empty")
-        if len(key) > self.max_key_length:
-            return ErrorReply(
-                ErrorCode.KEY_INVALID,
-                f"key is {len(key)} characters long; the maximum is {self.max_key_length}",
-            )
-        return None
+    # Admission (invariant 4; the rules are the books', conn_books.py).
 
     def admit_pins(self, conn: int, keys: list[str]) -> ErrorReply | None:
-        """Refuse a get of ``keys`` that could take ``conn`` past what it may hold.
-        Invariant: a client connection never holds more than max_pins_per_conn get
-        pins (leases are counted apart), so a client that never releases cannot
-        grow the broker's memory without bound; its process and uid stay within
-        their pin counts and held bytes (quotas.py)."""
-        state = self.conns.get(conn)
-        n = len(keys)
-        held = 0 if state is None else len(state.pins) - len(state.leases)
-        if held + n <= self.max_pins_per_conn:
-            if not self.quotas.principals(conn):
-                return None
-            refusal = self.quotas.admit_pins(conn, n, self._ready_entries(keys))
-            if refusal is None:
-                return None
-            self.counters["pin_limit_refusals"] += 1
-            return refusal
-        self.counters["pin_limit_refusals"] += 1
-        return ErrorReply(
-            ErrorCode.TOO_MANY_PINS,
-            f"this connection holds {held} pins and asked for {n} more; the limit is "
-            f"{self.max_pins_per_conn} (max_pins_per_connection): release the pins of "
-            "earlier gets (BrokerClient does after each copy) or raise the limit",
-        )
+        """Refuse a get of ``keys`` that could take ``conn`` past what it may hold."""
+        return self.books.admit_pins(conn, keys, self.entries)
 
     def admit_reservation(self, conn: int, nblocks: int) -> ErrorReply | None:
-        """Refuse a reserve that would take ``conn``'s open reservations past
-        max_reserved_blocks_per_conn (invariant 4); a connection holding none may
-        reserve one entry past it, but never past its process's or uid's limits
-        (quotas.py: open reservations, zero-byte ones included, and held bytes).
-        The broker's own connections (negative ids: promotion.TIER_CONN) are not
-        clients and are not capped."""
-        state = self.conns.get(conn)
-        held = 0 if state is None or conn < 0 else state.reserved_blocks
-        if not held or held + nblocks <= self.max_reserved_blocks_per_conn:
-            refusal = self.quotas.admit_reserve(conn, nblocks)
-            if refusal is not None:
-                self.counters["reserve_limit_refusals"] += 1
-            return refusal
-        self.counters["reserve_limit_refusals"] += 1
-        bs = self.block_size
-        return ErrorReply(
-            ErrorCode.TOO_MANY_RESERVATIONS,
-            f"this connection's {len(state.reservations) if state else 0} open reservations "
-            f"hold {format_size(held * bs)} and it asked for {format_size(nblocks * bs)} more; "
-            f"the limit is {format_size(self.max_reserved_blocks_per_conn * bs)} "
-            "(max_reserved_bytes_per_connection): commit or abort open reservations first "
-            "(BrokerClient commits each put after its copy), put fewer entries at once, or "
-            "raise the limit",
-        )
+        """Refuse a reserve that would take ``conn`` past its reservation limits."""
+        return self.books.admit_reservation(conn, nblocks)
 
     def admit_leases(self, conn: int, keys: list[str], extra_held: int = 0) -> ErrorReply | None:
-        """Refuse a leasing has/lookup that could take ``conn`` past max_leases_per_conn
-        leases (``extra_held``: leases the caller keeps elsewhere, on lower tiers)."""
-        state = self.conns.get(conn)
-        leases = {} if state is None else state.leases
-        held = len(leases) + extra_held
-        fresh = {k for k in keys if k not in leases}
-        new = len(fresh)
-        if held + new <= self.max_leases_per_conn:
-            if not self.quotas.principals(conn):
-                return None
-            refusal = self.quotas.admit_leases(conn, new, self._ready_entries(fresh))
-            if refusal is None:
-                return None
-            self.counters["lease_limit_refusals"] += 1
-            return refusal
-        self.counters["lease_limit_refusals"] += 1
-        return ErrorReply(
-            ErrorCode.TOO_MANY_LEASES,
-            f"this connection holds {held} leases and asked for up to {new} more; the limit "
-            f"is {self.max_leases_per_conn} (max_leases_per_connection): end leases with "
-            "unlease once loaded, use a shorter lease_ms, or raise the limit",
-        )
-
-    def _ready_entries(self, keys: Collection[str]) -> list[Entry]:
-        entries = self.entries
-        return [e for k in keys if (e := entries.get(k)) is not None and e.state is State.READY]
+        """Refuse a leasing has/lookup that could take ``conn`` past its lease limits
+        (``extra_held``: leases the caller keeps elsewhere, on lower tiers)."""
+        return self.books.admit_leases(conn, keys, self.entries, extra_held)
 
     # ------------------------------------------------------------ operations
 
     def reserve(
         self, conn: int, key: str, nbytes: int, dtype: str, shape: list[int]
     ) -> ReserveReply | ErrorReply:
-        if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
+        if (err := self.rules.check(key, nbytes, dtype, shape)) is not None:
             return err
         existing = self.entries.get(key)
         if (
@@ -422,7 +347,7 @@ class Store:
                 ErrorCode.NO_SPACE,
                 f"no room for {nbytes} bytes: {self.allocator.free_blocks * self.block_size} "
                 f"bytes free, {self.reserved_blocks * self.block_size} reserved by writers and "
-                f"{self.pinned_entries} entries pinned by readers; retry later or grow --shm-size",
+                f"{self.books.pinned_entries} entries pinned by readers; retry later or grow --shm-size",
             )
         runs = self.allocator.allocate(nblocks)
         assert runs is not None  # _make_room guaranteed the blocks
@@ -433,10 +358,7 @@ class Store:
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.RESERVED, token, conn)
         self.reservations[token] = entry
         self.reserved_blocks += nblocks
-        state = self.conns[conn]
-        state.reservations.add(token)
-        state.reserved_blocks += nblocks
-        self.quotas.charge_reserve(conn, nblocks)
+        self.books.reserved(conn, token, nblocks)
         if conn >= 0:  # a client's: lapses (invariant 11); the broker's own promotions do not
             entry.expires_at = self._clock() + self.reservation_ttl
             heapq.heappush(self._reservation_heap, (entry.expires_at, token))
@@ -471,29 +393,6 @@ class Store:
         self.entries[key] = entry
         return entry
 
-    def check_entry(self, key: str, nbytes: int, dtype: str, shape: list[int]) -> ErrorReply | None:
-        """What reserve and place both require of a new entry's description."""
-        if (err := self.validate_key(key)) is not None:
-            return err
-        try:
-            implied = expected_nbytes(dtype, shape)
-        except ValueError as exc:
-            code = ErrorCode.DTYPE_INVALID if "dtype" in str(exc) else ErrorCode.SHAPE_MISMATCH
-            return ErrorReply(code, str(exc))
-        if nbytes != implied:
-            return ErrorReply(
-                ErrorCode.SHAPE_MISMATCH,
-                f"nbytes={nbytes} but dtype {dtype} with shape {shape} needs {implied} bytes",
-            )
-        if nbytes > self.max_entry_bytes:
-            return ErrorReply(
-                ErrorCode.TOO_LARGE,
-                f"entry of {nbytes} bytes exceeds the maximum entry size of "
-                f"{self.max_entry_bytes} bytes (slab capacity {self.capacity_bytes} bytes); "
-                "start the broker with a larger --shm-size or max_entry_size",
-            )
-        return None
-
     # ------------------------------------------------------------ put arenas
 
     def arena_slot(self, conn: int) -> int:
@@ -516,7 +415,7 @@ class Store:
         if slot < 0:
             return ArenaReply(slot=-1)  # no journal slot: no arena for this connection
         want = min(self._blocks_for(nbytes), self.arenas.room(conn))
-        room = self.quotas.arena_room(conn)  # its process's and uid's share (quotas.py)
+        room = self.books.arena_room(conn)  # its process's and uid's share (quotas.py)
         if room is not None:
             want = min(want, room)
         if want <= 0:
@@ -528,7 +427,7 @@ class Store:
         runs = self.allocator.allocate(want)
         assert runs is not None  # _make_room or the free count guaranteed the blocks
         self.arenas.add(conn, runs)
-        self.quotas.charge_arena(conn, sum(length for _, length in runs))
+        self.books.charge_arena(conn, sum(length for _, length in runs))
         return ArenaReply(slot, runs)
 
     def place(
@@ -548,7 +447,7 @@ class Store:
             return ErrorReply(
                 ErrorCode.UNKNOWN_TOKEN, "place without a put arena: ask for a grant first"
             )
-        if (err := self.check_entry(key, nbytes, dtype, shape)) is not None:
+        if (err := self.rules.check(key, nbytes, dtype, shape)) is not None:
             self.counters["arena_place_refused"] += 1
             return err
         blocks = self.arenas.claim(conn, runs, self._blocks_for(nbytes))
@@ -569,7 +468,7 @@ class Store:
                 self.counters["put_in_progress"] += 1
             return PlaceReply(False, list(runs))
         self.arenas.take(conn, blocks)
-        self.quotas.charge_arena(conn, -len(blocks))
+        self.books.charge_arena(conn, -len(blocks))
         self.used_blocks += len(blocks)
         runs = [(start, length) for start, length in runs]
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.READY)  # invariant 9
@@ -600,7 +499,6 @@ class Store:
         if isinstance(entry, ErrorReply):
             return entry
         if entry.lapsed:  # invariant 11: the holder is done with the blocks; nothing stored
-            self.conns[conn].reservations.discard(token)
             self._abort(token)
             return ErrorReply(
                 ErrorCode.UNKNOWN_TOKEN,
@@ -610,11 +508,8 @@ class Store:
                 "reservation_ttl_s if copies really take that long",
             )
         del self.reservations[token]
-        state = self.conns[conn]
-        state.reservations.discard(token)
         n = sum(length for _, length in entry.runs)
-        self.quotas.refund_reserve(conn, n)
-        state.reserved_blocks -= n
+        self.books.reservation_ended(conn, token, n)
         self.reserved_blocks -= n
         self.used_blocks += n
         entry.state = State.READY
@@ -634,17 +529,13 @@ class Store:
         entry = self._owned_reservation(conn, token)
         if isinstance(entry, ErrorReply):
             return entry
-        self.conns[conn].reservations.discard(token)
         self._abort(token)
         return None
 
     def _abort(self, token: int) -> None:
         entry = self.reservations.pop(token)
         n = sum(length for _, length in entry.runs)
-        owner = self.conns.get(entry.owner)  # None while close_connection aborts
-        if owner is not None:
-            owner.reserved_blocks -= n
-        self.quotas.refund_reserve(entry.owner, n)
+        self.books.reservation_ended(entry.owner, token, n)  # its owner may be closing
         if not entry.lapsed:  # a lapsed one already left the index (invariant 11)
             self._unindex_reservation(entry)
         self._free_blocks(entry)
@@ -695,7 +586,7 @@ class Store:
             self.counters["hits"] += 1
             self.counters["bytes_loaded"] += entry.nbytes
             self.lru.touch(key)
-            pin_id = self._pin(entry, conn)
+            pin_id = self.books.pin(conn, entry)
             out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
         return out
 
@@ -725,7 +616,7 @@ class Store:
         """Pin a READY entry for a broker-internal reader (a tier's write-behind)
         without counting a hit; undone by ``release(conn, [pin])`` or ``close_connection``."""
         assert entry.state is State.READY and not entry.doomed
-        return self._pin(entry, conn)
+        return self.books.pin(conn, entry)
 
     def ready(self, key: str) -> Entry | None:
         entry = self.entries.get(key)
@@ -736,9 +627,9 @@ class Store:
         counting a hit: a promoted entry landing for a connection that leased it on a
         lower tier. False if the key is not READY or the connection is gone."""
         entry = self.ready(key)
-        if entry is None or conn not in self.conns:
+        if entry is None or conn not in self.books.conns:
             return False
-        self._lease(conn, entry, expires_at)
+        self.books.lease(conn, entry, expires_at)
         return True
 
     def count(self, counter: str, n: int = 1) -> None:
@@ -748,17 +639,7 @@ class Store:
         return self._clock()
 
     def release(self, conn: int, pins: list[int]) -> ErrorReply | None:
-        state = self.conns[conn]
-        unknown = [p for p in pins if p not in state.pins]
-        for pin_id in pins:
-            if pin_id in state.pins:
-                self._unpin(pin_id)
-        if unknown:
-            return ErrorReply(
-                ErrorCode.UNKNOWN_TOKEN,
-                f"pins {unknown[:8]} are not held by this connection (released twice?)",
-            )
-        return None
+        return self.books.release(conn, pins)
 
     def has(
         self, conn: int, keys: list[str], lease_ms: int = 0, count_misses: bool = True
@@ -775,47 +656,18 @@ class Store:
                 continue
             self.counters["has_hits"] += 1
             if lease_ms > 0:
-                self._lease(conn, entry, now + lease_ms / 1000.0)
+                self.books.lease(conn, entry, now + lease_ms / 1000.0)
         return hits
-
-    def _lease(self, conn: int, entry: Entry, expires_at: float) -> None:
-        state = self.conns[conn]
-        pin_id = state.leases.get(entry.key)
-        if pin_id is not None:
-            pin = self.pins.get(pin_id)
-            if pin is not None and pin.entry is entry:
-                if expires_at > pin.expires_at:
-                    pin.expires_at = expires_at
-                    heapq.heappush(self._lease_heap, (expires_at, pin_id))
-                return
-            self._unpin(pin_id)
-        state.leases[entry.key] = self._pin(entry, conn, expires_at)
 
     def unlease(self, conn: int, keys: list[str]) -> None:
         """End ``conn``'s leases on ``keys``; keys it holds no lease on are ignored."""
-        state = self.conns.get(conn)
-        if state is None:
-            return
-        for key in keys:
-            pin_id = state.leases.get(key)
-            if pin_id is not None:
-                self._unpin(pin_id)
+        self.books.unlease(conn, keys)
 
     def expire_leases(self) -> int:
         """End every lease whose time is up (and lapse the reservations whose time is:
         the same sweep, every 0.1 s and before any eviction). Returns the leases ended."""
         self.expire_reservations()
-        now = self._clock()
-        expired = 0
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            _, pin_id = heapq.heappop(heap)
-            pin = self.pins.get(pin_id)
-            # A lease extended after this heap item was pushed has a later expiry.
-            if pin is not None and pin.expires_at and pin.expires_at <= now:
-                self._unpin(pin_id)
-                expired += 1
-        return expired
+        return self.books.expire_leases(self._clock())
 
     def delete(self, keys: list[str]) -> list[bool]:
         out = []
@@ -851,11 +703,11 @@ class Store:
             "capacity_bytes": self.capacity_bytes,
             "block_size": bs,
             "max_entry_bytes": self.max_entry_bytes,
-            "pinned_entries": self.pinned_entries,
+            "pinned_entries": self.books.pinned_entries,
             "pins": len(self.pins),
             "free_runs": self.allocator.free_runs,
             "lapsed_reservations": sum(1 for e in self.reservations.values() if e.lapsed),
-            **self.quotas.stats(),
+            **self.books.stats(),
             # Saturating: a counter a client could drive (hits, bytes_loaded through
             # Served) must never make a Stats reply unencodable for everyone.
             **{name: min(value, COUNTER_MAX) for name, value in self.counters.items()},
@@ -878,15 +730,12 @@ class Store:
                 assert not (blocks & owned), f"block shared by two entries ({entry.key!r})"
                 owned |= blocks
         assert len(owned) == self.used_blocks + self.reserved_blocks, "block accounting drift"
-        assert sum(c.reserved_blocks for c in self.conns.values()) == sum(
-            length for e in self.reservations.values() for _, length in e.runs
-        ), "per-connection reserved blocks drift"
         used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
         self.arenas.check(owned, used_map)
         for entry in self.reservations.values():  # invariant 11
             assert entry.lapsed == (self.entries.get(entry.key) is not entry), "lapse drift"
-        self.quotas.check(self._holdings())
-        assert sum(1 for e in entries if e.pins) == self.pinned_entries, "pinned count drift"
+        self.books.check(self.reservations, lambda c: len(self.arenas.held(c)))
+        assert sum(1 for e in entries if e.pins) == self.books.pinned_entries, "pinned count drift"
 
     def _live_entries(self) -> list[Entry]:
         """Indexed entries, lapsed reservations and doomed ones still pinned (each once)."""
@@ -894,23 +743,3 @@ class Store:
         uniq.update((id(e), e) for e in self.reservations.values())
         uniq.update((id(p.entry), p.entry) for p in self.pins.values())
         return list(uniq.values())
-
-    def _holdings(self) -> dict[int, tuple[int, int, int, int, int, dict[Entry, int]]]:
-        """What each connection holds, from the store's own records (for quotas.check)."""
-        out: dict[int, tuple[int, int, int, int, int, dict[Entry, int]]] = {}
-        for conn, state in self.conns.items():
-            pinned: dict[Entry, int] = {}
-            pins = leases = 0
-            for pin_id in state.pins:
-                pin = self.pins[pin_id]
-                pinned[pin.entry] = pinned.get(pin.entry, 0) + 1
-                if pin.expires_at:
-                    leases += 1
-                else:
-                    pins += 1
-            reserved = sum(
-                length for t in state.reservations for _, length in self.reservations[t].runs
-            )
-            arena = len(self.arenas.held(conn))
-            out[conn] = (len(state.reservations), reserved, arena, pins, leases, pinned)
-        return out
