@@ -212,3 +212,32 @@ def test_dedup_smoke(tmp_path: Path) -> None:
     results = json.loads(out.read_text())["results"]
     assert [x["claims"] for x in results] == [False, True]
     assert results[1]["encodes_per_item"] == 1.0, results
+
+
+@pytest.mark.vllm
+def test_dedup_vllm_smoke(tmp_path: Path) -> None:
+    """benchmarks/dedup_vllm.py, one node, two real vllm serve instances, one burst of two
+    new images (each instance one request per image, all at once): with claims every
+    item is encoded once on the node, and the instance that lost the race waited for the
+    other's encode (a claim that stopped deduplicating fails here: no wait, or two runs)."""
+    out = tmp_path / "dedup_vllm.json"
+    r = _run(
+        "dedup_vllm.py", "--setups", "node", "--instances", "2", "--rounds", "1",
+        "--items", "2", "--hit-items", "1", "--max-tokens", "2", "--side", "112",
+        "--connector-extra", json.dumps(SLOW_HOST_BUDGETS), "--json", str(out),
+        timeout=540,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    for needle in ("runs/item", "p50 vs off", "burst: encoded here", "hit (staged)"):
+        assert needle in r.stdout, (needle, r.stdout)
+    runs = json.loads(out.read_text())["runs"]
+    assert [x["claims"] for x in runs] == [False, True]
+    off, on = runs
+    for x in runs:
+        assert x["distinct"] == 2 and not x["errors"], x
+        assert all(s["mm_hash"] for s in x["sent"]), x["sent"]
+    assert on["encoder_runs"] == 2, on
+    roles = [s["role"] for s in on["sent"] if s["phase"] == "burst"]
+    assert "waited, loaded" in roles and on["counters"]["claim_waits"] > 0, roles
+    assert on["counters"]["claim_timeouts"] == 0, on["counters"]
+    assert [s["role"] for s in on["sent"] if s["phase"] == "hit"] == ["loaded"], on["sent"]
