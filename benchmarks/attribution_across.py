@@ -34,19 +34,24 @@ from benchmarks._common import (
 # issue 42 (one ctypes.memmove per extent, a new tensor faulted 4 KiB at a time),
 # "after" the copy after it (a new tensor of copy.NEW_TENSOR_MIN bytes or more is
 # advised MADV_HUGEPAGE and filled by torch's copy_; everything else unchanged).
+# With ``--before-tree PATH`` the two paths are instead two client trees, each in its
+# own writer and reader processes on the same broker: "main" (the package at PATH, e.g.
+# a ``git worktree`` of main) and "branch" (this checkout), both with the default copy.
 MODES = ("before", "after")
+TREE_MODES = ("main", "branch")
 HIDDEN = 1024
-PHASES = ("total", "client py", "frames", "copy", "faults", "send", "wait")
+PHASES = ("total", "client py", "py after copy", "frames", "copy", "faults", "send", "wait")
 
 
 class _Timers:
-    __slots__ = ("send", "wait", "copy", "frames")
+    __slots__ = ("send", "wait", "copy", "frames", "copy_end", "io_at_copy_end")
 
     def __init__(self) -> None:
-        self.send = self.wait = self.copy = self.frames = 0
+        self.reset()
 
     def reset(self) -> None:
         self.send = self.wait = self.copy = self.frames = 0
+        self.copy_end = self.io_at_copy_end = 0
 
 
 def _timed_fn(fn: Callable[..., Any], timers: _Timers, field: str) -> Callable[..., Any]:
@@ -102,7 +107,9 @@ class Side:
                 finally:
                     depth[0] -= 1
                     if not depth[0]:
-                        t.copy += time.perf_counter_ns() - t0
+                        t.copy_end = time.perf_counter_ns()
+                        t.copy += t.copy_end - t0
+                        t.io_at_copy_end = t.send + t.wait + t.frames
 
             setattr(slab, name, timed)
         return {"torch_threads": self.torch.get_num_threads()}
@@ -127,7 +134,8 @@ class Side:
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter_ns()
         r = fn()
-        total = time.perf_counter_ns() - t0
+        t1 = time.perf_counter_ns()
+        total = t1 - t0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         ph = {
             "total": total / 1e3,
@@ -138,6 +146,13 @@ class Side:
             "faults": float(faults),
         }
         ph["client py"] = ph["total"] - ph["frames"] - ph["copy"] - ph["send"] - ph["wait"]
+        # Python between the last copy's end and the return (its syscalls and frames
+        # taken out): the part that runs with caches the copy just flushed.
+        after = 0.0
+        if t.copy_end:
+            io_after = t.send + t.wait + t.frames - t.io_at_copy_end
+            after = (t1 - t.copy_end - io_after) / 1e3
+        ph["py after copy"] = after
         return r, ph
 
     def put(self, key: str, size: int, copy: str) -> dict[str, Any]:
@@ -220,6 +235,8 @@ def _u8(t: Any) -> Any:
 
 
 def worker_main() -> None:
+    if "--lib" in sys.argv:  # the client tree this worker runs (--before-tree)
+        sys.path.insert(0, sys.argv[sys.argv.index("--lib") + 1])
     side = Side()
     serve_worker({n: getattr(side, n) for n in dir(side) if not n.startswith("_")})
 
@@ -227,11 +244,15 @@ def worker_main() -> None:
 # ====================================================================== orchestrator
 
 
-def _one(sizes: list[int], iters: int, hog: bool) -> dict[str, Any]:
+def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> dict[str, Any]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
     shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
-    spinner = writer = reader = None
-    res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters}
+    spinner = None
+    workers: list[Worker] = []
+    modes = TREE_MODES if before_tree else MODES
+    res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters, "modes": list(modes)}
+    if before_tree:
+        res["before_tree"] = before_tree
     with Broker(shm) as broker:
         try:
             if hog:  # a CPU-bound process beside the benchmark, for the run's length
@@ -239,7 +260,17 @@ def _one(sizes: list[int], iters: int, hog: bool) -> dict[str, Any]:
                     [sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent
                 )
             writer, reader = Worker(script), Worker(script)
-            for w in (writer, reader):
+            workers += [writer, reader]
+            # mode -> (writer, reader, copy path): the copy paths share one pair; the
+            # trees each have their own pair (the "main" pair imports the other tree)
+            pairs: dict[str, tuple[Worker, Worker, str]] = {}
+            if before_tree:
+                w0, r0 = Worker(script, "--lib", before_tree), Worker(script, "--lib", before_tree)
+                workers += [w0, r0]
+                pairs = {"main": (w0, r0, "after"), "branch": (writer, reader, "after")}
+            else:
+                pairs = {m: (writer, reader, m) for m in MODES}
+            for w in workers:
                 res["torch_threads"] = w.call(op="setup", socket_path=broker.socket_path)[
                     "torch_threads"
                 ]
@@ -249,44 +280,47 @@ def _one(sizes: list[int], iters: int, hog: bool) -> dict[str, Any]:
             res["load_start"] = os.getloadavg()[0]
             res["samples"] = {}
             for size in sizes:
-                writer.call(op="make", size=size)
-                reader.call(op="make", size=size)
+                for w in workers:
+                    w.call(op="make", size=size)
                 sm: dict[str, Any] = {}
                 warm = 3
                 for i in range(warm + iters):
-                    order = MODES if i % 2 == 0 else MODES[::-1]  # interleaved, alternating
+                    order = modes if i % 2 == 0 else modes[::-1]  # interleaved, alternating
                     row: dict[str, Any] = {}
                     row["memcpy (writer)"] = writer.call(op="memcpy", size=size)["us"]
                     for mode in order:
+                        w, r, copy = pairs[mode]
                         key = f"x-{size}-{i}-{mode}"
-                        row[f"put {mode}"] = writer.call(op="put", key=key, size=size, copy=mode)
+                        row[f"put {mode}"] = w.call(op="put", key=key, size=size, copy=copy)
                         row["memcpy (reader)"] = reader.call(op="memcpy", size=size)["us"]
-                        row[f"get_into {mode}"] = reader.call(
-                            op="get_into", key=key, size=size, copy=mode
+                        row[f"get_into {mode}"] = r.call(
+                            op="get_into", key=key, size=size, copy=copy
                         )
-                        row[f"get {mode}"] = reader.call(op="get", key=key, size=size, copy=mode)
+                        row[f"get {mode}"] = r.call(op="get", key=key, size=size, copy=copy)
                         row["clone"] = reader.call(op="clone", size=size)["us"]
-                        writer.call(op="delete", key=key)
+                        w.call(op="delete", key=key)
                     if i >= warm:
                         for k, v in row.items():
                             sm.setdefault(k, []).append(v)
-                writer.call(op="flush")
+                for w in workers:
+                    w.call(op="flush")
                 res["samples"][str(size)] = sm
             res["load_end"] = os.getloadavg()[0]
         finally:
-            for w in (writer, reader):
-                if w is not None:
-                    w.close()
+            for w in workers:
+                w.close()
             if spinner is not None:
                 spinner.kill()
                 spinner.wait()
     return res
 
 
-def run(sizes: list[int], iters: int, busy: bool = False) -> dict[str, Any]:
-    runs = [_one(sizes, iters, False)]
+def run(
+    sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None
+) -> dict[str, Any]:
+    runs = [_one(sizes, iters, False, before_tree)]
     if busy:
-        runs.append(_one(sizes, iters, True))
+        runs.append(_one(sizes, iters, True, before_tree))
     return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
 
 
@@ -304,7 +338,7 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         mw, mr = median(sm["memcpy (writer)"]), median(sm["memcpy (reader)"])
         clone = median(sm["clone"])
         per: dict[str, Any] = {"memcpy_writer_us": mw, "memcpy_reader_us": mr, "clone_us": clone}
-        for mode in MODES:
+        for mode in r.get("modes", MODES):
             put = _med(sm[f"put {mode}"], "total")
             gin = _med(sm[f"get_into {mode}"], "total")
             get = _med(sm[f"get {mode}"], "total")
@@ -336,19 +370,19 @@ def report(res: dict[str, Any]) -> str:
         for size in r["sizes"]:
             sm = r["samples"][str(size)]
             for op in ("put", "get_into", "get"):
-                for mode in MODES:
+                for mode in r.get("modes", MODES):
                     s = sm[f"{op} {mode}"]
                     body.append(
                         [f"{op} {fmt_size(size)}", mode]
                         + [f"{_med(s, p):.0f}" if p == "faults" else f"{_med(s, p):.1f}"
                            for p in PHASES]
                     )  # fmt: skip
-        lines = [head, table(["op", "copy", *PHASES], body), ""]
+        lines = [head, table(["op", "path", *PHASES], body), ""]
         lines.append(f"raw Unix-socket ping-pong reader -> writer: p50 {r['rtt']['p50']:.1f} µs")
         rows = []
         for size in r["sizes"]:
             per = summ[str(size)]
-            for mode in MODES:
+            for mode in r.get("modes", MODES):
                 m = per[mode]
                 rows.append([
                     fmt_size(size), mode,
@@ -362,7 +396,7 @@ def report(res: dict[str, Any]) -> str:
         lines.append(
             table(
                 [
-                    "size", "copy", "memcpy w / r", "put (min)", "get_into (min)",
+                    "size", "path", "memcpy w / r", "put (min)", "get_into (min)",
                     "2 memcpys / put+get_into", "put+get_into / floor",
                     "clone()", "get new (min)", "clone / get new",
                 ],
