@@ -109,3 +109,60 @@ def test_the_new_tensor_path_copies_every_extent_and_checks_them() -> None:
     finally:
         view.close()
         mm.close()
+
+
+def _spy_writes(c: BrokerClient, on_write) -> None:
+    """Call ``on_write(extents)`` inside every slab write of ``c``, before the copy."""
+    slab = c.slab()
+    inner = slab.write
+
+    def write(extents, tensor):
+        on_write(extents)
+        return inner(extents, tensor)
+
+    slab.write = write  # type: ignore[method-assign]
+
+
+def test_a_put_builds_its_frames_before_the_copy(broker) -> None:
+    # Issue 42: a copy of megabytes leaves the caches cold, so a placed put does its
+    # Python (the Place frame, the refill decision) before the copy and only the journal
+    # word and the send after it. Fails on main, where the Place was built after the copy.
+    t = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: 4 blocks of the arena
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as r:
+        assert c.put("warm", t) and c.flush()  # the arena is granted
+        s = c._link.session
+        assert s is not None
+        seen: list[tuple[bool, int]] = []
+        _spy_writes(c, lambda e: seen.append(("k" in s.arena._placing, s.arena.seq)))
+        seq = s.arena.seq
+        assert c.put("k", t)
+        assert seen == [(True, seq + 1)], "the Place frame was not built before the copy"
+        assert c.flush()
+        got = r.get("k")
+        assert got is not None and torch.equal(got, t)
+
+
+def test_a_put_whose_copy_fails_takes_its_place_back(broker) -> None:
+    # The frame built before the copy is taken back with the blocks when the copy raises:
+    # nothing was sent, the arena holds what it held, and the next put of the key is
+    # placed and read whole by another process's client.
+    t = torch.arange(64 * 1024, dtype=torch.float32)
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as r:
+        assert c.put("warm", t) and c.flush()
+        s = c._link.session
+        assert s is not None
+        held = s.arena.blocks.blocks
+        owed = s.wire.owed
+
+        def fail(_extents) -> None:
+            raise RuntimeError("copy failed")
+
+        _spy_writes(c, fail)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            c.put("k", t)
+        assert s.arena.blocks.blocks == held and not s.arena._placing
+        assert s.wire.owed == owed and "k" not in s.posted
+        c.slab().write = type(c.slab()).write.__get__(c.slab())  # the real copy again
+        assert c.put("k", t) and c.flush()
+        got = r.get("k")
+        assert got is not None and torch.equal(got, t)
