@@ -287,18 +287,22 @@ def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> di
                 for i in range(warm + iters):
                     order = modes if i % 2 == 0 else modes[::-1]  # interleaved, alternating
                     row: dict[str, Any] = {}
-                    row["memcpy (writer)"] = writer.call(op="memcpy", size=size)["us"]
                     for mode in order:
+                        # Each process runs its baseline right before its own call, so
+                        # both paths' calls find their process equally just woken.
                         w, r, copy = pairs[mode]
                         key = f"x-{size}-{i}-{mode}"
+                        row[f"memcpy (writer) {mode}"] = w.call(op="memcpy", size=size)["us"]
                         row[f"put {mode}"] = w.call(op="put", key=key, size=size, copy=copy)
-                        row["memcpy (reader)"] = reader.call(op="memcpy", size=size)["us"]
+                        row[f"memcpy (reader) {mode}"] = r.call(op="memcpy", size=size)["us"]
                         row[f"get_into {mode}"] = r.call(
                             op="get_into", key=key, size=size, copy=copy
                         )
                         row[f"get {mode}"] = r.call(op="get", key=key, size=size, copy=copy)
-                        row["clone"] = reader.call(op="clone", size=size)["us"]
+                        row[f"clone {mode}"] = r.call(op="clone", size=size)["us"]
                         w.call(op="delete", key=key)
+                    for name in ("memcpy (writer)", "memcpy (reader)", "clone"):
+                        row[name] = median(row[f"{name} {m}"] for m in modes)
                     if i >= warm:
                         for k, v in row.items():
                             sm.setdefault(k, []).append(v)
@@ -339,10 +343,17 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         clone = median(sm["clone"])
         per: dict[str, Any] = {"memcpy_writer_us": mw, "memcpy_reader_us": mr, "clone_us": clone}
         for mode in r.get("modes", MODES):
+            if f"clone {mode}" in sm:  # this path's own processes' baselines
+                mw = median(sm[f"memcpy (writer) {mode}"])
+                mr = median(sm[f"memcpy (reader) {mode}"])
+                clone = median(sm[f"clone {mode}"])
             put = _med(sm[f"put {mode}"], "total")
             gin = _med(sm[f"get_into {mode}"], "total")
             get = _med(sm[f"get {mode}"], "total")
             per[mode] = {
+                "memcpy_writer_us": mw,
+                "memcpy_reader_us": mr,
+                "clone_us": clone,
                 "put_us": put,
                 "get_into_us": gin,
                 "get_us": get,
@@ -386,11 +397,11 @@ def report(res: dict[str, Any]) -> str:
                 m = per[mode]
                 rows.append([
                     fmt_size(size), mode,
-                    f"{per['memcpy_writer_us']:.1f} / {per['memcpy_reader_us']:.1f}",
+                    f"{m['memcpy_writer_us']:.1f} / {m['memcpy_reader_us']:.1f}",
                     f"{m['put_us']:.1f} ({m['min_put_us']:.1f})",
                     f"{m['get_into_us']:.1f} ({m['min_get_into_us']:.1f})",
                     f"{m['vs_2_memcpys']:.2f}x", f"{m['vs_floor']:.2f}x",
-                    f"{per['clone_us']:.1f}", f"{m['get_us']:.1f} ({m['min_get_us']:.1f})",
+                    f"{m['clone_us']:.1f}", f"{m['get_us']:.1f} ({m['min_get_us']:.1f})",
                     f"{m['get_new_vs_clone']:.2f}x",
                 ])  # fmt: skip
         lines.append(
