@@ -557,6 +557,10 @@ def main() -> None:
         help="across: compare the client at this tree (e.g. a git worktree of main) with this "
         "checkout's, each in its own writer and reader, interleaved call by call",
     )  # fmt: skip
+    p.add_argument(
+        "--sched-compare", action="store_true",
+        help="across: two brokers, one with its threads SCHED_BATCH, this checkout's client",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
     if args.iters < 1 or args.across_iters < 1:
@@ -568,7 +572,7 @@ def main() -> None:
     if args.only != "inproc":
         res["across"] = across.run(
             parse_sizes(args.across_sizes), args.across_iters, busy=args.busy,
-            before_tree=args.before_tree,
+            before_tree=args.before_tree, sched=args.sched_compare,
         )  # fmt: skip
         print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:

@@ -8,6 +8,7 @@ column is). This module holds the worker side (the writer and the reader are
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -39,6 +40,10 @@ from benchmarks._common import (
 # a ``git worktree`` of main) and "branch" (this checkout), both with the default copy.
 MODES = ("before", "after")
 TREE_MODES = ("main", "branch")
+# With ``--sched-compare``: one client tree, two brokers -- "normal" and "sched_batch"
+# (the broker's threads SCHED_BATCH: a broker woken by a posted Place does not preempt
+# the writer that woke it; docs/performance.md).
+SCHED_MODES = ("normal", "sched_batch")
 HIDDEN = 1024
 PHASES = ("total", "client py", "py after copy", "frames", "copy", "faults", "send", "wait")
 
@@ -191,6 +196,20 @@ class Side:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
         return {"us": (time.perf_counter_ns() - t0) / 1e3}
 
+    def has_p50(self, key: str, n: int) -> dict[str, Any]:
+        """p50 of ``n`` back-to-back has() calls for a present and an absent key (the
+        figures docs/performance.md keeps for has(): answered from the index and the
+        membership filter, no request)."""
+        c, out = self.client, {}
+        for name, k in (("hit", key), ("miss", key + "-absent")):
+            lat = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                c.has([k])
+                lat.append((time.perf_counter_ns() - t0) / 1e3)
+            out[name] = median(lat)
+        return out
+
     def delete(self, key: str) -> dict[str, Any]:
         self.client.delete(key)
         return {}
@@ -244,16 +263,23 @@ def worker_main() -> None:
 # ====================================================================== orchestrator
 
 
-def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> dict[str, Any]:
+def _one(
+    sizes: list[int], iters: int, hog: bool, before_tree: str | None, sched: bool = False
+) -> dict[str, Any]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
     shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
     spinner = None
     workers: list[Worker] = []
-    modes = TREE_MODES if before_tree else MODES
+    modes = TREE_MODES if before_tree else SCHED_MODES if sched else MODES
     res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters, "modes": list(modes)}
     if before_tree:
         res["before_tree"] = before_tree
-    with Broker(shm) as broker:
+    with Broker(shm) as broker, contextlib.ExitStack() as stack:
+        socket_of = {m: broker.socket_path for m in modes}
+        if sched:  # a second broker, its threads SCHED_BATCH (chrt: no privilege needed)
+            batch = stack.enter_context(Broker(shm))
+            subprocess.run(["chrt", "-a", "-b", "-p", "0", str(batch.proc.pid)], check=True)
+            socket_of["sched_batch"] = batch.socket_path
         try:
             if hog:  # a CPU-bound process beside the benchmark, for the run's length
                 spinner = subprocess.Popen(
@@ -264,16 +290,20 @@ def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> di
             # mode -> (writer, reader, copy path): the copy paths share one pair; the
             # trees each have their own pair (the "main" pair imports the other tree)
             pairs: dict[str, tuple[Worker, Worker, str]] = {}
-            if before_tree:
-                w0, r0 = Worker(script, "--lib", before_tree), Worker(script, "--lib", before_tree)
+            if before_tree or sched:
+                lib = ("--lib", before_tree) if before_tree else ()
+                w0, r0 = Worker(script, *lib), Worker(script, *lib)
                 workers += [w0, r0]
-                pairs = {"main": (w0, r0, "after"), "branch": (writer, reader, "after")}
+                pairs = {modes[0]: (w0, r0, "after"), modes[1]: (writer, reader, "after")}
             else:
                 pairs = {m: (writer, reader, m) for m in MODES}
-            for w in workers:
-                res["torch_threads"] = w.call(op="setup", socket_path=broker.socket_path)[
-                    "torch_threads"
-                ]
+            ready: list[Worker] = []
+            for m, (w, r, _) in pairs.items():
+                for x in (w, r):
+                    if x not in ready:
+                        ready.append(x)
+                        got = x.call(op="setup", socket_path=socket_of[m])
+                        res["torch_threads"] = got["torch_threads"]
             echo = os.path.join(broker.dir, "echo.sock")
             writer.call(op="echo_start", path=echo)
             res["rtt"] = reader.call(op="rtt", path=echo, iters=max(200, iters * 4))
@@ -309,6 +339,19 @@ def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> di
                 for w in workers:
                     w.call(op="flush")
                 res["samples"][str(size)] = sm
+            # has(): p50s of back-to-back calls in each path's reader, alternating
+            has: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for m in modes:
+                w, r, _ = pairs[m]
+                w.call(op="make", size=64 * 1024)
+                w.call(op="put", key=f"has-{m}", size=64 * 1024, copy=pairs[m][2])
+                w.call(op="flush")
+            for i in range(6):
+                for m in modes if i % 2 == 0 else modes[::-1]:
+                    has[m].append(pairs[m][1].call(op="has_p50", key=f"has-{m}", n=400))
+            res["has"] = {
+                m: {k: median(h[k] for h in has[m]) for k in ("hit", "miss")} for m in modes
+            }
             res["load_end"] = os.getloadavg()[0]
         finally:
             for w in workers:
@@ -320,11 +363,12 @@ def _one(sizes: list[int], iters: int, hog: bool, before_tree: str | None) -> di
 
 
 def run(
-    sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None
-) -> dict[str, Any]:
-    runs = [_one(sizes, iters, False, before_tree)]
+    sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None,
+    sched: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    runs = [_one(sizes, iters, False, before_tree, sched)]
     if busy:
-        runs.append(_one(sizes, iters, True, before_tree))
+        runs.append(_one(sizes, iters, True, before_tree, sched))
     return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
 
 
@@ -390,6 +434,13 @@ def report(res: dict[str, Any]) -> str:
                     )  # fmt: skip
         lines = [head, table(["op", "path", *PHASES], body), ""]
         lines.append(f"raw Unix-socket ping-pong reader -> writer: p50 {r['rtt']['p50']:.1f} µs")
+        if "has" in r:
+            lines.append(
+                "has() p50, µs (400 back-to-back calls, median of 6 alternating rounds): "
+                + "; ".join(
+                    f"{m}: hit {h['hit']:.1f}, miss {h['miss']:.1f}" for m, h in r["has"].items()
+                )
+            )
         rows = []
         for size in r["sizes"]:
             per = summ[str(size)]
