@@ -215,3 +215,15 @@ def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
     assert video.points[0].tokens < video.points[1].tokens
     assert "--trust-request-mm-kwargs" in video.server_args
     assert "--media-io-kwargs" in audio.server_args
+
+
+def test_batch_start_probe_smoke() -> None:
+    # benchmarks/batch_start_probe.py (issue 42: a read that starts a Served batch),
+    # this checkout standing in for both trees.
+    r = _run(
+        "batch_start_probe.py", "--before-tree", str(REPO), "--rounds", "1", "--iters", "20",
+        "--gap-ms", "1", timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("get_into 64 KiB", "has() hit", "before / after", "load (1 min)"):
+        assert needle in r.stdout, (needle, r.stdout)
