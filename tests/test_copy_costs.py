@@ -166,3 +166,33 @@ def test_a_put_whose_copy_fails_takes_its_place_back(broker) -> None:
         assert c.put("k", t) and c.flush()
         got = r.get("k")
         assert got is not None and torch.equal(got, t)
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of ``pid``."""
+    import os
+
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
+def test_sched_batch_runs_every_broker_thread_batch_and_is_off_by_default(make_broker) -> None:
+    # Issue 42: a broker woken by a posted Place preempted the writer inside its send
+    # (benchmarks/sched_batch_probe.py); --sched-batch makes every broker thread
+    # SCHED_BATCH (no privilege needed), which is never woken into preempting.
+    # The default is unchanged; the data path works the same either way.
+    import os
+
+    plain = make_broker("--shm-size", "64MiB")
+    batch = make_broker("--shm-size", "64MiB", "--sched-batch")
+    t = torch.arange(64 * 1024, dtype=torch.float32)
+    for b in (plain, batch):
+        with BrokerClient(b.socket_path) as w, BrokerClient(b.socket_path) as r:
+            for i in range(4):  # the first reserves, the rest are placed in the arena
+                assert w.put(f"k{i}", t + i)
+            assert w.flush()
+            for i in range(4):
+                got = r.get(f"k{i}")
+                assert got is not None and torch.equal(got, t + i)
+    assert _policies(plain.pid) == {os.SCHED_OTHER}
+    assert _policies(batch.pid) == {os.SCHED_BATCH}
