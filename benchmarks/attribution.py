@@ -49,7 +49,11 @@ during the call, a count), ``send`` + ``wait`` (the syscalls and wake-ups).
 Baselines from the same processes in the same iteration: a memmove between two
 touched buffers (writer and reader), and ``clone()`` of the same tensor in the
 reader (a get into a new tensor against torch's own copy into a new tensor).
-``--busy`` repeats the section with a CPU-bound process beside it.
+``--busy`` repeats the section with a CPU-bound process beside it. ``py after copy``
+is the part of ``client py`` after the call's last copy (caches the copy just
+flushed). ``--before-tree PATH`` compares two client trees instead of two copy paths:
+``main`` (the package at PATH, in its own writer and reader) and ``branch`` (this
+checkout), interleaved call by call against one broker.
 """
 
 from __future__ import annotations
@@ -548,6 +552,15 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--across-iters", type=int, default=60, help="calls per size and copy path")
     p.add_argument("--busy", action="store_true", help="also run it beside a CPU-bound process")
+    p.add_argument(
+        "--before-tree",
+        help="across: compare the client at this tree (e.g. a git worktree of main) with this "
+        "checkout's, each in its own writer and reader, interleaved call by call",
+    )  # fmt: skip
+    p.add_argument(
+        "--sched-compare", action="store_true",
+        help="across: two brokers, one with its threads SCHED_BATCH, this checkout's client",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
     if args.iters < 1 or args.across_iters < 1:
@@ -558,8 +571,9 @@ def main() -> None:
         print(report(res))
     if args.only != "inproc":
         res["across"] = across.run(
-            parse_sizes(args.across_sizes), args.across_iters, busy=args.busy
-        )
+            parse_sizes(args.across_sizes), args.across_iters, busy=args.busy,
+            before_tree=args.before_tree, sched=args.sched_compare,
+        )  # fmt: skip
         print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@ column is). This module holds the worker side (the writer and the reader are
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -34,19 +35,28 @@ from benchmarks._common import (
 # issue 42 (one ctypes.memmove per extent, a new tensor faulted 4 KiB at a time),
 # "after" the copy after it (a new tensor of copy.NEW_TENSOR_MIN bytes or more is
 # advised MADV_HUGEPAGE and filled by torch's copy_; everything else unchanged).
+# With ``--before-tree PATH`` the two paths are instead two client trees, each in its
+# own writer and reader processes on the same broker: "main" (the package at PATH, e.g.
+# a ``git worktree`` of main) and "branch" (this checkout), both with the default copy.
 MODES = ("before", "after")
+TREE_MODES = ("main", "branch")
+# With ``--sched-compare``: one client tree, two brokers -- "normal" and "sched_batch"
+# (the broker's threads SCHED_BATCH: a broker woken by a posted Place does not preempt
+# the writer that woke it; docs/performance.md).
+SCHED_MODES = ("normal", "sched_batch")
 HIDDEN = 1024
-PHASES = ("total", "client py", "frames", "copy", "faults", "send", "wait")
+PHASES = ("total", "client py", "py after copy", "frames", "copy", "faults", "send", "wait")
 
 
 class _Timers:
-    __slots__ = ("send", "wait", "copy", "frames")
+    __slots__ = ("send", "wait", "copy", "frames", "copy_end", "io_at_copy_end")
 
     def __init__(self) -> None:
-        self.send = self.wait = self.copy = self.frames = 0
+        self.reset()
 
     def reset(self) -> None:
         self.send = self.wait = self.copy = self.frames = 0
+        self.copy_end = self.io_at_copy_end = 0
 
 
 def _timed_fn(fn: Callable[..., Any], timers: _Timers, field: str) -> Callable[..., Any]:
@@ -102,7 +112,9 @@ class Side:
                 finally:
                     depth[0] -= 1
                     if not depth[0]:
-                        t.copy += time.perf_counter_ns() - t0
+                        t.copy_end = time.perf_counter_ns()
+                        t.copy += t.copy_end - t0
+                        t.io_at_copy_end = t.send + t.wait + t.frames
 
             setattr(slab, name, timed)
         return {"torch_threads": self.torch.get_num_threads()}
@@ -127,7 +139,8 @@ class Side:
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter_ns()
         r = fn()
-        total = time.perf_counter_ns() - t0
+        t1 = time.perf_counter_ns()
+        total = t1 - t0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         ph = {
             "total": total / 1e3,
@@ -138,6 +151,13 @@ class Side:
             "faults": float(faults),
         }
         ph["client py"] = ph["total"] - ph["frames"] - ph["copy"] - ph["send"] - ph["wait"]
+        # Python between the last copy's end and the return (its syscalls and frames
+        # taken out): the part that runs with caches the copy just flushed.
+        after = 0.0
+        if t.copy_end:
+            io_after = t.send + t.wait + t.frames - t.io_at_copy_end
+            after = (t1 - t.copy_end - io_after) / 1e3
+        ph["py after copy"] = after
         return r, ph
 
     def put(self, key: str, size: int, copy: str) -> dict[str, Any]:
@@ -175,6 +195,20 @@ class Side:
         t0 = time.perf_counter_ns()
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
         return {"us": (time.perf_counter_ns() - t0) / 1e3}
+
+    def has_p50(self, key: str, n: int) -> dict[str, Any]:
+        """p50 of ``n`` back-to-back has() calls for a present and an absent key (the
+        figures docs/performance.md keeps for has(): answered from the index and the
+        membership filter, no request)."""
+        c, out = self.client, {}
+        for name, k in (("hit", key), ("miss", key + "-absent")):
+            lat = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                c.has([k])
+                lat.append((time.perf_counter_ns() - t0) / 1e3)
+            out[name] = median(lat)
+        return out
 
     def delete(self, key: str) -> dict[str, Any]:
         self.client.delete(key)
@@ -220,6 +254,8 @@ def _u8(t: Any) -> Any:
 
 
 def worker_main() -> None:
+    if "--lib" in sys.argv:  # the client tree this worker runs (--before-tree)
+        sys.path.insert(0, sys.argv[sys.argv.index("--lib") + 1])
     side = Side()
     serve_worker({n: getattr(side, n) for n in dir(side) if not n.startswith("_")})
 
@@ -227,66 +263,112 @@ def worker_main() -> None:
 # ====================================================================== orchestrator
 
 
-def _one(sizes: list[int], iters: int, hog: bool) -> dict[str, Any]:
+def _one(
+    sizes: list[int], iters: int, hog: bool, before_tree: str | None, sched: bool = False
+) -> dict[str, Any]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
     shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
-    spinner = writer = reader = None
-    res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters}
-    with Broker(shm) as broker:
+    spinner = None
+    workers: list[Worker] = []
+    modes = TREE_MODES if before_tree else SCHED_MODES if sched else MODES
+    res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters, "modes": list(modes)}
+    if before_tree:
+        res["before_tree"] = before_tree
+    with Broker(shm) as broker, contextlib.ExitStack() as stack:
+        socket_of = {m: broker.socket_path for m in modes}
+        if sched:  # a second broker, its threads SCHED_BATCH (chrt: no privilege needed)
+            batch = stack.enter_context(Broker(shm))
+            subprocess.run(["chrt", "-a", "-b", "-p", "0", str(batch.proc.pid)], check=True)
+            socket_of["sched_batch"] = batch.socket_path
         try:
             if hog:  # a CPU-bound process beside the benchmark, for the run's length
                 spinner = subprocess.Popen(
                     [sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent
                 )
             writer, reader = Worker(script), Worker(script)
-            for w in (writer, reader):
-                res["torch_threads"] = w.call(op="setup", socket_path=broker.socket_path)[
-                    "torch_threads"
-                ]
+            workers += [writer, reader]
+            # mode -> (writer, reader, copy path): the copy paths share one pair; the
+            # trees each have their own pair (the "main" pair imports the other tree)
+            pairs: dict[str, tuple[Worker, Worker, str]] = {}
+            if before_tree or sched:
+                lib = ("--lib", before_tree) if before_tree else ()
+                w0, r0 = Worker(script, *lib), Worker(script, *lib)
+                workers += [w0, r0]
+                pairs = {modes[0]: (w0, r0, "after"), modes[1]: (writer, reader, "after")}
+            else:
+                pairs = {m: (writer, reader, m) for m in MODES}
+            ready: list[Worker] = []
+            for m, (w, r, _) in pairs.items():
+                for x in (w, r):
+                    if x not in ready:
+                        ready.append(x)
+                        got = x.call(op="setup", socket_path=socket_of[m])
+                        res["torch_threads"] = got["torch_threads"]
             echo = os.path.join(broker.dir, "echo.sock")
             writer.call(op="echo_start", path=echo)
             res["rtt"] = reader.call(op="rtt", path=echo, iters=max(200, iters * 4))
             res["load_start"] = os.getloadavg()[0]
             res["samples"] = {}
             for size in sizes:
-                writer.call(op="make", size=size)
-                reader.call(op="make", size=size)
+                for w in workers:
+                    w.call(op="make", size=size)
                 sm: dict[str, Any] = {}
                 warm = 3
                 for i in range(warm + iters):
-                    order = MODES if i % 2 == 0 else MODES[::-1]  # interleaved, alternating
+                    order = modes if i % 2 == 0 else modes[::-1]  # interleaved, alternating
                     row: dict[str, Any] = {}
-                    row["memcpy (writer)"] = writer.call(op="memcpy", size=size)["us"]
                     for mode in order:
+                        # Each process runs its baseline right before its own call, so
+                        # both paths' calls find their process equally just woken.
+                        w, r, copy = pairs[mode]
                         key = f"x-{size}-{i}-{mode}"
-                        row[f"put {mode}"] = writer.call(op="put", key=key, size=size, copy=mode)
-                        row["memcpy (reader)"] = reader.call(op="memcpy", size=size)["us"]
-                        row[f"get_into {mode}"] = reader.call(
-                            op="get_into", key=key, size=size, copy=mode
+                        row[f"memcpy (writer) {mode}"] = w.call(op="memcpy", size=size)["us"]
+                        row[f"put {mode}"] = w.call(op="put", key=key, size=size, copy=copy)
+                        row[f"memcpy (reader) {mode}"] = r.call(op="memcpy", size=size)["us"]
+                        row[f"get_into {mode}"] = r.call(
+                            op="get_into", key=key, size=size, copy=copy
                         )
-                        row[f"get {mode}"] = reader.call(op="get", key=key, size=size, copy=mode)
-                        row["clone"] = reader.call(op="clone", size=size)["us"]
-                        writer.call(op="delete", key=key)
+                        row[f"get {mode}"] = r.call(op="get", key=key, size=size, copy=copy)
+                        row[f"clone {mode}"] = r.call(op="clone", size=size)["us"]
+                        w.call(op="delete", key=key)
+                    for name in ("memcpy (writer)", "memcpy (reader)", "clone"):
+                        row[name] = median(row[f"{name} {m}"] for m in modes)
                     if i >= warm:
                         for k, v in row.items():
                             sm.setdefault(k, []).append(v)
-                writer.call(op="flush")
+                for w in workers:
+                    w.call(op="flush")
                 res["samples"][str(size)] = sm
+            # has(): p50s of back-to-back calls in each path's reader, alternating
+            has: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for m in modes:
+                w, r, _ = pairs[m]
+                w.call(op="make", size=64 * 1024)
+                w.call(op="put", key=f"has-{m}", size=64 * 1024, copy=pairs[m][2])
+                w.call(op="flush")
+            for i in range(6):
+                for m in modes if i % 2 == 0 else modes[::-1]:
+                    has[m].append(pairs[m][1].call(op="has_p50", key=f"has-{m}", n=400))
+            res["has"] = {
+                m: {k: median(h[k] for h in has[m]) for k in ("hit", "miss")} for m in modes
+            }
             res["load_end"] = os.getloadavg()[0]
         finally:
-            for w in (writer, reader):
-                if w is not None:
-                    w.close()
+            for w in workers:
+                w.close()
             if spinner is not None:
                 spinner.kill()
                 spinner.wait()
     return res
 
 
-def run(sizes: list[int], iters: int, busy: bool = False) -> dict[str, Any]:
-    runs = [_one(sizes, iters, False)]
+def run(
+    sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None,
+    sched: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    runs = [_one(sizes, iters, False, before_tree, sched)]
     if busy:
-        runs.append(_one(sizes, iters, True))
+        runs.append(_one(sizes, iters, True, before_tree, sched))
     return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
 
 
@@ -304,11 +386,18 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         mw, mr = median(sm["memcpy (writer)"]), median(sm["memcpy (reader)"])
         clone = median(sm["clone"])
         per: dict[str, Any] = {"memcpy_writer_us": mw, "memcpy_reader_us": mr, "clone_us": clone}
-        for mode in MODES:
+        for mode in r.get("modes", MODES):
+            if f"clone {mode}" in sm:  # this path's own processes' baselines
+                mw = median(sm[f"memcpy (writer) {mode}"])
+                mr = median(sm[f"memcpy (reader) {mode}"])
+                clone = median(sm[f"clone {mode}"])
             put = _med(sm[f"put {mode}"], "total")
             gin = _med(sm[f"get_into {mode}"], "total")
             get = _med(sm[f"get {mode}"], "total")
             per[mode] = {
+                "memcpy_writer_us": mw,
+                "memcpy_reader_us": mr,
+                "clone_us": clone,
                 "put_us": put,
                 "get_into_us": gin,
                 "get_us": get,
@@ -336,33 +425,40 @@ def report(res: dict[str, Any]) -> str:
         for size in r["sizes"]:
             sm = r["samples"][str(size)]
             for op in ("put", "get_into", "get"):
-                for mode in MODES:
+                for mode in r.get("modes", MODES):
                     s = sm[f"{op} {mode}"]
                     body.append(
                         [f"{op} {fmt_size(size)}", mode]
                         + [f"{_med(s, p):.0f}" if p == "faults" else f"{_med(s, p):.1f}"
                            for p in PHASES]
                     )  # fmt: skip
-        lines = [head, table(["op", "copy", *PHASES], body), ""]
+        lines = [head, table(["op", "path", *PHASES], body), ""]
         lines.append(f"raw Unix-socket ping-pong reader -> writer: p50 {r['rtt']['p50']:.1f} µs")
+        if "has" in r:
+            lines.append(
+                "has() p50, µs (400 back-to-back calls, median of 6 alternating rounds): "
+                + "; ".join(
+                    f"{m}: hit {h['hit']:.1f}, miss {h['miss']:.1f}" for m, h in r["has"].items()
+                )
+            )
         rows = []
         for size in r["sizes"]:
             per = summ[str(size)]
-            for mode in MODES:
+            for mode in r.get("modes", MODES):
                 m = per[mode]
                 rows.append([
                     fmt_size(size), mode,
-                    f"{per['memcpy_writer_us']:.1f} / {per['memcpy_reader_us']:.1f}",
+                    f"{m['memcpy_writer_us']:.1f} / {m['memcpy_reader_us']:.1f}",
                     f"{m['put_us']:.1f} ({m['min_put_us']:.1f})",
                     f"{m['get_into_us']:.1f} ({m['min_get_into_us']:.1f})",
                     f"{m['vs_2_memcpys']:.2f}x", f"{m['vs_floor']:.2f}x",
-                    f"{per['clone_us']:.1f}", f"{m['get_us']:.1f} ({m['min_get_us']:.1f})",
+                    f"{m['clone_us']:.1f}", f"{m['get_us']:.1f} ({m['min_get_us']:.1f})",
                     f"{m['get_new_vs_clone']:.2f}x",
                 ])  # fmt: skip
         lines.append(
             table(
                 [
-                    "size", "copy", "memcpy w / r", "put (min)", "get_into (min)",
+                    "size", "path", "memcpy w / r", "put (min)", "get_into (min)",
                     "2 memcpys / put+get_into", "put+get_into / floor",
                     "clone()", "get new (min)", "clone / get new",
                 ],

@@ -121,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default; 0: every put reserves)",
     )
     start.add_argument(
+        "--sched-batch",
+        action="store_true",
+        default=None,
+        help="run the broker's threads SCHED_BATCH: a client's posted put no longer wakes "
+        "the broker into preempting it (off by default; docs/performance.md)",
+    )
+    start.add_argument(
         "--local-disk", help="directory (or file:// URL) of the disk tier; off by default"
     )
     start.add_argument("--max-local-disk-size", type=_size, help="disk tier capacity")
@@ -205,6 +212,7 @@ _START_KEYS = (
     "max_leases_per_connection",
     "max_reserved_bytes_per_connection",
     "put_arena_bytes",
+    "sched_batch",
     "local_disk",
     "max_local_disk_size",
     "metrics_port",

@@ -59,6 +59,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (docs/design.md "Put arenas"); all arenas together take at most a quarter of the
     # slab. 0: every put reserves (one round trip).
     put_arena_bytes: int = 8 * MiB
+    # Run the broker's threads SCHED_BATCH: a broker woken by a client's posted frame
+    # (a put's Place) then never preempts that client on its CPU, so the put's send
+    # no longer pays for the broker's handling of it; round trips may wait a little
+    # longer while every CPU is busy (docs/performance.md, issue 42). Off by default.
+    sched_batch: bool = False
     # Slab one connection's open reservations (reserved, not yet committed or aborted)
     # may hold; a connection holding none may still reserve any entry the slab takes.
     # 0: a quarter of the slab. Bounds what one client holding reservations evicts.

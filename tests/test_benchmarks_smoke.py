@@ -160,7 +160,8 @@ def test_attribution_smoke(tmp_path: Path) -> None:
                    "has() hit, leased (asked)", "has() with a lease",
                    # issue 42: across processes, the copy before and after side by side
                    "Across processes (quiet)", "get 34 MiB", "frames", "faults",
-                   "clone / get new", "2 memcpys / put+get_into"):  # fmt: skip
+                   "clone / get new", "2 memcpys / put+get_into",
+                   "py after copy", "has() p50"):  # fmt: skip
         assert needle in r.stdout, (needle, r.stdout)
     res = json.loads(out.read_text())
     rows = res["rows"]
@@ -169,6 +170,23 @@ def test_attribution_smoke(tmp_path: Path) -> None:
     across = res["across"]["summary"][0][str(34 << 20)]
     assert {"before", "after"} <= set(across), across  # both paths, one run
     assert all(across[m]["get_new_vs_clone"] > 0 for m in ("before", "after")), across
+
+
+def test_attribution_compares_two_client_trees(tmp_path: Path) -> None:
+    # --before-tree: a "main" client (here this checkout again, standing in for a
+    # worktree of main) and this checkout's, each in its own writer and reader,
+    # interleaved against one broker, with their own baselines and has() figures.
+    out = tmp_path / "attribution.json"
+    r = _run(
+        "attribution.py", "--only", "across", "--across-iters", "1", "--across-sizes", "64KiB",
+        "--before-tree", str(REPO), "--json", str(out), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = json.loads(out.read_text())["across"]["runs"][0]
+    assert run["modes"] == ["main", "branch"] and run["before_tree"] == str(REPO)
+    assert set(run["has"]) == {"main", "branch"}
+    per = json.loads(out.read_text())["across"]["summary"][0][str(64 << 10)]
+    assert all(per[m]["vs_floor"] > 0 and per[m]["memcpy_reader_us"] > 0 for m in run["modes"])
 
 
 def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
@@ -241,3 +259,15 @@ def test_dedup_vllm_smoke(tmp_path: Path) -> None:
     assert "waited, loaded" in roles and on["counters"]["claim_waits"] > 0, roles
     assert on["counters"]["claim_timeouts"] == 0, on["counters"]
     assert [s["role"] for s in on["sent"] if s["phase"] == "hit"] == ["loaded"], on["sent"]
+
+
+def test_batch_start_probe_smoke() -> None:
+    # benchmarks/batch_start_probe.py (issue 42: a read that starts a Served batch),
+    # this checkout standing in for both trees.
+    r = _run(
+        "batch_start_probe.py", "--before-tree", str(REPO), "--rounds", "1", "--iters", "20",
+        "--gap-ms", "1", timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("get_into 64 KiB", "has() hit", "before / after", "load (1 min)"):
+        assert needle in r.stdout, (needle, r.stdout)

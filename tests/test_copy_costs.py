@@ -109,3 +109,90 @@ def test_the_new_tensor_path_copies_every_extent_and_checks_them() -> None:
     finally:
         view.close()
         mm.close()
+
+
+def _spy_writes(c: BrokerClient, on_write) -> None:
+    """Call ``on_write(extents)`` inside every slab write of ``c``, before the copy."""
+    slab = c.slab()
+    inner = slab.write
+
+    def write(extents, tensor):
+        on_write(extents)
+        return inner(extents, tensor)
+
+    slab.write = write  # type: ignore[method-assign]
+
+
+def test_a_put_builds_its_frames_before_the_copy(broker) -> None:
+    # Issue 42: a copy of megabytes leaves the caches cold, so a placed put does its
+    # Python (the Place frame, the refill decision) before the copy and only the journal
+    # word and the send after it. Fails on main, where the Place was built after the copy.
+    t = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: 4 blocks of the arena
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as r:
+        assert c.put("warm", t) and c.flush()  # the arena is granted
+        s = c._link.session
+        assert s is not None
+        seen: list[tuple[bool, int]] = []
+        _spy_writes(c, lambda e: seen.append(("k" in s.arena._placing, s.arena.seq)))
+        seq = s.arena.seq
+        assert c.put("k", t)
+        assert seen == [(True, seq + 1)], "the Place frame was not built before the copy"
+        assert c.flush()
+        got = r.get("k")
+        assert got is not None and torch.equal(got, t)
+
+
+def test_a_put_whose_copy_fails_takes_its_place_back(broker) -> None:
+    # The frame built before the copy is taken back with the blocks when the copy raises:
+    # nothing was sent, the arena holds what it held, and the next put of the key is
+    # placed and read whole by another process's client.
+    t = torch.arange(64 * 1024, dtype=torch.float32)
+    with BrokerClient(broker.socket_path) as c, BrokerClient(broker.socket_path) as r:
+        assert c.put("warm", t) and c.flush()
+        s = c._link.session
+        assert s is not None
+        held = s.arena.blocks.blocks
+        owed = s.wire.owed
+
+        def fail(_extents) -> None:
+            raise RuntimeError("copy failed")
+
+        _spy_writes(c, fail)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            c.put("k", t)
+        assert s.arena.blocks.blocks == held and not s.arena._placing
+        assert s.wire.owed == owed and "k" not in s.posted
+        c.slab().write = type(c.slab()).write.__get__(c.slab())  # the real copy again
+        assert c.put("k", t) and c.flush()
+        got = r.get("k")
+        assert got is not None and torch.equal(got, t)
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of ``pid``."""
+    import os
+
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
+def test_sched_batch_runs_every_broker_thread_batch_and_is_off_by_default(make_broker) -> None:
+    # Issue 42: a broker woken by a posted Place preempted the writer inside its send
+    # (benchmarks/sched_batch_probe.py); --sched-batch makes every broker thread
+    # SCHED_BATCH (no privilege needed), which is never woken into preempting.
+    # The default is unchanged; the data path works the same either way.
+    import os
+
+    plain = make_broker("--shm-size", "64MiB")
+    batch = make_broker("--shm-size", "64MiB", "--sched-batch")
+    t = torch.arange(64 * 1024, dtype=torch.float32)
+    for b in (plain, batch):
+        with BrokerClient(b.socket_path) as w, BrokerClient(b.socket_path) as r:
+            for i in range(4):  # the first reserves, the rest are placed in the arena
+                assert w.put(f"k{i}", t + i)
+            assert w.flush()
+            for i in range(4):
+                got = r.get(f"k{i}")
+                assert got is not None and torch.equal(got, t + i)
+    assert _policies(plain.pid) == {os.SCHED_OTHER}
+    assert _policies(batch.pid) == {os.SCHED_BATCH}

@@ -269,3 +269,59 @@ def test_a_served_frame_counts_each_key_once_and_only_keys_it_could_read(broker)
         after = c.stats()
     assert after["hits"] - before["hits"] == 1
     assert after["bytes_loaded"] - before["bytes_loaded"] == t.nbytes
+
+
+def test_a_hit_while_the_flusher_lingers_wakes_no_thread_and_still_arrives(broker) -> None:
+    # Issue 42: arming the flusher was an Event.set() per batch -- a futex wake of a
+    # sleeping thread (7 us median, 31 us p90 on a busy 2-vCPU host) on the path of
+    # every get/get_into/has() that starts a batch. After a batch the thread now lingers,
+    # waking by itself every SERVED_FLUSH_S, and a batch armed meanwhile wakes nothing.
+    # Fails on the old code (the second hit's arm called set()). The batch must still
+    # reach the broker with nothing else sent by this client.
+    t = torch.arange(64, dtype=torch.float32)
+    with (
+        BrokerClient(broker.socket_path) as w,
+        BrokerClient(broker.socket_path, filter_trust_s=60) as c,
+    ):
+        assert w.put("a", t) and w.put("b", t) and w.flush()
+        before = w.stats()["hits"]
+        assert c.get("a") is not None and c.index_hits == 1  # the first arm starts the thread
+        s = c._link.session
+        assert s is not None
+        wait_until(lambda: not s.served.at, "the flusher sent the first batch", timeout=30)
+        flusher = c._link._flusher
+        sets: list[float] = []
+        inner = flusher._armed.set
+        flusher._armed.set = lambda: (sets.append(time.monotonic()), inner())[1]
+        served_at = time.monotonic()
+        assert c.get("b") is not None and c.index_hits == 2
+        assert sets == [], "the lingering flusher was woken for the second batch"
+        wait_until(lambda: w.stats()["hits"] - before == 2, "both hits at the broker", timeout=30)
+        delay = time.monotonic() - served_at
+        print(f"second hit seen by the broker after {delay * 1e3:.1f} ms, no wake-up")
+        assert delay < 10.0  # far below "never"; ~50-100 ms on a quiet host
+        assert sets == []
+
+
+def test_an_idle_flusher_is_woken_after_its_linger(broker, monkeypatch) -> None:
+    # Past the linger the thread sleeps up to _IDLE_WAKE_S: a new batch must wake it
+    # (the going-idle handshake), so the deadline holds after any pause.
+    from lmcache_ec_broker.connector import served_flush
+
+    monkeypatch.setattr(served_flush, "_LINGER_S", 0.2)
+    monkeypatch.setattr(served_flush, "_IDLE_WAKE_S", 60.0)  # only a wake-up can send it
+    t = torch.arange(64, dtype=torch.float32)
+    with (
+        BrokerClient(broker.socket_path) as w,
+        BrokerClient(broker.socket_path, filter_trust_s=60) as c,
+    ):
+        assert w.put("a", t) and w.put("b", t) and w.flush()
+        before = w.stats()["hits"]
+        assert c.get("a") is not None
+        flusher = c._link._flusher
+        wait_until(lambda: flusher._awake_until == 0.0 and not c._link.session.served.at,
+                   "the flusher gone idle", timeout=30)  # fmt: skip
+        served_at = time.monotonic()
+        assert c.get("b") is not None and c.index_hits == 2
+        wait_until(lambda: w.stats()["hits"] - before == 2, "both hits at the broker", timeout=30)
+        assert time.monotonic() - served_at < 10.0  # an unwoken thread would take 60 s

@@ -113,6 +113,11 @@ class PutArena:
         self._placing[key] = (seq, extents, dtype, shape, nbytes)
         return self._frame(Place(key, nbytes, dtype, shape, runs, seq))
 
+    def unplace(self, key: str) -> None:
+        """``place`` taken back: the copy failed, the frame is never sent (the seq it
+        took is skipped; the journal only ever compares the last one)."""
+        self._placing.pop(key, None)
+
     def mark_placed(self) -> None:
         """The journal says "placed" before the frames leave: from then on other
         processes ask the broker rather than trust their filter (shm/journal.py)."""
@@ -126,7 +131,8 @@ class PutArena:
         return journal is not None and journal.excused(self.slot)
 
     def sent(self, keys: list[str], granted: bool) -> None:
-        """The Place frames of ``keys`` (and a grant if ``granted``) were sent."""
+        """The Place frames of ``keys`` (and a grant if ``granted``) are being sent (a
+        failed send drops the session with this arena)."""
         if granted:
             self.grant_owed = True
         placing, own = self._placing, self.own

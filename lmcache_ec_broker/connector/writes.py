@@ -12,7 +12,7 @@ how)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol import (
     Abort,
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> bool:
     """BrokerClient.put under the link's lock (its docstring says what the result
     means): the arena's no-wait placement when it can take the key, else a reserve."""
-    from .copy import check_device, dtype_name
-
-    check_device(tensor.device)
-    dtype = dtype_name(tensor.dtype)
+    cp = _copy()
+    if not tensor.is_cpu:
+        cp.check_device(tensor.device)
+    dtype = cp.dtype_name(tensor.dtype)
     shape = list(tensor.shape)
     nbytes = expected_nbytes(dtype, shape)
     with link.lock:
@@ -50,7 +50,7 @@ def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> boo
         try:
             placed = _place_copy(link, s, trust_s, key, tensor, dtype, shape, nbytes)
             if placed is not None:
-                _send_placed(s, [placed[0]], [key])
+                _send_placed(s, placed[0], placed[2], [key])
                 return True
             _ask_arena(s)
             reply: ReserveReply = s.wire.call(Reserve(key, nbytes, dtype, shape))
@@ -80,7 +80,8 @@ def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> boo
 def put_many(link: ClientLink, trust_s: float, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
     """BrokerClient.put_many under the link's lock: the placeable items placed, the
     rest reserved in one round trip sent with the Places, their commits in one send."""
-    from .copy import check_device, dtype_name
+    cp = _copy()
+    check_device, dtype_name = cp.check_device, cp.dtype_name
 
     descs = []
     for _key, tensor in items:
@@ -102,7 +103,7 @@ def put_many(link: ClientLink, trust_s: float, items: list[tuple[str, torch.Tens
         rest = [i for i in range(len(items)) if not stored[i]]
         if not rest:
             try:
-                _send_placed(s, *placed)
+                _send_placed(s, *_batch(s, *placed))
             except BrokerUnavailable:
                 return [False] * len(items)
             return stored
@@ -110,7 +111,7 @@ def put_many(link: ClientLink, trust_s: float, items: list[tuple[str, torch.Tens
         wire, frame = s.wire, s.framer.frame
         try:
             if placed[0]:
-                _send_placed(s, *placed)
+                _send_placed(s, *_batch(s, *placed))
             else:
                 _ask_arena(s)
             wire.send(b"".join(frame(r) for r in reqs))
@@ -174,10 +175,16 @@ def _may_place(link: ClientLink, s: Session, trust_s: float, key: str, nbytes: i
 
 def _place_copy(
     link: ClientLink, s: Session, trust_s: float, key: str, tensor: torch.Tensor, dtype: str,
-    shape: list[int], nbytes: int,
-) -> tuple[bytes, list[Run]] | None:  # fmt: skip
-    """Copy ``tensor`` into arena blocks and return its Place frame (not sent yet)
-    and the blocks; None: not placeable now, take the reserve path."""
+    shape: list[int], nbytes: int, refill: bool = True,
+) -> tuple[bytes, list[Run], int] | None:  # fmt: skip
+    """Copy ``tensor`` into arena blocks; its Place frame (with a refill when the arena
+    runs low: its data ready to send), the blocks, and how many frames the data holds.
+    None: not placeable now, take the reserve path. ``refill`` False: no refill (a
+    batch asks for one at its end).
+
+    Everything but the journal word and the send is done BEFORE the copy (issue 42):
+    a copy of megabytes leaves the caches cold, and every step after it pays for that.
+    The frame does not depend on the bytes; a failed copy takes it back (unplace)."""
     wire, arena = s.wire, s.arena
     if wire.owed >= _MAX_OWED:
         wire.read_replies(0)
@@ -191,14 +198,16 @@ def _place_copy(
     if got is None:
         return None
     runs, extents = got
+    slab = link.slab()  # may raise BrokerUnavailable: the blocks go with the connection
     try:
-        link.slab().write(extents, tensor)
-    except BrokerUnavailable:
-        raise  # the connection, and with it the arena, is gone
+        frame = arena.place(key, runs, extents, dtype, shape, nbytes)
+        grant = arena.grant_frame() if refill else b""
+        slab.write(extents, tensor)
     except BaseException:
+        arena.unplace(key)
         arena.give(runs)
         raise
-    return arena.place(key, runs, extents, dtype, shape, nbytes), runs
+    return (frame + grant if grant else frame), runs, 2 if grant else 1
 
 
 def _place_many(
@@ -219,7 +228,7 @@ def _place_many(
             if key in keys:
                 continue  # a second item of the same key reserves (and finds it)
             dtype, shape, nbytes = descs[i]
-            got = _place_copy(link, s, trust_s, key, tensor, dtype, shape, nbytes)
+            got = _place_copy(link, s, trust_s, key, tensor, dtype, shape, nbytes, False)
             if got is None:
                 continue
             frames.append(got[0])
@@ -230,20 +239,29 @@ def _place_many(
         raise
     except BaseException:
         if s.alive:
+            for key in keys:
+                s.arena.unplace(key)
             s.arena.give(taken)  # nothing of this batch was sent
         raise
     return frames, keys
 
 
-def _send_placed(s: Session, frames: list[bytes], keys: list[str]) -> None:
-    """Post the Place frames (and a refill if the arena runs low) in one send. The
-    journal says "placed" before the frames leave (PutArena.mark_placed)."""
+def _batch(s: Session, frames: list[bytes], keys: list[str]) -> tuple[bytes, int, list[str]]:
+    """put_many's Place frames and a refill if the arena runs low, as one send's data."""
+    grant = s.arena.grant_frame()
+    return b"".join(frames) + grant, len(frames) + (1 if grant else 0), keys
+
+
+def _send_placed(s: Session, data: bytes, n: int, keys: list[str]) -> None:
+    """Post ``n`` frames (the Places of ``keys``, a refill) in one send. The journal
+    says "placed" just before the frames leave (PutArena.mark_placed); the bookkeeping
+    goes first: a failed send drops the session and everything in it, so nothing here
+    needs undoing."""
     arena = s.arena
-    arena.mark_placed()
-    grant = arena.grant_frame()
-    s.wire.send_posted(b"".join(frames) + grant, len(frames) + (1 if grant else 0))
-    arena.sent(keys, bool(grant))
+    arena.sent(keys, n > len(keys))
     s.posted.update(keys)
+    arena.mark_placed()
+    s.wire.send_posted(data, n)
     if arena.excused():
         # This client stopped inside the window long enough for the broker to
         # excuse it (shm/journal.py): others skip its slot, so wait until the
@@ -258,3 +276,17 @@ def _ask_arena(s: Session) -> None:
     if grant:
         s.wire.send_posted(grant, 1)
         s.arena.sent([], True)
+
+
+_COPY: Any = None
+
+
+def _copy() -> Any:
+    """The copy module (it imports torch, so it is loaded on first use, not at import);
+    kept here because an import statement per call costs a microsecond."""
+    global _COPY
+    if _COPY is None:
+        from . import copy
+
+        _COPY = copy
+    return _COPY
