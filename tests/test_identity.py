@@ -267,7 +267,7 @@ def _digest_rank(rank: int, port: int, results) -> None:
     model = Broken() if rank == 1 else torch.nn.Linear(4, 4).to(torch.bfloat16)
     t0 = time.monotonic()
     try:
-        wi.settle_field(model, "m", None)
+        wi.settle_field(model, "m")
         results[rank] = ("returned", time.monotonic() - t0)
     except wi.DigestFailed as exc:
         results[rank] = (f"DigestFailed: {exc}", time.monotonic() - t0)
