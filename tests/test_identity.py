@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -34,7 +36,12 @@ from vllm.config import LoadConfig, LoRAConfig, ModelConfig, VllmConfig
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
-from lmcache_ec_broker.connector.model_id import config_fingerprint, config_parts
+from lmcache_ec_broker.connector.model_id import (
+    config_fingerprint,
+    config_parts,
+    fingerprint,
+    model_id,
+)
 from lmcache_ec_broker.connector.step_guard import loads_off_reason
 from lmcache_ec_broker.connector.vllm_meta import make_key
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
@@ -77,6 +84,9 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     real, _ = probe("launcher", model, broker.socket_path)
     assert real["field"] != dummy["field"]
     assert real["field"].split("+c")[0] == dummy["field"].split("+c")[0]  # same files
+    # ... and other weights in memory: the encoder digests at load differ too.
+    assert "~w" in real["field"] and "~w" in dummy["field"]
+    assert real["field"].rpartition("~w")[2] != dummy["field"].rpartition("~w")[2]
     assert real["image1"]["ec_misses"] == 1 and real["image1"]["puts_stored"] == 1, real
     assert real["image1"]["tokens"] != dummy["image1"]["tokens"]
     assert real["uuid"]["puts_stored"] == 1
@@ -89,10 +99,13 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     assert "loads" not in real["after_update"], "loaded an entry of the old weights"
     assert real["after_update"].get("reencoded") == 1
     assert real["again"]["ec_misses"] == 1 and real["again"]["puts_stored"] == 1
-    assert real["field_after_update"].startswith(real["field"] + "~w")
+    before_update = real["field"].rpartition("~w")[0]
+    assert real["field_after_update"].startswith(before_update + "~w")
+    assert real["field_after_update"] != real["field"]
     assert real["after_update"]["tokens"] == real["again"]["tokens"]
 
-    # 3. TP 2 of the same model and configuration shares TP 1's entry (both ranks load).
+    # 3. TP 2 of the same model and configuration shares TP 1's entry (both ranks load):
+    # the field, the encoder digest at load included, is the same for both layouts.
     tp2, _ = probe("tp2", model, broker.socket_path)
     assert tp2["field"] == real["field"]
     assert tp2["image2"]["ec_hits"] == 1 and tp2["image2"]["loads"] == 2, tp2
@@ -109,6 +122,69 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     assert text.count("vLLM numbers multimodal items per instance") == 1
     assert "set --mm-processor-cache-gb above 0 or enable prefix caching" in text
     print(f"four engines: {time.perf_counter() - t0:.1f} s")
+
+
+def edit_outside_the_sampled_bytes(path: Path, tensor: str) -> None:
+    """Change one tensor's bytes in place where the file fingerprint does not read
+    them (model_id.py samples 64 bytes at the start and the middle of each tensor)."""
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        start, end = json.loads(f.read(n))[tensor]["data_offsets"]
+        at = 8 + n + start + (end - start) * 3 // 4 // 2 * 2
+        assert start + 64 <= at - 8 - n and at - 8 - n >= start + (end - start) // 2 + 64
+        f.seek(at)
+        old = f.read(64)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in old))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_real_engines_key_the_configuration_and_the_weights_that_run(broker, tmp_path):
+    """Each of --hf-overrides, server-level --mm-processor-kwargs and weights that
+    differ where the file fingerprint does not look gives real engines another model
+    field: none of them loads the plain instance's entry, and the plain instance's
+    entry stays (a configuration whose shapes differ never deletes it)."""
+    original = build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(original, model)
+    sock = broker.socket_path
+
+    plain, _ = probe("plain", model, sock)
+    assert plain["image1"]["ec_misses"] == 1 and plain["image1"]["puts_stored"] == 1
+    files, _, rest = plain["field"].partition("+c")
+    config, _, digest = rest.partition("~w")
+    assert files and config and digest
+    plain_key = make_key(plain["field"], plain["image1_hash"], "bfloat16")
+    with BrokerClient(sock) as c:
+        assert c.has([plain_key]) == [True]
+
+    for scenario in ("overrides", "mm_kwargs"):
+        other, _ = probe(scenario, model, sock)
+        o_files, _, o_rest = other["field"].partition("+c")
+        o_config, _, o_digest = o_rest.partition("~w")
+        # Same files and weights, another configuration: another field.
+        assert (o_files, o_digest) == (files, digest), scenario
+        assert o_config != config, scenario
+        assert other["image1"]["ec_misses"] == 1, (scenario, other)
+        assert other["image1"]["puts_stored"] == 1, (scenario, other)
+        assert "loads" not in other["image1"], (scenario, other)
+    # Fewer pixels, fewer image tokens: a different output, kept apart, nothing deleted.
+    assert other["image1"]["tokens"] != plain["image1"]["tokens"]
+    with BrokerClient(sock) as c:
+        assert c.has([plain_key]) == [True]
+
+    # One vision tensor changed where the file fingerprint does not read: the same
+    # files part, the same configuration, another digest of the weights at load.
+    edit_outside_the_sampled_bytes(model / "model.safetensors", "visual.blocks.0.mlp.fc1.weight")
+    fingerprint.cache_clear()
+    assert model_id(str(model)) == files
+    edited, _ = probe("plain", model, sock)
+    e_files, _, e_rest = edited["field"].partition("+c")
+    assert (e_files, e_rest.partition("~w")[0]) == (files, config)
+    assert e_rest.partition("~w")[2] != digest
+    assert edited["image1"]["ec_misses"] == 1 and edited["image1"]["puts_stored"] == 1
+    assert "loads" not in edited["image1"], edited
 
 
 # ------------------------------------------------------------------ identifiers

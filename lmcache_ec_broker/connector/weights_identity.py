@@ -335,33 +335,61 @@ class Part:
         self.sketch: list[int] = []
 
 
+def _tensor_part(
+    t: torch.Tensor, param: torch.Tensor, module: nn.Module, inner: bool = False
+) -> tuple[str, str, int, list[torch.Tensor]]:
+    """(descriptor without the name, kind, element count, exact vectors) of ``t``: the
+    bytes of ``param`` (``inner``: one of the inner tensors vLLM keeps them in)."""
+    dim, known = _layout(module, param)
+    tp = int(getattr(module, "tp_size", 1) or 1)
+    split = None if inner else dim
+    if tp > 1:
+        kind = SPLIT if known and split is not None else WHOLE if known else LOCAL
+        if inner:
+            kind = LOCAL  # an inner tensor of a sharded wrapper: layout unknown
+    else:
+        kind = WHOLE
+    words = _words(t)
+    if split is None:  # held whole: positions along the first dimension and the rest
+        dims: list[int | None] = [None] if t.dim() <= 1 else [0, None]
+        shape = tuple(words.shape)
+    else:
+        dims = [split]
+        shape = tuple(s for i, s in enumerate(words.shape) if i != split)
+    return f"{t.dtype} {split} {shape}", kind, t.numel(), _mapped_sums(words, dims)
+
+
+# What a backend's process_weights_after_loading did to a parameter, per layer (_HELD:
+# parameter name -> (the loaded tensor's id, what)), set by the wrapped method
+# (track_model_loads). vLLM's CPU build packs every unquantized linear weight into a
+# oneDNN handle and leaves an empty parameter: the layer keeps the parts of the weight
+# as loaded ("gone", part). Its small-GEMM path turns bf16 biases into float32 (for
+# some shapes only, so TP 1 and TP 2 differ): the bias is read back in the dtype it
+# was loaded in, exactly ("as", dtype).
+_HELD = "_lmcache_ec_held"
+
+
 def local_parts(model: nn.Module) -> list[Part] | None:
     """This rank's parts of the encoder digest (module comment above), or None if the
     model has no encoder parameters here (a pipeline stage without the encoder). The
     device work is one table look-up and a sum per word; one device-to-host copy."""
     parts: list[Part] = []
     for name, param, module in sorted(_encoder_parameters(model), key=lambda x: x[0]):
-        dim, known = _layout(module, param)
-        tp = int(getattr(module, "tp_size", 1) or 1)
+        held = getattr(module, _HELD, {}).get(name.rpartition(".")[2])
+        what = held[1] if held is not None else None
+        if isinstance(what, tuple) and not param.numel():  # the weight as loaded ("gone")
+            desc, kind, count, vectors = what
+            parts.append(Part(f"{name} {desc}", kind, count, list(vectors)))
+            continue
+        if isinstance(what, torch.dtype) and param.dtype != what:  # widened ("as")
+            desc, kind, count, vectors = _tensor_part(param.detach().to(what), param, module)
+            parts.append(Part(f"{name} {desc}", kind, count, vectors))
+            continue
         for tname, t in _plain_tensors(name, param):
             if t.device.type == "meta":
                 continue
-            split = dim if t is param else None
-            if tp > 1:
-                kind = SPLIT if known and split is not None else WHOLE if known else LOCAL
-            else:
-                kind = WHOLE
-            if t is not param and tp > 1:
-                kind = LOCAL  # an inner tensor of a sharded wrapper: layout unknown
-            words = _words(t)
-            if split is None:  # held whole: positions along the first dimension and the rest
-                dims: list[int | None] = [None] if t.dim() <= 1 else [0, None]
-                shape = tuple(words.shape)
-            else:
-                dims = [split]
-                shape = tuple(s for i, s in enumerate(words.shape) if i != split)
-            desc = f"{tname} {t.dtype} {split} {shape}"
-            parts.append(Part(desc, kind, t.numel(), _mapped_sums(words, dims)))
+            desc, kind, count, vectors = _tensor_part(t, param, module, t is not param)
+            parts.append(Part(f"{tname} {desc}", kind, count, vectors))
     if not parts:
         return None
     flat = [v for p in parts for v in p.vectors]
@@ -574,16 +602,69 @@ def track_model_loads(model_config: Any) -> None:
     except ImportError:  # pragma: no cover - a vLLM without the loader classes
         return
     _LOADERS_WRAPPED = True
-    seen: set[type] = set()
-    todo: list[type] = [BaseModelLoader]
-    while todo:
-        cls = todo.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        todo.extend(cls.__subclasses__())
+    for cls in _subclasses(BaseModelLoader):
         if "load_model" in cls.__dict__:
             _wrap_load_model(cls)
+    try:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    except ImportError:  # pragma: no cover
+        return
+    for cls in _subclasses(QuantizeMethodBase):
+        if "process_weights_after_loading" in cls.__dict__:
+            _wrap_process_weights(cls)
+
+
+def _subclasses(root: type) -> list[type]:
+    seen: list[type] = []
+    todo = [root]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _wrap_process_weights(cls: type) -> None:
+    """After a quantization method's ``process_weights_after_loading``: a parameter
+    it emptied (its bytes moved into a backend's own packed handle) keeps its parts
+    on the layer, taken from the tensor it had (local_parts reads them). A glance at
+    the layer's parameters otherwise, once per layer and load."""
+    original = cls.__dict__["process_weights_after_loading"]
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
+        params = getattr(layer, "named_parameters", None)
+        # The loaded tensors (``.data``: the storage the parameter holds now, kept
+        # even if the method replaces the parameter's data).
+        before = {n: (p, p.data) for n, p in params(recurse=False)} if callable(params) else {}
+        result = original(self, layer, *args, **kwargs)
+        for name, (param, old) in before.items():
+            now = getattr(layer, name, None)
+            if not isinstance(now, torch.Tensor) or not old.numel():
+                continue
+            held = layer.__dict__.setdefault(_HELD, {})
+            if name in held and held[name][0] == id(old):
+                continue  # a subclass's wrapper already took it
+            if not now.numel():  # moved into the backend's handle: keep its parts
+                try:
+                    held[name] = (id(old), _tensor_part(old, param, layer))
+                except Exception as exc:  # then the digest misses this tensor's bytes
+                    held.pop(name, None)
+                    log.warning(
+                        "EC broker: cannot fingerprint %s before it is packed: %s", name, exc
+                    )
+            elif (
+                now.shape == old.shape
+                and now.dtype != old.dtype
+                and now.dtype.is_floating_point
+                and old.dtype.is_floating_point
+                and now.dtype.itemsize > old.dtype.itemsize
+            ):  # widened (exact): read back in the loaded dtype
+                held[name] = (id(old), old.dtype)
+        return result
+
+    cls.process_weights_after_loading = process_weights_after_loading
 
 
 def _wrap_load_model(cls: type) -> None:
