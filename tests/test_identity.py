@@ -375,3 +375,145 @@ def test_digest_never_waits_on_a_rank_that_failed():
         outcome, seconds = results[rank]
         assert outcome.startswith("DigestFailed"), (rank, outcome)
         assert "[1]" in outcome and seconds < 30, (rank, outcome, seconds)
+
+
+# ------------------------------------------------------------------ the digest across TP layouts
+
+
+def _tower_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    return {
+        "norm.w": torch.randn(32, generator=g),  # float32: two words per element
+        "norm.b": torch.randn(32, generator=g),
+        **{f"qkv.{s}": r(32, 32) for s in "qkv"},
+        **{f"qkv.{s}b": r(32) for s in "qkv"},
+        "proj.w": r(32, 32),
+        "proj.b": r(32),
+        "up.0": r(64, 32),
+        "up.1": r(64, 32),
+        "fc1.w": r(48, 32),
+        "fc1.b": r(48),
+        "fc2.w": r(32, 48),
+        "rep.w": r(16, 32),
+        "rep.b": r(16),
+        "dp.w": r(24, 32),  # a layer with TP disabled: held whole on every rank
+    }
+
+
+def _tower(full: dict[str, torch.Tensor], odd: bool) -> torch.nn.Module:
+    """vLLM's own parallel layers (QKV, merged column, column, row, replicated, TP
+    disabled) and plain modules, loaded through their weight loaders: each rank holds
+    its shards, as in an engine."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    bf16 = {"params_dtype": torch.bfloat16}
+    t = torch.nn.Module()
+    t.norm = torch.nn.LayerNorm(32)
+    t.qkv = QKVParallelLinear(32, 8, 4, 4, bias=True, **bf16)
+    t.proj = RowParallelLinear(32, 32, bias=True, **bf16)
+    t.up = MergedColumnParallelLinear(32, [64, 64], bias=False, **bf16)
+    t.fc1 = ColumnParallelLinear(32, 48, bias=True, **bf16)
+    t.fc2 = RowParallelLinear(48, 32, bias=False, **bf16)
+    t.rep = ReplicatedLinear(32, 16, bias=True, **bf16)
+    t.dp = ColumnParallelLinear(32, 24, bias=False, disable_tp=True, **bf16)
+    with torch.no_grad():
+        t.norm.weight.copy_(full["norm.w"])
+        t.norm.bias.copy_(full["norm.b"])
+    for s in "qkv":
+        t.qkv.weight_loader(t.qkv.weight, full[f"qkv.{s}"], s)
+        t.qkv.weight_loader(t.qkv.bias, full[f"qkv.{s}b"], s)
+    t.proj.weight_loader(t.proj.weight, full["proj.w"])
+    t.proj.weight_loader(t.proj.bias, full["proj.b"])
+    t.up.weight_loader(t.up.weight, full["up.0"], 0)
+    t.up.weight_loader(t.up.weight, full["up.1"], 1)
+    t.fc1.weight_loader(t.fc1.weight, full["fc1.w"])
+    t.fc1.weight_loader(t.fc1.bias, full["fc1.b"])
+    t.fc2.weight_loader(t.fc2.weight, full["fc2.w"])
+    t.rep.weight_loader(t.rep.weight, full["rep.w"])
+    t.rep.weight_loader(t.rep.bias, full["rep.b"])
+    t.dp.weight_loader(t.dp.weight, full["dp.w"])
+    if odd:  # a tensor sharded by a layer the digest does not know: differs per rank
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        t.odd = torch.nn.Parameter(torch.full((4,), float(get_tensor_model_parallel_rank())))
+    model = torch.nn.Module()
+    model.visual = t
+    model.language_model = torch.nn.Linear(4, 4)
+    model.get_language_model = lambda: model.language_model
+    return model
+
+
+def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from lmcache_ec_broker.connector import weights_identity as wi
+
+    seed, change_rank1, odd = case
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        model = _tower(_tower_weights(seed), odd)
+        if change_rank1 and rank == 1:  # one element of rank 1's row-parallel shard
+            with torch.no_grad():
+                model.visual.fc2.weight[5, 3] += 1
+        results[(world, case, rank)] = wi.weights_digest(model)
+
+
+def test_encoder_digest_is_the_same_for_tp1_and_tp2_and_covers_every_shard():
+    """vLLM's parallel layers sharded over two gloo ranks give the digest of the same
+    layers held whole (TP 1); other weights, or one element changed in rank 1's shard
+    only, give another; a tensor of an unknown sharding makes the digest layout-bound
+    (the same on both ranks, not TP 1's). Before: each rank's digest of its own shard,
+    combined in rank order (TP 1 and TP 2 never agreed)."""
+    from lmcache_ec_broker.testing.ports import free_ports
+
+    ctx = mp.get_context("fork")  # vLLM imported once, above
+    results = ctx.Manager().dict()
+    cases = {
+        (1, (0, False, False)),
+        (2, (0, False, False)),
+        (1, (1, False, False)),
+        (2, (0, True, False)),
+        (1, (0, False, True)),
+        (2, (0, False, True)),
+    }
+    for world, case in sorted(cases):
+        port = free_ports(1)
+        procs = [
+            ctx.Process(target=_tp_digest, args=(r, world, port, case, results))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0, (world, case)
+
+    def digest(world: int, case: tuple) -> str:
+        ranks = {results[(world, case, r)] for r in range(world)}
+        assert len(ranks) == 1, ("ranks disagree", world, case, ranks)
+        return ranks.pop()
+
+    plain = (0, False, False)
+    assert digest(2, plain) == digest(1, plain)
+    assert digest(1, (1, False, False)) != digest(1, plain)
+    assert digest(2, (0, True, False)) != digest(2, plain)
+    odd = (0, False, True)
+    assert digest(2, odd) != digest(1, odd)  # layout-bound, and both ranks agree on it
