@@ -11,6 +11,10 @@ argv: scenario, model dir, broker socket. Scenarios:
   twice.
 - ``tp2``: TP 2 (``mp``); image 2.
 - ``numbering``: ``mm_processor_cache_gb=0`` and no prefix caching; images 4 and 5.
+- ``plain``: the default configuration; image 1.
+- ``overrides``: ``hf_overrides`` (a vision-config key); image 1.
+- ``mm_kwargs``: server-level ``mm_processor_kwargs`` (``max_pixels``: fewer image
+  tokens); image 1.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ def main() -> None:
         kwargs.update(tensor_parallel_size=2, distributed_executor_backend="mp")
     elif SCENARIO == "numbering":
         kwargs.update(mm_processor_cache_gb=0, enable_prefix_caching=False)
+    elif SCENARIO == "overrides":
+        kwargs["hf_overrides"] = {"vision_config": {"initializer_range": 0.05}}
+    elif SCENARIO == "mm_kwargs":
+        kwargs["mm_processor_kwargs"] = {"max_pixels": 56 * 56}
     kwargs.setdefault("distributed_executor_backend", "uni")
     llm = LLM(
         model=MODEL,
@@ -74,6 +82,15 @@ def main() -> None:
     core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
     sched = core.scheduler.ec_connector
     report: dict[str, object] = {"field": sched.model_id}
+
+    last_hash: list[str] = [""]  # the identifier vLLM last asked the connector about
+    has_cache_item = sched.has_cache_item
+
+    def recording(identifier: str, *args: object, **kwargs: object) -> bool:
+        last_hash[0] = identifier
+        return has_cache_item(identifier, *args, **kwargs)
+
+    sched.has_cache_item = recording
 
     def ask(seed: int, uuid: str | None = None) -> dict[str, object]:
         """One chat request (reset vLLM's own encoder cache after it); the connector
@@ -111,6 +128,9 @@ def main() -> None:
     elif SCENARIO == "numbering":
         report["image4"] = ask(4)
         report["image5"] = ask(5)
+    elif SCENARIO in ("plain", "overrides", "mm_kwargs"):
+        report["image1"] = ask(1)
+        report["image1_hash"] = last_hash[0]
     print(json.dumps(report), flush=True)
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -34,7 +36,12 @@ from vllm.config import LoadConfig, LoRAConfig, ModelConfig, VllmConfig
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
-from lmcache_ec_broker.connector.model_id import config_fingerprint, config_parts
+from lmcache_ec_broker.connector.model_id import (
+    config_fingerprint,
+    config_parts,
+    fingerprint,
+    model_id,
+)
 from lmcache_ec_broker.connector.stage_link import loads_off_reason
 from lmcache_ec_broker.connector.vllm_meta import make_key
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
@@ -77,6 +84,9 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     real, _ = probe("launcher", model, broker.socket_path)
     assert real["field"] != dummy["field"]
     assert real["field"].split("+c")[0] == dummy["field"].split("+c")[0]  # same files
+    # ... and other weights in memory: the encoder digests at load differ too.
+    assert "~w" in real["field"] and "~w" in dummy["field"]
+    assert real["field"].rpartition("~w")[2] != dummy["field"].rpartition("~w")[2]
     assert real["image1"]["ec_misses"] == 1 and real["image1"]["puts_stored"] == 1, real
     assert real["image1"]["tokens"] != dummy["image1"]["tokens"]
     assert real["uuid"]["puts_stored"] == 1
@@ -90,10 +100,13 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     assert "loads" not in real["after_update"], "loaded an entry of the old weights"
     assert real["after_update"].get("load_failures") == 1, real["after_update"]
     assert real["again"]["ec_misses"] == 1 and real["again"]["puts_stored"] == 1
-    assert real["field_after_update"].startswith(real["field"] + "~w")
+    before_update = real["field"].rpartition("~w")[0]
+    assert real["field_after_update"].startswith(before_update + "~w")
+    assert real["field_after_update"] != real["field"]
     assert real["after_update"]["tokens"] == real["again"]["tokens"]
 
-    # 3. TP 2 of the same model and configuration shares TP 1's entry (both ranks load).
+    # 3. TP 2 of the same model and configuration shares TP 1's entry (both ranks load):
+    # the field, the encoder digest at load included, is the same for both layouts.
     tp2, _ = probe("tp2", model, broker.socket_path)
     assert tp2["field"] == real["field"]
     assert tp2["image2"].get("ec_hits") == 1 and tp2["image2"].get("loads") == 2, tp2
@@ -110,6 +123,69 @@ def test_real_engines_share_only_what_they_would_compute(broker, tmp_path):
     assert text.count("vLLM numbers multimodal items per instance") == 1
     assert "set --mm-processor-cache-gb above 0 or enable prefix caching" in text
     print(f"four engines: {time.perf_counter() - t0:.1f} s")
+
+
+def edit_outside_the_sampled_bytes(path: Path, tensor: str) -> None:
+    """Change one tensor's bytes in place where the file fingerprint does not read
+    them (model_id.py samples 64 bytes at the start and the middle of each tensor)."""
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        start, end = json.loads(f.read(n))[tensor]["data_offsets"]
+        at = 8 + n + start + (end - start) * 3 // 4 // 2 * 2
+        assert start + 64 <= at - 8 - n and at - 8 - n >= start + (end - start) // 2 + 64
+        f.seek(at)
+        old = f.read(64)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in old))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_real_engines_key_the_configuration_and_the_weights_that_run(broker, tmp_path):
+    """Each of --hf-overrides, server-level --mm-processor-kwargs and weights that
+    differ where the file fingerprint does not look gives real engines another model
+    field: none of them loads the plain instance's entry, and the plain instance's
+    entry stays (a configuration whose shapes differ never deletes it)."""
+    original = build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(original, model)
+    sock = broker.socket_path
+
+    plain, _ = probe("plain", model, sock)
+    assert plain["image1"]["ec_misses"] == 1 and plain["image1"]["puts_stored"] == 1
+    files, _, rest = plain["field"].partition("+c")
+    config, _, digest = rest.partition("~w")
+    assert files and config and digest
+    plain_key = make_key(plain["field"], plain["image1_hash"], "bfloat16")
+    with BrokerClient(sock) as c:
+        assert c.has([plain_key]) == [True]
+
+    for scenario in ("overrides", "mm_kwargs"):
+        other, _ = probe(scenario, model, sock)
+        o_files, _, o_rest = other["field"].partition("+c")
+        o_config, _, o_digest = o_rest.partition("~w")
+        # Same files and weights, another configuration: another field.
+        assert (o_files, o_digest) == (files, digest), scenario
+        assert o_config != config, scenario
+        assert other["image1"]["ec_misses"] == 1, (scenario, other)
+        assert other["image1"]["puts_stored"] == 1, (scenario, other)
+        assert "loads" not in other["image1"], (scenario, other)
+    # Fewer pixels, fewer image tokens: a different output, kept apart, nothing deleted.
+    assert other["image1"]["tokens"] != plain["image1"]["tokens"]
+    with BrokerClient(sock) as c:
+        assert c.has([plain_key]) == [True]
+
+    # One vision tensor changed where the file fingerprint does not read: the same
+    # files part, the same configuration, another digest of the weights at load.
+    edit_outside_the_sampled_bytes(model / "model.safetensors", "visual.blocks.0.mlp.fc1.weight")
+    fingerprint.cache_clear()
+    assert model_id(str(model)) == files
+    edited, _ = probe("plain", model, sock)
+    e_files, _, e_rest = edited["field"].partition("+c")
+    assert (e_files, e_rest.partition("~w")[0]) == (files, config)
+    assert e_rest.partition("~w")[2] != digest
+    assert edited["image1"]["ec_misses"] == 1 and edited["image1"]["puts_stored"] == 1
+    assert "loads" not in edited["image1"], edited
 
 
 # ------------------------------------------------------------------ identifiers
@@ -265,7 +341,7 @@ def _digest_rank(rank: int, port: int, results) -> None:
     model = Broken() if rank == 1 else torch.nn.Linear(4, 4).to(torch.bfloat16)
     t0 = time.monotonic()
     try:
-        wi.settle_field(model, "m", None)
+        wi.settle_field(model, "m")
         results[rank] = ("returned", time.monotonic() - t0)
     except wi.DigestFailed as exc:
         results[rank] = (f"DigestFailed: {exc}", time.monotonic() - t0)
@@ -297,3 +373,145 @@ def test_digest_never_waits_on_a_rank_that_failed():
         outcome, seconds = results[rank]
         assert outcome.startswith("DigestFailed"), (rank, outcome)
         assert "[1]" in outcome and seconds < 30, (rank, outcome, seconds)
+
+
+# ------------------------------------------------------------------ the digest across TP layouts
+
+
+def _tower_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    return {
+        "norm.w": torch.randn(32, generator=g),  # float32: two words per element
+        "norm.b": torch.randn(32, generator=g),
+        **{f"qkv.{s}": r(32, 32) for s in "qkv"},
+        **{f"qkv.{s}b": r(32) for s in "qkv"},
+        "proj.w": r(32, 32),
+        "proj.b": r(32),
+        "up.0": r(64, 32),
+        "up.1": r(64, 32),
+        "fc1.w": r(48, 32),
+        "fc1.b": r(48),
+        "fc2.w": r(32, 48),
+        "rep.w": r(16, 32),
+        "rep.b": r(16),
+        "dp.w": r(24, 32),  # a layer with TP disabled: held whole on every rank
+    }
+
+
+def _tower(full: dict[str, torch.Tensor], odd: bool) -> torch.nn.Module:
+    """vLLM's own parallel layers (QKV, merged column, column, row, replicated, TP
+    disabled) and plain modules, loaded through their weight loaders: each rank holds
+    its shards, as in an engine."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    bf16 = {"params_dtype": torch.bfloat16}
+    t = torch.nn.Module()
+    t.norm = torch.nn.LayerNorm(32)
+    t.qkv = QKVParallelLinear(32, 8, 4, 4, bias=True, **bf16)
+    t.proj = RowParallelLinear(32, 32, bias=True, **bf16)
+    t.up = MergedColumnParallelLinear(32, [64, 64], bias=False, **bf16)
+    t.fc1 = ColumnParallelLinear(32, 48, bias=True, **bf16)
+    t.fc2 = RowParallelLinear(48, 32, bias=False, **bf16)
+    t.rep = ReplicatedLinear(32, 16, bias=True, **bf16)
+    t.dp = ColumnParallelLinear(32, 24, bias=False, disable_tp=True, **bf16)
+    with torch.no_grad():
+        t.norm.weight.copy_(full["norm.w"])
+        t.norm.bias.copy_(full["norm.b"])
+    for s in "qkv":
+        t.qkv.weight_loader(t.qkv.weight, full[f"qkv.{s}"], s)
+        t.qkv.weight_loader(t.qkv.bias, full[f"qkv.{s}b"], s)
+    t.proj.weight_loader(t.proj.weight, full["proj.w"])
+    t.proj.weight_loader(t.proj.bias, full["proj.b"])
+    t.up.weight_loader(t.up.weight, full["up.0"], 0)
+    t.up.weight_loader(t.up.weight, full["up.1"], 1)
+    t.fc1.weight_loader(t.fc1.weight, full["fc1.w"])
+    t.fc1.weight_loader(t.fc1.bias, full["fc1.b"])
+    t.fc2.weight_loader(t.fc2.weight, full["fc2.w"])
+    t.rep.weight_loader(t.rep.weight, full["rep.w"])
+    t.rep.weight_loader(t.rep.bias, full["rep.b"])
+    t.dp.weight_loader(t.dp.weight, full["dp.w"])
+    if odd:  # a tensor sharded by a layer the digest does not know: differs per rank
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        t.odd = torch.nn.Parameter(torch.full((4,), float(get_tensor_model_parallel_rank())))
+    model = torch.nn.Module()
+    model.visual = t
+    model.language_model = torch.nn.Linear(4, 4)
+    model.get_language_model = lambda: model.language_model
+    return model
+
+
+def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from lmcache_ec_broker.connector import weights_identity as wi
+
+    seed, change_rank1, odd = case
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        model = _tower(_tower_weights(seed), odd)
+        if change_rank1 and rank == 1:  # one element of rank 1's row-parallel shard
+            with torch.no_grad():
+                model.visual.fc2.weight[5, 3] += 1
+        results[(world, case, rank)] = wi.weights_digest(model)
+
+
+def test_encoder_digest_is_the_same_for_tp1_and_tp2_and_covers_every_shard():
+    """vLLM's parallel layers sharded over two gloo ranks give the digest of the same
+    layers held whole (TP 1); other weights, or one element changed in rank 1's shard
+    only, give another; a tensor of an unknown sharding makes the digest layout-bound
+    (the same on both ranks, not TP 1's). Before: each rank's digest of its own shard,
+    combined in rank order (TP 1 and TP 2 never agreed)."""
+    from lmcache_ec_broker.testing.ports import free_ports
+
+    ctx = mp.get_context("fork")  # vLLM imported once, above
+    results = ctx.Manager().dict()
+    cases = {
+        (1, (0, False, False)),
+        (2, (0, False, False)),
+        (1, (1, False, False)),
+        (2, (0, True, False)),
+        (1, (0, False, True)),
+        (2, (0, False, True)),
+    }
+    for world, case in sorted(cases):
+        port = free_ports(1)
+        procs = [
+            ctx.Process(target=_tp_digest, args=(r, world, port, case, results))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0, (world, case)
+
+    def digest(world: int, case: tuple) -> str:
+        ranks = {results[(world, case, r)] for r in range(world)}
+        assert len(ranks) == 1, ("ranks disagree", world, case, ranks)
+        return ranks.pop()
+
+    plain = (0, False, False)
+    assert digest(2, plain) == digest(1, plain)
+    assert digest(1, (1, False, False)) != digest(1, plain)
+    assert digest(2, (0, True, False)) != digest(2, plain)
+    odd = (0, False, True)
+    assert digest(2, odd) != digest(1, odd)  # layout-bound, and both ranks agree on it

@@ -197,3 +197,132 @@ def test_the_metadata_travels_inside_the_scheduler_output(next_src):
     output = next_src / "vllm/v1/core/sched/output.py"
     if output.is_file():
         assert "encoder_input_updates" in output.read_text()
+
+
+# What the key's identity relies on (issue 39), in the installed vLLM and in 0.33:
+# vLLM's own code for numbering items and prefixing tower-LoRA identifiers, run here on
+# stand-ins for its objects; the hasher algorithms; the engine call that takes the
+# digest of the weights at load.
+IDENTITY = (
+    "vllm/renderers/base.py",
+    "vllm/v1/engine/input_processor.py",
+    "vllm/config/multimodal.py",
+    "vllm/v1/engine/core.py",
+    "vllm/v1/executor/abstract.py",
+)
+
+
+def identity_roots(next_src: Path) -> list[Path]:
+    if all((next_src / rel).is_file() for rel in IDENTITY):
+        return [INSTALLED, next_src]
+    if os.environ.get("CI"):
+        pytest.fail(f"{next_src} lacks vLLM {NEXT}'s identity sources: re-run .ci/setup.sh")
+    return [INSTALLED]
+
+
+def compiled(fn: ast.FunctionDef) -> object:
+    """vLLM's function, compiled on its own (annotations left unevaluated)."""
+    namespace: dict[str, object] = {}
+    exec(
+        compile("from __future__ import annotations\n" + ast.unparse(fn), "<vllm>", "exec"),
+        namespace,
+    )
+    return namespace[fn.name]
+
+
+def numbered_ids(root: Path, cache_gb: float, prefix: bool) -> list[str | None]:
+    """The identifiers vLLM's renderer gives two images without UUIDs: its own
+    ``mm_req_id`` expression and ``_process_mm_uuids``, run on stand-ins."""
+    from types import SimpleNamespace
+
+    path = root / "vllm/renderers/base.py"
+    process = compiled(function(path, "_process_mm_uuids", "BaseRenderer"))
+    (assign,) = [
+        n
+        for n in ast.walk(function(path, "_process_multimodal", "BaseRenderer"))
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "mm_req_id"
+    ]
+    renderer = SimpleNamespace(
+        api_process_rank=0,
+        _mm_req_counter=SimpleNamespace(inc=lambda n: 7),
+        model_config=SimpleNamespace(
+            multimodal_config=SimpleNamespace(mm_processor_cache_gb=cache_gb)
+        ),
+        config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix)),
+        _validate_mm_uuids=lambda *a: None,
+    )
+    mm_req_id = eval(compile(ast.Expression(assign.value), "<vllm>", "eval"), {"self": renderer})
+    items = SimpleNamespace(get_all_counts=lambda: {"image": 2})
+    out = process(renderer, {}, items, {}, mm_req_id)  # type: ignore[operator]
+    return list(out.get("image", [None, None]))
+
+
+def test_numbering_detection_matches_vllms_renderer(next_src: Path):
+    """identifiers.NUMBERED and numbering_reason agree with what the renderer of each
+    release does: numbered names exactly when both caches are off, content hashes
+    (None here: vLLM hashes them later) otherwise."""
+    from types import SimpleNamespace
+
+    from lmcache_ec_broker.connector.identifiers import NUMBERED, IdentifierPolicy
+
+    for root in identity_roots(next_src):
+        for cache_gb, prefix in ((0, False), (0, True), (4, False), (4, True)):
+            ids = numbered_ids(root, cache_gb, prefix)
+            config = SimpleNamespace(
+                model_config=SimpleNamespace(
+                    multimodal_config=SimpleNamespace(
+                        mm_processor_cache_gb=cache_gb, mm_hasher_algorithm="blake3"
+                    )
+                ),
+                cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+                lora_config=None,
+            )
+            policy = IdentifierPolicy(config)
+            if cache_gb == 0 and not prefix:
+                assert ids == ["renderer0-mm-7-image-0", "renderer0-mm-7-image-1"], root
+                assert all(NUMBERED.fullmatch(i) for i in ids), (root, ids)
+                assert policy.shares_nothing and all(policy.item_key(i) is None for i in ids)
+            else:
+                assert ids == [None, None], (root, cache_gb, prefix)
+                assert not policy.shares_nothing
+            # A numbered name is never shared, whatever the configuration.
+            assert policy.item_key("renderer0-mm-7-image-0") is None
+
+
+def test_tower_lora_identifier_and_hasher_algorithms(next_src: Path):
+    from types import SimpleNamespace
+
+    from vllm.config import LoRAConfig
+    from vllm.lora.request import LoRARequest
+
+    from lmcache_ec_broker.connector.identifiers import DIGEST_HEX
+
+    for root in identity_roots(next_src):
+        get_id = compiled(
+            function(
+                root / "vllm/v1/engine/input_processor.py", "_get_mm_identifier", "InputProcessor"
+            )
+        )
+        processor = SimpleNamespace(lora_config=LoRAConfig(enable_tower_connector_lora=True))
+        lora = LoRARequest("adapter", 1, "/adapters/a")
+        assert get_id(processor, "h", lora) == "adapter:h", root  # type: ignore[operator]
+        tree = ast.parse((root / "vllm/config/multimodal.py").read_text())
+        (alias,) = [
+            n
+            for n in tree.body
+            if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "MMHasherAlgorithm"
+        ]
+        algorithms = {c.value for c in ast.walk(alias.value) if isinstance(c, ast.Constant)}
+        assert algorithms == set(DIGEST_HEX), (root, algorithms)
+
+
+def test_engine_calls_the_executor_right_after_building_the_scheduler(next_src: Path):
+    """weights_identity takes the digest at load in Executor.init_ec_output_aggregator,
+    which EngineCore.__init__ calls right after it built the Scheduler (hence the EC
+    connector), before any request."""
+    for root in identity_roots(next_src):
+        init = ast.unparse(function(root / "vllm/v1/engine/core.py", "__init__", "EngineCore"))
+        built = init.index("self.scheduler: SchedulerInterface = Scheduler(")
+        assert init.index("self.model_executor.init_ec_output_aggregator()") > built, root
+        abstract = root / "vllm/v1/executor/abstract.py"
+        function(abstract, "init_ec_output_aggregator", "Executor")  # defined on the base

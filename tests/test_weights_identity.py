@@ -30,7 +30,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.model_id import model_id
 from lmcache_ec_broker.connector.vllm import make_key
-from lmcache_ec_broker.connector.weights_identity import field_for, local_digest
+from lmcache_ec_broker.connector.weights_identity import local_digest
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
 
 HERE = Path(__file__).resolve().parent
@@ -73,14 +73,15 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    static = r["static"]  # files and configuration (model_id.py)
-    assert static.startswith(model_id(str(m1)) + "+c")
+    static = r["static"]  # files, configuration and the encoder's digest at load
+    base = static.rpartition("~w")[0]  # files and configuration (model_id.py)
+    assert base.startswith(model_id(str(m1)) + "+c")
 
-    # Start: the scheduler keys with the field of the weights as loaded; the worker
-    # fingerprints them before its first step's loads or stores. (The scheduler's stats
-    # carry the workers' counters too, from their metadata: "puts_stored" beside
-    # "w_puts_stored", the worker's own.)
-    assert r["start"] == [static, None]
+    # Start: the scheduler keys with the field of the weights as loaded, which the
+    # workers fingerprinted right after the engine built its scheduler (before any
+    # request). (The scheduler's stats carry the workers' counters too, from their
+    # metadata: "puts_stored" beside "w_puts_stored", the worker's own.)
+    assert r["start"] == [static, static]
     assert r["after_first_request"] == [static, static]
     assert r["first_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     assert r["again"] == {"ec_hits": 1, "w_loads": 1, "loads": 1, "w_staged": 1, "staged": 1}
@@ -90,7 +91,7 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     assert r["lm_only_request"] == {"ec_hits": 1, "w_loads": 1, "loads": 1, "w_staged": 1, "staged": 1}
     # collective_rpc + model.load_weights of a vision tensor: a new field, misses.
     (changed, worker_changed) = r["after_visual_load_weights"]
-    assert changed == worker_changed and changed.startswith(static + "~w")
+    assert changed == worker_changed and changed.startswith(base + "~w") and changed != static
     assert r["visual_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     # The weight-transfer session: unknown (misses, no store) until it finishes.
     assert r["after_start_weight_update"][0] == ""
@@ -98,7 +99,7 @@ def test_weight_events_in_a_real_engine(broker, tmp_path):
     assert r["after_finish_weight_update"] == [changed, changed]
     # reload_weights: other weights, a new field; the original ones, the original field.
     (m2_field, _) = r["after_reload_m2"]
-    assert m2_field.startswith(static + "~w") and m2_field != changed
+    assert m2_field.startswith(base + "~w") and m2_field not in (static, changed)
     assert r["after_reload_m2"] == [m2_field, m2_field]
     assert r["m2_request"] == {"ec_misses": 1, "w_puts_stored": 1, "puts_stored": 1}
     assert r["after_reload_m1"] == [static, static]
@@ -157,12 +158,6 @@ def test_equal_weights_agree_and_any_encoder_change_does_not():
     with torch.no_grad():
         big.visual.weight[1000, 5] += 1
     assert local_digest(big) != before
-
-
-def test_field_is_the_file_based_one_while_the_weights_are_the_loaded_ones():
-    assert field_for("m#f", "aa", "aa") == "m#f"
-    assert field_for("m#f", "aa", "bb") == "m#f~wbb"
-    assert field_for("m#f", "aa", None) == "m#f"
 
 
 # ----------------------------------------------------------------- worker guard

@@ -50,10 +50,11 @@ the encoder's output and is in neither the files nor vLLM's mm_hash -- load form
 (``dummy`` weights!), quantization, hf overrides, remote code, server-level
 processor and media kwargs, the model class, the vLLM version (issue 39).
 
-This is the field at start. After an in-place weight update (``reload_weights``, an
-RL weight sync, ``model.load_weights`` called directly) it becomes
-``<field>~w<fingerprint of the encoder's weights in memory>``
-(:mod:`.weights_identity`).
+Then ``~w<digest>``: the digest of the encoder's weights in memory
+(:mod:`.weights_identity`), taken right after the load and after every weight change
+(``reload_weights``, an RL weight sync, ``model.load_weights`` called directly), the
+same for every tensor-parallel layout of the same weights. So the whole field is
+``<files>+c<config>~w<digest>``.
 
 Which process computes it matters as much as what is hashed: vLLM builds a
 worker's connector before ``load_model`` downloads the weights and the

@@ -382,7 +382,7 @@ class ECBrokerConnector(ECConnectorBase):
         # (weights_identity.py); the workers also report changes they see themselves.
         self.weights_watch: EngineWatch | None = None
         if role == ECConnectorRole.SCHEDULER and self._model is not None:
-            self.weights_watch = EngineWatch(self._model, self._set_field)
+            self.weights_watch = EngineWatch(self._model, self._set_field, vllm_config)
             if not watch_engine_calls():
                 logger.warning(
                     "EC broker: no vLLM engine core here; the model field of the keys "

@@ -90,7 +90,6 @@ class ECBrokerWorker:
         # The field this worker's last fingerprint gave (None until the scheduler
         # asked: weights_identity.worker_identity), and the first fingerprint.
         self.identity: str | None = None
-        self._weights_baseline: str | None = None  # untracked models only (first digest)
         self._weights_seen = 0  # weights_identity.TRACKER.version last fingerprinted
         self._identity_told: str | None = None  # the identity last sent to the scheduler
         self._base: str | None = None  # the field of the weights as loaded
@@ -150,30 +149,20 @@ class ECBrokerWorker:
         before = self.identity
         return self.refresh_identity(model, self.base_field()) != before
 
-    def refresh_identity(self, model: Any, base: str) -> str:
+    def refresh_identity(self, model: Any, base: str) -> str | None:
         """Fingerprint ``model`` now (every TP rank together), key with the field it
-        gives and return it ("" if a rank could not fingerprint: no loads, no stores)."""
+        gives and return it ("" if a rank could not fingerprint: no loads, no stores;
+        None if this worker holds no encoder: it keys with the scheduler's field)."""
         version = TRACKER.version
-        if model is TRACKER.model:
-            baseline = TRACKER.baseline
-        else:  # a model the loaders' wrapper did not see: the first digest is the baseline
-            if self._weights_baseline is None:
-                try:
-                    from lmcache_ec_broker.connector.weights_identity import local_digest
-
-                    self._weights_baseline = local_digest(model)
-                except Exception:
-                    self._weights_baseline = None
-            baseline = self._weights_baseline
         try:
-            field = settle_field(model, base, baseline) or base
+            field = settle_field(model, base)
         except DigestFailed as exc:
             logger.error("EC broker: %s; no loads or stores until it can", exc)
             field = ""
         self._weights_seen = version
         # Outputs waiting for a broker outage to end were computed by other weights:
         # adopt_identity drops them when the field changes.
-        if self.adopt_identity(field):
+        if self.adopt_identity(field) and field is not None:
             logger.info(
                 "EC broker: model field of this worker's keys is now %s", field or "unknown"
             )
