@@ -430,9 +430,9 @@ def test_wrong_entry_under_the_real_key_is_not_served_nor_deleted(servers, broke
     known = a.ec_puts()
     cold = a.chat_token_ids(image)
     (mm_hash,) = [h for h in a.ec_puts() if h not in known]
-    field = re.search(r"EC broker: model field of the keys is (\S+)", a.log_text())
+    field = _last_field(a.log_text())  # the field after the digest at load
     assert field is not None, a.log_tail()
-    key = make_key(field.group(1), mm_hash, "bfloat16")
+    key = make_key(field, mm_hash, "bfloat16")
     wrong = torch.zeros(17, SPEC.hidden_size, dtype=torch.bfloat16)
     with BrokerClient(broker.socket_path, **PATIENT) as c:
         assert c.delete(key), "the instance does not use the key the test computed"
@@ -560,3 +560,10 @@ def test_broker_outage_keeps_vllm_serving(servers, broker):
         seed += 1
         time.sleep(0.5)
     assert broker.stats()["entries"] >= 1
+
+
+def _last_field(log: str) -> str | None:
+    """The model field the scheduler keys with now: the last one it logged (the first
+    is the files and configuration; the encoder digest at load follows at once)."""
+    fields = re.findall(r"EC broker: model field of the keys is (?:now )?(\S+)", log)
+    return fields[-1] if fields else None
