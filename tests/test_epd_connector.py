@@ -94,8 +94,15 @@ def step(
     Returns (items the step encoded, requests deferred)."""
     so = SchedulerOutput.make_empty()
     deferred: set[str] = set()
+    p.sched.wait_for_link(30)  # a served engine's workers link before its first request
     for r in requests:
-        if not p.sched.ensure_cache_available(r, 0):
+        ready = p.sched.ensure_cache_available(r, 0)
+        for _ in range(100):  # held only while a hit is staged on the workers: vLLM's
+            if ready or not p.sched.stage_orders:  # later steps ask again
+                break
+            p.sched.wait_for_staging(30)
+            ready = p.sched.ensure_cache_available(r, 0)
+        if not ready:
             deferred.add(r.request_id)
             continue
         for index, feature in enumerate(r.mm_features):

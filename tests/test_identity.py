@@ -458,6 +458,9 @@ def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
     from lmcache_ec_broker.connector import weights_identity as wi
 
     seed, change_rank1, odd = case
+    # vLLM's CPU communicator reads the name its CPU worker sets (cpu_worker.py); when an
+    # earlier test in this process left the CPU platform's communicator chosen, it is used.
+    os.environ["VLLM_DIST_IDENT"] = f"ec-digest-test-{port}"
     with set_current_vllm_config(VllmConfig()):
         ps.init_distributed_environment(
             world_size=world,

@@ -22,6 +22,7 @@ import torch
 from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
+from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.model_id import fingerprint
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector
 from lmcache_ec_broker.testing import hf_cache
@@ -121,7 +122,8 @@ def test_worker_built_before_the_weights_keys_with_the_schedulers_field(
         worker.save_caches({h: tensor}, h)
         worker.clear_connector_metadata()
         assert worker.puts_stored == 1
-        assert sched.has_cache_item(h), "the worker stored under a key the scheduler never asks"
+        with BrokerClient(broker.socket_path) as c:  # a hit, once staged (issue 41)
+            assert c.has([sched.key(h)]) == [True], "stored under a key the scheduler never asks"
         assert worker.key(h) == sched.key(h)  # kept after the step
         assert meta.model == sched.model_id and sched.model_id.startswith(f"{local}#")
 
