@@ -80,7 +80,7 @@ from .errors import BrokerRefused as BrokerRefused
 from .errors import BrokerUnavailable
 from .mappings import Mappings
 from .membership import _as_list, _expand, split, with_posted
-from .reads import _copy
+from .reads import copy_module
 from .session import Session
 from .trust import BROKER_UID_ENV as BROKER_UID_ENV
 from .trust import trusted_uids
@@ -248,7 +248,7 @@ class BrokerClient:
         self, keys: list[str], device: str | torch.device = "cpu"
     ) -> list[torch.Tensor | None]:
         """New tensors (same dtype and shape as put) for the hits, None for misses."""
-        cp = _copy()
+        cp = copy_module()
         dev = cp.torch.device(device)
         cp.check_device(dev)
         with self._link.lock:
@@ -285,7 +285,7 @@ class BrokerClient:
         own = None
         if s.arena.own and any(k in s.arena.own for k in keys):
             own = reads.own_reader(s.arena, s.wire.peer_gone, slab, dev)
-        local, retries = index_path.read_known(index, slab, keys, dev, _copy().torch_dtype, own)
+        local, retries = index_path.read_known(index, slab, keys, dev, copy_module().torch_dtype, own)
         self.index_retries += retries
         served = [k for k, t in zip(keys, local, strict=True) if t is not None]
         if not served:
@@ -313,7 +313,7 @@ class BrokerClient:
         was discarded and the broker then had no entry): it never holds another
         entry's bytes.
         """
-        cp = _copy()
+        cp = copy_module()
         if not out.is_cpu:
             cp.check_device(out.device)
         with self._link.lock:

@@ -24,7 +24,7 @@ def own_reader(
     arena: PutArena, peer_gone: Callable[[], bool], slab: SlabView, dev: torch.device
 ) -> Callable[[str], torch.Tensor | None]:
     """For index_path.read_known: a key's copy from this connection's own placement."""
-    torch_dtype = _copy().torch_dtype
+    torch_dtype = copy_module().torch_dtype
 
     def from_own(key: str) -> torch.Tensor | None:
         return arena.own_read(key, lambda e, d, s: slab.read(e, torch_dtype(d), s, dev), peer_gone)
@@ -56,7 +56,7 @@ def get_asked(
     wire: Wire, slab: Callable[[], SlabView], ask: list[str], dev: torch.device
 ) -> list[torch.Tensor | None]:
     """A Get for ``ask``, the copies, the Release posted. Raises BrokerUnavailable."""
-    torch_dtype = _copy().torch_dtype
+    torch_dtype = copy_module().torch_dtype
     reply: GetReply = wire.call(Get(ask))
     items = reply.items
     hits: list[Hit] = [h for h in items if h is not None]
@@ -107,9 +107,10 @@ def _release(wire: Wire, hits: list[Hit]) -> None:
 _COPY: Any = None
 
 
-def _copy() -> Any:
+def copy_module() -> Any:
     """The copy module (it imports torch, so it is loaded on first use, not at import);
-    kept here because an import statement per call costs a microsecond."""
+    kept here because an import statement per call costs a microsecond. The put path
+    (writes.py) uses it too."""
     global _COPY
     if _COPY is None:
         from . import copy

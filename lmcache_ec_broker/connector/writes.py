@@ -12,7 +12,7 @@ how)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..protocol import (
     Abort,
@@ -25,6 +25,7 @@ from ..protocol import (
 )
 from .errors import BrokerRefused, BrokerUnavailable
 from .frames import _MAX_OWED
+from .reads import copy_module
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> bool:
     """BrokerClient.put under the link's lock (its docstring says what the result
     means): the arena's no-wait placement when it can take the key, else a reserve."""
-    cp = _copy()
+    cp = copy_module()
     if not tensor.is_cpu:
         cp.check_device(tensor.device)
     dtype = cp.dtype_name(tensor.dtype)
@@ -80,7 +81,7 @@ def put(link: ClientLink, trust_s: float, key: str, tensor: torch.Tensor) -> boo
 def put_many(link: ClientLink, trust_s: float, items: list[tuple[str, torch.Tensor]]) -> list[bool]:
     """BrokerClient.put_many under the link's lock: the placeable items placed, the
     rest reserved in one round trip sent with the Places, their commits in one send."""
-    cp = _copy()
+    cp = copy_module()
     check_device, dtype_name = cp.check_device, cp.dtype_name
 
     descs = []
@@ -276,17 +277,3 @@ def _ask_arena(s: Session) -> None:
     if grant:
         s.wire.send_posted(grant, 1)
         s.arena.sent([], True)
-
-
-_COPY: Any = None
-
-
-def _copy() -> Any:
-    """The copy module (it imports torch, so it is loaded on first use, not at import);
-    kept here because an import statement per call costs a microsecond."""
-    global _COPY
-    if _COPY is None:
-        from . import copy
-
-        _COPY = copy
-    return _COPY
