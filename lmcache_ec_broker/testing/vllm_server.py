@@ -413,3 +413,10 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def last_model_field(log: str) -> str | None:
+    """The model field the scheduler keys with now: the last one it logged (the first
+    is the files and configuration; the encoder digest at load follows at once)."""
+    fields = re.findall(r"EC broker: model field of the keys is (?:now )?(\S+)", log)
+    return fields[-1] if fields else None

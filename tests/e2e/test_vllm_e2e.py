@@ -45,6 +45,7 @@ from lmcache_ec_broker.testing.vllm_server import (
     SLOW_HOST_BUDGETS,
     VllmServer,
     ec_transfer_config,
+    last_model_field,
     png_data_url,
 )
 
@@ -430,7 +431,7 @@ def test_wrong_entry_under_the_real_key_is_not_served_nor_deleted(servers, broke
     known = a.ec_puts()
     cold = a.chat_token_ids(image)
     (mm_hash,) = [h for h in a.ec_puts() if h not in known]
-    field = _last_field(a.log_text())  # the field after the digest at load
+    field = last_model_field(a.log_text())  # the field after the digest at load
     assert field is not None, a.log_tail()
     key = make_key(field, mm_hash, "bfloat16")
     wrong = torch.zeros(17, SPEC.hidden_size, dtype=torch.bfloat16)
@@ -560,10 +561,3 @@ def test_broker_outage_keeps_vllm_serving(servers, broker):
         seed += 1
         time.sleep(0.5)
     assert broker.stats()["entries"] >= 1
-
-
-def _last_field(log: str) -> str | None:
-    """The model field the scheduler keys with now: the last one it logged (the first
-    is the files and configuration; the encoder digest at load follows at once)."""
-    fields = re.findall(r"EC broker: model field of the keys is (?:now )?(\S+)", log)
-    return fields[-1] if fields else None

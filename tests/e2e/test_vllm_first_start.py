@@ -15,7 +15,6 @@ Two servers, their start-ups overlapping: 107 s measured on a busy 2-core host.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from lmcache_ec_broker.testing.vllm_server import (
     SLOW_HOST_BUDGETS,
     VllmServer,
     ec_transfer_config,
+    last_model_field,
     png_data_url,
 )
 
@@ -151,16 +151,9 @@ def test_first_start_on_a_cold_hf_cache_keys_agree(cold_cache, broker, servers, 
 
     # The key's model field is the snapshot's commit, then the configuration's part
     # (docs/design.md, "Keys"), as A logged it at start.
-    field = _last_field(a.log_text())  # the field after the digest at load
+    field = last_model_field(a.log_text())  # the field after the digest at load
     assert field is not None and field.startswith(f"{REPO_ID}#{COMMIT[:16]}+c")
     key = make_key(field, mm_hash, "bfloat16")
     with BrokerClient(broker.socket_path, **PATIENT) as c:
         got = c.get(key)
     assert got is not None and got.shape == (16, SPEC.hidden_size)
-
-
-def _last_field(log: str) -> str | None:
-    """The model field the scheduler keys with now: the last one it logged (the first
-    is the files and configuration; the encoder digest at load follows at once)."""
-    fields = re.findall(r"EC broker: model field of the keys is (?:now )?(\S+)", log)
-    return fields[-1] if fields else None
