@@ -329,7 +329,7 @@ def bare_memcpy(nbytes: int, iters: int) -> float:
 
 def put_reserved(client: Any, key: str, tensor: Any) -> bool:
     """put without the arena: Reserve (waited), copy, Commit posted."""
-    from lmcache_ec_broker.connector.copy import dtype_name
+    from lmcache_ec_broker.connector.client.copy import dtype_name
     from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
 
     dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
@@ -343,7 +343,7 @@ def put_reserved(client: Any, key: str, tensor: Any) -> bool:
 
 def put_commit_waited(client: Any, key: str, tensor: Any) -> bool:
     """The previous put: Reserve, copy, Commit and wait for its reply."""
-    from lmcache_ec_broker.connector.copy import dtype_name
+    from lmcache_ec_broker.connector.client.copy import dtype_name
     from lmcache_ec_broker.protocol import Commit, Reserve, ReserveStatus, expected_nbytes
 
     dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)

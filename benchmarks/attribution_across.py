@@ -120,7 +120,7 @@ class Side:
         return {"torch_threads": self.torch.get_num_threads()}
 
     def _mode(self, copy: str) -> None:
-        from lmcache_ec_broker.connector import copy as cp
+        from lmcache_ec_broker.connector.client import copy as cp
 
         after = getattr(cp, "NEW_TENSOR_MIN", sys.maxsize)  # main's copy.py: no such path
         self.client.slab().new_tensor_min = sys.maxsize if copy == "before" else after

@@ -1,7 +1,7 @@
 """Probe: what a read costs when it starts a Served batch (issue 42).
 
 A client that serves a hit from the residency index notes it in a Served batch; the
-first hit of a batch arms the client's flusher (connector/served_flush.py). Before
+first hit of a batch arms the client's flusher (connector/client/served_flush.py). Before
 issue 42 every arm was an ``Event.set()`` -- a futex wake of the sleeping flusher
 thread, then that thread's turn on the GIL -- on the caller's path; now the thread
 lingers after a batch and an arm meanwhile wakes nothing.

@@ -63,7 +63,7 @@ from benchmarks._common import Broker, MiB, percentile, table  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"
 SETUPS = ("node", "fleet")
-# Log lines (tests/e2e/counting_ec_connector.py, connector/vllm.py, vllm_worker.py).
+# Log lines (tests/e2e/counting_ec_connector.py, connector/vllm/connector.py, worker.py).
 ENCODER_RAN = re.compile(r"EC encoder ran: mm_hash=(\S+)")
 # vLLM's internal request id: "chatcmpl-" + the X-Request-Id header + "-" + 8 hex.
 ITEM = re.compile(r"EC item: request=chatcmpl-(\S+)-[0-9a-f]{8} mm_hash=(\S+)")

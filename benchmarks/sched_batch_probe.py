@@ -39,7 +39,7 @@ def main() -> None:
     import torch
 
     from lmcache_ec_broker import BrokerClient
-    from lmcache_ec_broker.connector import frames
+    from lmcache_ec_broker.connector.client import frames
 
     sends: list[float] = []
     inner = frames.Wire.send_posted

@@ -1,4 +1,4 @@
-"""What the Served flusher (connector/served_flush.py) costs on the hot path, and how
+"""What the Served flusher (connector/client/served_flush.py) costs on the hot path, and how
 soon an idle client's index hit reaches the broker (issue 30, item 1).
 
     .venv/bin/python benchmarks/served_flush.py              # ~1 minute
@@ -57,7 +57,7 @@ def main() -> None:
     import torch
 
     from lmcache_ec_broker import BrokerClient
-    from lmcache_ec_broker.connector import index_path
+    from lmcache_ec_broker.connector.client import index_path
 
     flush_s = index_path.SERVED_FLUSH_S
     t = torch.zeros(16384, dtype=torch.float32)  # 64 KiB

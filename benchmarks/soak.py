@@ -138,7 +138,7 @@ def zygote() -> None:
     import torch
 
     import lmcache_ec_broker.connector.client  # noqa: F401
-    import lmcache_ec_broker.connector.copy  # noqa: F401
+    import lmcache_ec_broker.connector.client.copy  # noqa: F401
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed workers

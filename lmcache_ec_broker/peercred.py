@@ -1,7 +1,7 @@
 """Who is at the other end of a connected Unix socket, as the kernel recorded it at
 ``connect()`` (``SO_PEERCRED``): never anything the peer says. The broker admits
 clients by it (``broker/access.py``), a client checks its broker by it
-(``connector/trust.py``), and ``lmcache-ec-broker stop`` finds the broker's pid by it.
+(``connector/client/trust.py``), and ``lmcache-ec-broker stop`` finds the broker's pid by it.
 Ground floor: imports nothing of the package."""
 
 from __future__ import annotations

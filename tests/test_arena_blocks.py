@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_ec_broker.connector.arena_blocks import ArenaBlocks, extents_of
+from lmcache_ec_broker.connector.client.arena_blocks import ArenaBlocks, extents_of
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=60))

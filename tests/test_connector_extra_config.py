@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_ec_broker.connector.extra_config import KEYS, RETIRED, check_extra_config
+from lmcache_ec_broker.connector.vllm.extra_config import KEYS, RETIRED, check_extra_config
 
 LOG = logging.getLogger("test.extra_config")
 
@@ -51,7 +51,7 @@ def test_lmcache_keys_are_accepted_with_one_info_line(caplog) -> None:
 
 
 def test_the_keys_are_exactly_those_the_connector_reads() -> None:
-    src = Path(__file__).resolve().parent.parent / "lmcache_ec_broker" / "connector" / "vllm.py"
+    src = Path(__file__).resolve().parent.parent / "lmcache_ec_broker" / "connector" / "vllm" / "connector.py"
     read = set(re.findall(r'\bextra\(\s*"([a-z_]+)"', src.read_text()))
     assert read == set(KEYS) | RETIRED
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.connector.copy import SlabView
+from lmcache_ec_broker.connector.client.copy import SlabView
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

@@ -131,7 +131,7 @@ def _kernels_still_run() -> None:
 
 
 def test_a_failed_registration_is_cleared_and_kernels_still_run(broker) -> None:
-    from lmcache_ec_broker.connector import pinning
+    from lmcache_ec_broker.connector.client import pinning
 
     with BrokerClient(broker.socket_path) as c:
         assert c.put("cpu", torch.ones(100))  # maps the slab (no CUDA yet)
@@ -216,7 +216,7 @@ def test_low_memlock_registration_refused_copies_exact_and_kernels_run(broker, t
 def test_extents_are_checked_on_the_cuda_paths() -> None:
     import mmap
 
-    from lmcache_ec_broker.connector.copy import SlabView
+    from lmcache_ec_broker.connector.client.copy import SlabView
 
     mm = mmap.mmap(-1, 1 << 20)
     slab = SlabView(mm, 1 << 20)

@@ -18,7 +18,7 @@ from counting_socket import CountingSocket
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.client import BrokerRefused
-from lmcache_ec_broker.connector.copy import SlabView
+from lmcache_ec_broker.connector.client.copy import SlabView
 
 HERE = Path(__file__).resolve().parent
 

@@ -35,15 +35,15 @@ from conftest import broker_stats
 from vllm.config import LoadConfig, LoRAConfig, ModelConfig, VllmConfig
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
-from lmcache_ec_broker.connector.model_id import (
+from lmcache_ec_broker.connector.vllm.identifiers import IdentifierPolicy
+from lmcache_ec_broker.connector.vllm.meta import make_key
+from lmcache_ec_broker.connector.vllm.model_id import (
     config_fingerprint,
     config_parts,
     fingerprint,
     model_id,
 )
-from lmcache_ec_broker.connector.stage_link import loads_off_reason
-from lmcache_ec_broker.connector.vllm_meta import make_key
+from lmcache_ec_broker.connector.vllm.stage_link import loads_off_reason
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
 
 HERE = Path(__file__).resolve().parent
@@ -322,7 +322,7 @@ def test_v2_runner_keeps_loads_with_lora():
 def _digest_rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from lmcache_ec_broker.connector import weights_identity as wi
+    from lmcache_ec_broker.connector.vllm import weights_identity as wi
 
     dist.init_process_group(
         "gloo",
@@ -455,7 +455,7 @@ def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    from lmcache_ec_broker.connector import weights_identity as wi
+    from lmcache_ec_broker.connector.vllm import weights_identity as wi
 
     seed, change_rank1, odd = case
     # vLLM's CPU communicator reads the name its CPU worker sets (cpu_worker.py); when an

@@ -153,6 +153,7 @@ def _under(mod: str, *pkgs: str) -> bool:
         "the remote policy knows no backend",
         "a backend does not import another backend",
         "the client side does not load the broker",
+        "the broker client knows no vLLM connector",
     ],
 )
 def test_layering(rule_name: str) -> None:
@@ -182,6 +183,11 @@ def test_layering(rule_name: str) -> None:
         "the client side does not load the broker": lambda a, b: (
             _under(a, "connector") and _under(b, "broker", "events")
         ),
+        # connector/client/ is usable without vLLM (the CLI, benchmarks, other engines);
+        # connector/vllm/ builds on it, never the other way round.
+        "the broker client knows no vLLM connector": lambda a, b: (
+            _under(a, "connector.client") and _under(b, "connector.vllm")
+        ),
     }
     breaches = _breaches(rules[rule_name])
     assert not breaches, rule_name + ":\n" + "\n".join(breaches)
@@ -208,9 +214,9 @@ def test_every_class_name_means_one_thing() -> None:
 # reads only what it defines itself (its own state, methods, and what its
 # constructor was given); the connector composes them instead of inheriting them.
 CONNECTOR_PARTS = {
-    "connector/vllm_worker.py": "ECBrokerWorker",
-    "connector/stage_book.py": "StageBook",
-    "connector/stage_link.py": "StageLink",
+    "connector/vllm/worker.py": "ECBrokerWorker",
+    "connector/vllm/stage_book.py": "StageBook",
+    "connector/vllm/stage_link.py": "StageLink",
 }
 
 
@@ -244,6 +250,6 @@ def test_each_part_of_the_vllm_connector_reads_only_its_own_attributes(rel: str)
 
 
 def test_the_vllm_connector_composes_its_parts() -> None:
-    cls = _class(ROOT / PKG / "connector/vllm.py", "ECBrokerConnector")
+    cls = _class(ROOT / PKG / "connector/vllm/connector.py", "ECBrokerConnector")
     bases = [ast.unparse(b) for b in cls.bases]
     assert bases == ["ECConnectorBase"], f"ECBrokerConnector inherits {bases}: compose parts"

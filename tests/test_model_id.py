@@ -23,8 +23,8 @@ from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.connector.model_id import fingerprint
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector
+from lmcache_ec_broker.connector.vllm.model_id import fingerprint
 from lmcache_ec_broker.testing import hf_cache
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
 
@@ -44,7 +44,7 @@ def model_ids(cache: Path, queries: list[tuple[str, str | None]]) -> tuple[list[
     reads the HF cache at ``cache`` (as vLLM's processes do); also its stderr."""
     code = (
         "import json, sys\n"
-        "from lmcache_ec_broker.connector.model_id import model_id\n"
+        "from lmcache_ec_broker.connector.vllm.model_id import model_id\n"
         "print(json.dumps([model_id(m, r) for m, r in json.loads(sys.argv[1])]))\n"
     )
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CONNECTOR = REPO / "lmcache_ec_broker" / "connector" / "vllm.py"
+CONNECTOR = REPO / "lmcache_ec_broker" / "connector" / "vllm" / "connector.py"
 RETIRED = {"timeout_s"}  # refused by the connector with a message naming its successors
 
 

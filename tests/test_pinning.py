@@ -1,4 +1,4 @@
-"""The CPU side of the CUDA registration decision (connector/pinning.py).
+"""The CPU side of the CUDA registration decision (connector/client/pinning.py).
 
 Registration is skipped, with one log line, when the memlock limit cannot hold
 the slab and the process lacks CAP_IPC_LOCK; the GPU side (a refused or failed
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_ec_broker.connector.pinning import (
+from lmcache_ec_broker.connector.client.pinning import (
     CAP_IPC_LOCK,
     RLIM_INFINITY,
     loaded_cudart_path,
@@ -64,8 +64,8 @@ def test_loaded_runtime_is_found_in_the_process_maps() -> None:
 
 CHILD = """
 import json, logging, mmap
-from lmcache_ec_broker.connector.copy import SlabView
-from lmcache_ec_broker.connector.pinning import registration_refusal
+from lmcache_ec_broker.connector.client.copy import SlabView
+from lmcache_ec_broker.connector.client.pinning import registration_refusal
 
 records = []
 handler = logging.Handler()

@@ -1,4 +1,4 @@
-"""The residency index (shm/residency.py, connector/index_path.py): has() hits and
+"""The residency index (shm/residency.py, connector/client/index_path.py): has() hits and
 gets answered with no round trip, exact under churn, counted and LRU-touched by the
 broker, withdrawn before blocks are reused, and cleaned up like the other segments.
 

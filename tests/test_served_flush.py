@@ -1,6 +1,6 @@
 """Hits a client serves from the residency index reach the broker's counters,
 Prometheus and LRU order within ~100 ms whether or not the client sends anything
-else (issue 30, item 1; connector/served_flush.py).
+else (issue 30, item 1; connector/client/served_flush.py).
 
 Real brokers through the CLI; the reading clients are real processes that serve
 their hits and then idle: their main thread blocks reading stdin, so the only
@@ -306,7 +306,7 @@ def test_a_hit_while_the_flusher_lingers_wakes_no_thread_and_still_arrives(broke
 def test_an_idle_flusher_is_woken_after_its_linger(broker, monkeypatch) -> None:
     # Past the linger the thread sleeps up to _IDLE_WAKE_S: a new batch must wake it
     # (the going-idle handshake), so the deadline holds after any pause.
-    from lmcache_ec_broker.connector import served_flush
+    from lmcache_ec_broker.connector.client import served_flush
 
     monkeypatch.setattr(served_flush, "_LINGER_S", 0.2)
     monkeypatch.setattr(served_flush, "_IDLE_WAKE_S", 60.0)  # only a wake-up can send it

@@ -263,7 +263,7 @@ def test_numbering_detection_matches_vllms_renderer(next_src: Path):
     (None here: vLLM hashes them later) otherwise."""
     from types import SimpleNamespace
 
-    from lmcache_ec_broker.connector.identifiers import NUMBERED, IdentifierPolicy
+    from lmcache_ec_broker.connector.vllm.identifiers import NUMBERED, IdentifierPolicy
 
     for root in identity_roots(next_src):
         for cache_gb, prefix in ((0, False), (0, True), (4, False), (4, True)):
@@ -295,7 +295,7 @@ def test_tower_lora_identifier_and_hasher_algorithms(next_src: Path):
     from vllm.config import LoRAConfig
     from vllm.lora.request import LoRARequest
 
-    from lmcache_ec_broker.connector.identifiers import DIGEST_HEX
+    from lmcache_ec_broker.connector.vllm.identifiers import DIGEST_HEX
 
     for root in identity_roots(next_src):
         get_id = compiled(

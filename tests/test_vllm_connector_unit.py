@@ -1014,7 +1014,7 @@ def test_weights_replaced_in_place_change_the_key(pairs, model_config, tmp_path)
     assert load_cycle(old, make_request("r", h))  # the old instance hits
 
     replace_weights(Path(mc.model))
-    from lmcache_ec_broker.connector.model_id import fingerprint
+    from lmcache_ec_broker.connector.vllm.model_id import fingerprint
 
     fingerprint.cache_clear()  # a new vLLM process computes it afresh
     new = pairs(model=mc)
@@ -1026,7 +1026,7 @@ def test_weights_replaced_in_place_change_the_key(pairs, model_config, tmp_path)
 
 
 def test_encoder_config_change_changes_the_key(model_config, tmp_path):
-    from lmcache_ec_broker.connector.model_id import fingerprint, model_id
+    from lmcache_ec_broker.connector.vllm.model_id import fingerprint, model_id
 
     mc = copy_model(model_config, tmp_path / "m")
     before = model_id(mc.model)
@@ -1046,7 +1046,7 @@ def test_encoder_config_change_changes_the_key(model_config, tmp_path):
 
 def test_copies_of_one_model_agree_on_the_fingerprint(model_config, tmp_path):
     """What a fleet needs: the same files at another path, time or host hash alike."""
-    from lmcache_ec_broker.connector.model_id import fingerprint
+    from lmcache_ec_broker.connector.vllm.model_id import fingerprint
 
     a = copy_model(model_config, tmp_path / "a")
     b = copy_model(model_config, tmp_path / "b")
@@ -1106,7 +1106,7 @@ def test_plugin_import_does_not_import_torch():
 
 
 def test_single_file_model_is_fingerprinted(tmp_path):
-    from lmcache_ec_broker.connector.model_id import fingerprint, model_id
+    from lmcache_ec_broker.connector.vllm.model_id import fingerprint, model_id
 
     weights = tmp_path / "model.gguf"
     weights.write_bytes(bytes(range(256)) * 64)
@@ -1174,8 +1174,8 @@ def test_a_broker_of_another_protocol_version_costs_misses_never_the_engine(
 ):
     """Installed a new release, restarted vLLM but not the broker: the handshake is
     refused with the fix named, and every hook answers a miss or skips -- none raises."""
-    from lmcache_ec_broker.connector import broker_link
-    from lmcache_ec_broker.connector.errors import BrokerRefused
+    from lmcache_ec_broker.connector.client import broker_link
+    from lmcache_ec_broker.connector.client.errors import BrokerRefused
     from lmcache_ec_broker.protocol import PROTOCOL_VERSION
 
     monkeypatch.setattr(broker_link, "PROTOCOL_VERSION", PROTOCOL_VERSION - 1)

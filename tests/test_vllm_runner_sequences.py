@@ -319,7 +319,7 @@ def test_v2_runner_with_lora_loads():
 
     from vllm.config import LoRAConfig
 
-    from lmcache_ec_broker.connector.stage_link import loads_off_reason
+    from lmcache_ec_broker.connector.vllm.stage_link import loads_off_reason
 
     # Tower/connector LoRA only: LoRA on the language model alone keeps loads on
     # (issue 39, tests/test_identity.py).

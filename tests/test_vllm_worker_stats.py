@@ -18,7 +18,7 @@ from vllm.config import ModelConfig
 from vllm.v1.metrics import loggers as vllm_loggers
 
 from lmcache_ec_broker import BrokerClient
-from lmcache_ec_broker.connector.vllm_meta import WORKER_STAT_FIELDS
+from lmcache_ec_broker.connector.vllm.meta import WORKER_STAT_FIELDS
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

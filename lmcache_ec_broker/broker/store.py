@@ -95,7 +95,7 @@ STORE_COUNTERS = (
 )
 # has() hits a client answered from the residency index name no key, so the broker
 # cannot verify them: one Served frame counts at most this many (BrokerClient sends
-# one every 64 served items; connector/index_path.py).
+# one every 64 served items; connector/client/index_path.py).
 SERVED_HAS_HITS_MAX = 1024
 # What any counter shows (stats, metrics) at most: msgpack's and Prometheus' u64.
 COUNTER_MAX = (1 << 64) - 1

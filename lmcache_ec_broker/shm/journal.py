@@ -45,7 +45,7 @@ distrusts that slot (below), again at most once per distrust period; or make a
 pending placement of another client look settled until the broker's loop reads
 that client's frame (microseconds to milliseconds): a missed hit, never a wrong one.
 Its own placements' ``settled`` words, which decide whether it may read its own arena
-blocks (connector/arena_put.py ``own_read``), are out of every client's reach: a
+blocks (connector/client/arena_put.py ``own_read``), are out of every client's reach: a
 rewound or forged word can no longer make a client copy blocks another entry reused.
 
 The excuse (issue 29 item 6, issue 40 item 5): a slot that stays pending -- a client

@@ -180,7 +180,7 @@ def png_data_url(seed: int, size: int = 112) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-# The connector's log lines for a stored and a loaded entry (connector/vllm.py).
+# The connector's log lines for a stored and a loaded entry (connector/vllm/connector.py).
 EC_PUT_LINE = re.compile(r"EC put: stored (\d+) bytes for mm_hash=(\S+)")
 EC_LOAD_LINE = re.compile(r"EC load: loaded (\d+) bytes for mm_hash=(\S+)")
 

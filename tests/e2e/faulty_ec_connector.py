@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lmcache_ec_broker.connector.vllm import ECBrokerConnector
-from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker
+from lmcache_ec_broker.connector.vllm.worker import ECBrokerWorker
 
 FAULT_FILE_ENV = "LMCACHE_EC_FAULT_FILE"
 PACE_SUFFIX = ".pace"

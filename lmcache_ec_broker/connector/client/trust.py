@@ -8,8 +8,8 @@ import pwd
 import socket
 from collections.abc import Collection
 
-from ..peercred import peer_cred
-from ..private_dirs import check_private_dir, default_socket_dirs
+from ...peercred import peer_cred
+from ...private_dirs import check_private_dir, default_socket_dirs
 from .errors import BrokerImpostor
 
 BROKER_UID_ENV = "LMCACHE_EC_BROKER_UID"

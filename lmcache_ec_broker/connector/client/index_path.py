@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import HelloReply, Served
-from ..shm.residency import KEY_CAP, Found, ResidencyReader, usable_here
-from ..shm.segment import ShmError
+from ...protocol import HelloReply, Served
+from ...shm.residency import KEY_CAP, Found, ResidencyReader, usable_here
+from ...shm.segment import ShmError
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ def read_known_into(
 _SERVED_MAX = 64
 _SERVED_AGE_S = 0.005
 # The longest a noted item waits for a request to carry it: then the client's flusher
-# thread (connector/served_flush.py) sends it alone. The broker's counters, Prometheus
+# thread (connector/client/served_flush.py) sends it alone. The broker's counters, Prometheus
 # and LRU order follow a served hit within this plus one loop turn (docs/design.md
 # "Served hits reach the broker within 100 ms"). None: no flusher (benchmarks' switch).
 SERVED_FLUSH_S: float | None = 0.05

@@ -1,4 +1,4 @@
-"""The worker side of the vLLM connector (``vllm.py``): loads and puts.
+"""The worker side of the vLLM connector (``connector.py``): loads and puts.
 
 ``ECBrokerWorker`` is a part the connector holds for the worker role (as vLLM's
 own connectors hold a worker delegate); it is given what it reads. Its promises:
@@ -29,19 +29,19 @@ import torch
 from vllm.logger import init_logger
 
 from lmcache_ec_broker.connector.client import BrokerClient, BrokerRefused
-from lmcache_ec_broker.connector.model_id import model_id
-from lmcache_ec_broker.connector.stage_link import StageItem, StageLink
-from lmcache_ec_broker.connector.vllm_meta import (
+from lmcache_ec_broker.connector.vllm.meta import (
     WORKER_STAT_FIELDS,
     ECBrokerConnectorMetadata,
     ECBrokerWorkerMetadata,
     dtype_short_name,
     make_key,
 )
-from lmcache_ec_broker.connector.weights_identity import TRACKER, DigestFailed, settle_field
+from lmcache_ec_broker.connector.vllm.model_id import model_id
+from lmcache_ec_broker.connector.vllm.stage_link import StageItem, StageLink
+from lmcache_ec_broker.connector.vllm.weights_identity import TRACKER, DigestFailed, settle_field
 from lmcache_ec_broker.protocol import PublishState
 
-# The connector's one logger (vllm.py uses it too): vLLM's handler and format.
+# The connector's one logger (connector.py uses it too): vLLM's handler and format.
 logger = init_logger("vllm.lmcache_ec_broker.connector")
 
 MAX_UNSAVED = 4096  # mm_hashes remembered for publishing after a broker outage
@@ -75,7 +75,7 @@ class ECBrokerWorker:
     ) -> None:
         self.is_producer = is_producer
         self._dtype = dtype
-        # The scheduler is the one source of the model field (vllm.py): an explicit
+        # The scheduler is the one source of the model field (connector.py): an explicit
         # model_name, else the field of each step's metadata, kept for later.
         self._model = model
         self._model_source = model_source

@@ -30,7 +30,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from lmcache_ec_broker.connector.stage_link import Stage, StageHub, StageItem, StageRelease
+from lmcache_ec_broker.connector.vllm.stage_link import Stage, StageHub, StageItem, StageRelease
 
 
 class StageState(enum.Enum):

@@ -1,7 +1,7 @@
 """Local misses: which keys to ask the broker about, given the membership filter's
 mask (False where the filter proves a key absent), and the broker's answers for the
 asked keys merged back. Plain functions: BrokerClient decides when the filter may
-be trusted (connector/client.py ``_maybe_mask``) and passes the mask in."""
+be trusted (connector/client/broker_client.py ``_maybe_mask``) and passes the mask in."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The client's exceptions (re-exported by connector/client.py)."""
+"""The client's exceptions (re-exported by connector/client/broker_client.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ Failure model (what a serving engine can rely on):
   key it lacks. ``flush()`` waits for the posted replies. A ``has`` hit and a
   ``get`` of an entry in the broker's residency index (shm/residency.py) wait for
   nothing: answered, or copied and confirmed by the slot's seqlock word, locally
-  (connector/index_path.py), and told to the broker in a batched reply-less Served
+  (connector/client/index_path.py), and told to the broker in a batched reply-less Served
   frame, ahead of the next request or, within 50 ms, alone (served_flush.py); so
   does a get of this connection's own placement the broker has not handled yet.
   Otherwise ``get`` waits for its Get reply and posts the Release, and ``has`` is
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..private_dirs import default_socket_path
-from ..protocol import (
+from ...private_dirs import default_socket_path
+from ...protocol import (
     Clear,
     Delete,
     DeleteReply,
@@ -72,7 +72,7 @@ from ..protocol import (
     Unlease,
     WaitReady,
 )
-from ..shm.residency import ResidencyReader
+from ...shm.residency import ResidencyReader
 from . import index_path, reads, writes
 from .client_link import ClientLink
 from .errors import BrokerImpostor as BrokerImpostor

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..config_lmcache import LMCACHE_KEYS, closest
+from ...config_lmcache import LMCACHE_KEYS, closest
 
-# Every key ECBrokerConnector.__init__ reads (connector/vllm.py), with what it sets.
+# Every key ECBrokerConnector.__init__ reads (connector/vllm/connector.py), with what it sets.
 KEYS = {
     "socket_path": "the broker's Unix socket",
     "scheduler_budget_ms": "longest wait of the scheduler's hooks per outage",

@@ -24,11 +24,11 @@ on the workers before they are encoded instead), ``claim_wait_ms`` (10000: how l
 a request may wait for an item another encoder has claimed, 0 = never wait),
 ``model_name`` (the model field of the keys, followed by the configuration's
 fingerprint; default: the model path plus a fingerprint of its weights, see
-:mod:`lmcache_ec_broker.connector.model_id`; after an in-place weight update, plus a
+:mod:`lmcache_ec_broker.connector.vllm.model_id`; after an in-place weight update, plus a
 fingerprint of the encoder's weights in memory, see
-:mod:`lmcache_ec_broker.connector.weights_identity`), ``client_uuid_namespace``
+:mod:`lmcache_ec_broker.connector.vllm.weights_identity`), ``client_uuid_namespace``
 (unset: client ``multi_modal_uuids`` are never shared; set: shared among instances
-with the same namespace, see :mod:`lmcache_ec_broker.connector.identifiers`),
+with the same namespace, see :mod:`lmcache_ec_broker.connector.vllm.identifiers`),
 ``publish_wait_ms`` (2000; an
 ``ec_producer`` only: the longest a step waits for its entries to reach the fleet,
 0 = no wait; below).
@@ -71,9 +71,9 @@ Flow per engine step (staged loads: docs/design.md, "Staged loads"):
   exactly one of them copy.
 
 The worker side (staging, loads, puts) is a part this connector holds for the
-worker role, ``vllm_worker.ECBrokerWorker``; the stage orders another,
+worker role, ``worker.ECBrokerWorker``; the stage orders another,
 ``stage_book.StageBook`` (docs/design.md, "The vLLM connector's parts"); the
-messages between the two sides and the key format are in ``vllm_meta.py``.
+messages between the two sides and the key format are in ``meta.py``.
 """
 
 from __future__ import annotations
@@ -93,23 +93,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from lmcache_ec_broker.connector.client import BrokerClient
-from lmcache_ec_broker.connector.extra_config import check_extra_config
-from lmcache_ec_broker.connector.identifiers import IdentifierPolicy
-from lmcache_ec_broker.connector.model_id import (
-    check_model_name,
-    config_fingerprint,
-    model_id,
-    with_config,
-)
-from lmcache_ec_broker.connector.stage_book import StageBook, StageState
-from lmcache_ec_broker.connector.stage_link import (
-    StageHub,
-    StageItem,
-    encoder_ranks,
-    link_path,
-    loads_off_reason,
-)
-from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
+from lmcache_ec_broker.connector.vllm.extra_config import check_extra_config
+from lmcache_ec_broker.connector.vllm.identifiers import IdentifierPolicy
+from lmcache_ec_broker.connector.vllm.meta import (  # noqa: F401 - re-exported
     STAT_FIELDS,
     ECBrokerConnectorMetadata,
     ECBrokerStats,
@@ -119,12 +105,26 @@ from lmcache_ec_broker.connector.vllm_meta import (  # noqa: F401 - re-exported
     dtype_short_name,
     make_key,
 )
-from lmcache_ec_broker.connector.vllm_worker import ECBrokerWorker, logger
-from lmcache_ec_broker.connector.weights_identity import (
+from lmcache_ec_broker.connector.vllm.model_id import (
+    check_model_name,
+    config_fingerprint,
+    model_id,
+    with_config,
+)
+from lmcache_ec_broker.connector.vllm.stage_book import StageBook, StageState
+from lmcache_ec_broker.connector.vllm.stage_link import (
+    StageHub,
+    StageItem,
+    encoder_ranks,
+    link_path,
+    loads_off_reason,
+)
+from lmcache_ec_broker.connector.vllm.weights_identity import (
     EngineWatch,
     track_model_loads,
     watch_engine_calls,
 )
+from lmcache_ec_broker.connector.vllm.worker import ECBrokerWorker, logger
 from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _worker_count(name: str) -> property:
 
 class ECBrokerConnector(ECConnectorBase):
     """The scheduler side is this class; the worker side is a part it holds for the
-    worker role (``connector_worker``, vllm_worker.py), the stage orders another
+    worker role (``connector_worker``, worker.py), the stage orders another
     (``_book``, stage_book.py): see docs/design.md, "The vLLM connector's parts"."""
 
     # The worker part's class (a test injecting faults subclasses it).
@@ -288,7 +288,7 @@ class ECBrokerConnector(ECConnectorBase):
         )
         # The field follows the weights in memory (weights_identity.py). Scheduler:
         # the field it keys with now, "" while unknown (misses, no loads, no stores).
-        # Worker: its part's identity (vllm_worker.py).
+        # Worker: its part's identity (worker.py).
         self._field = self._model or ""
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
@@ -319,7 +319,7 @@ class ECBrokerConnector(ECConnectorBase):
         self.claim_timeouts = 0  # ... that did not land within claim_wait_ms: encoded
         self._reported: dict[str, int] = {}
         # Worker counters summed from the workers' metadata (scheduler role only): the
-        # one route to vLLM's EC stats on the V1 runner too (vllm_worker.py says why).
+        # one route to vLLM's EC stats on the V1 runner too (worker.py says why).
         self._from_workers: dict[str, int] = {}
 
         # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
@@ -356,7 +356,7 @@ class ECBrokerConnector(ECConnectorBase):
             else:
                 self._book = StageBook(hub, self._stage_wait_s)
 
-        # The worker side: a part of its own, given what it reads (vllm_worker.py).
+        # The worker side: a part of its own, given what it reads (worker.py).
         self.connector_worker: ECBrokerWorker | None = None
         if role == ECConnectorRole.WORKER:
             self.connector_worker = self.worker_class(

@@ -31,11 +31,11 @@ import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from ..protocol import HelloReply
-from ..shm.filter import FilterReader
-from ..shm.journal import Journal
-from ..shm.residency import ResidencyReader
-from ..shm.segment import Segment, ShmError
+from ...protocol import HelloReply
+from ...shm.filter import FilterReader
+from ...shm.journal import Journal
+from ...shm.residency import ResidencyReader
+from ...shm.segment import Segment, ShmError
 from . import index_path
 
 if TYPE_CHECKING:

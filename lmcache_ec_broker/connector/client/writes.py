@@ -6,7 +6,7 @@ Two ways into the slab (docs/design.md "Put arenas"): a key the trusted filter s
 is absent, and that fits this connection's put arena, is copied into the arena's own
 blocks and its Place frame posted (no wait); any other key is reserved (one round
 trip), copied, and its Commit posted. Either way, a put that returned is seen by every
-later request from any process (the module docstring of connector/client.py says
+later request from any process (the module docstring of connector/client/broker_client.py says
 how)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..protocol import (
+from ...protocol import (
     Abort,
     Commit,
     ErrorReply,

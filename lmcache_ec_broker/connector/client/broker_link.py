@@ -8,7 +8,7 @@
   background prober that closes it again.
 
 None of them holds a connection: BrokerClient keeps the Session that ``dial``'s
-socket becomes (connector/session.py). The module docstring of client.py gives the
+socket becomes (connector/client/session.py). The module docstring of broker_client.py gives the
 failure model.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 
 import msgspec
 
-from ..protocol import FRAME_HEADER, PROTOCOL_VERSION, ErrorReply, Hello, HelloReply, Reply
+from ...protocol import FRAME_HEADER, PROTOCOL_VERSION, ErrorReply, Hello, HelloReply, Reply
 from .errors import BrokerRefused, BrokerUnavailable
 from .frames import _MAX_REPLY_BYTES
 from .trust import check_peer

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..protocol import Extent, expected_nbytes
+from ...protocol import Extent, expected_nbytes
 from . import pinning
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ slab blocks granted to this connection ahead of time and posts a Place, waiting 
 nothing; grants are asked for when the arena runs low, and blocks of a placement
 the broker did not store come back.
 
-``PutArena`` is a part of one ``Session`` (connector/session.py): made with the
+``PutArena`` is a part of one ``Session`` (connector/client/session.py): made with the
 connection, dropped with it (the broker frees the arena with the connection). It
 gets what it reads through its constructor: the handshake's limits, the placement
 journal of the broker's epoch (or None) and the session's framer. It builds frames
@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from ..protocol import ArenaGrant, ArenaReply, HelloReply, Place, PlaceReply
-from ..shm.journal import Journal
+from ...protocol import ArenaGrant, ArenaReply, HelloReply, Place, PlaceReply
+from ...shm.journal import Journal
 from .arena_blocks import ArenaBlocks, Run, extents_of
 from .frames import _MAX_OWED
 

@@ -699,7 +699,7 @@ def worker_identity(worker: Any, base: str) -> str | None:
 
     if not has_ec_transfer():
         return None
-    part = get_ec_transfer().connector_worker  # vllm_worker.ECBrokerWorker
+    part = get_ec_transfer().connector_worker  # worker.ECBrokerWorker
     get_model = getattr(worker, "get_model", None)
     model = get_model() if callable(get_model) else worker.model_runner.get_model()
     return part.refresh_identity(model, base)

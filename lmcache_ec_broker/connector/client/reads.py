@@ -1,7 +1,7 @@
 """The read path's pieces, as functions over the parts BrokerClient hands them:
 a Get round trip on a wire (the copy, then a posted Release), and copies from this
 connection's own not-yet-handled placements (PutArena.own_read). BrokerClient
-(connector/client.py) decides which path serves a key: the residency index
+(connector/client/broker_client.py) decides which path serves a key: the residency index
 (index_path.py), the connection's own placements, the filter, the broker."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import Get, GetReply, Hit, Release
+from ...protocol import Get, GetReply, Hit, Release
 from .errors import BrokerUnavailable
 
 if TYPE_CHECKING:

@@ -80,7 +80,7 @@ class ECBrokerWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
-# The worker part's counters (vllm_worker.py), which its metadata carries.
+# The worker part's counters (worker.py), which its metadata carries.
 WORKER_STAT_FIELDS = (
     "loads",
     "staged",

@@ -1,11 +1,11 @@
 """``ClientLink``: one client's connection to its broker, kept across outages.
 
 It owns what a connection is made of and what outlives one: the lock every data
-operation holds, the current ``Session`` (connector/session.py), the broker epoch's
-``Mappings`` (connector/mappings.py), the last handshake, the ``Redial`` back-off
-and the ``Circuit`` (connector/broker_link.py), and the Served flusher's thread
-(connector/served_flush.py). ``BrokerClient`` (client.py) holds one and does the
-cache's work over it; the failure model is client.py's module docstring.
+operation holds, the current ``Session`` (connector/client/session.py), the broker epoch's
+``Mappings`` (connector/client/mappings.py), the last handshake, the ``Redial`` back-off
+and the ``Circuit`` (connector/client/broker_link.py), and the Served flusher's thread
+(connector/client/served_flush.py). ``BrokerClient`` (broker_client.py) holds one and does the
+cache's work over it; the failure model is broker_client.py's module docstring.
 
 Invariants:
 - ``session`` is None or a live connection of the broker whose epoch ``maps`` are
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..protocol import HelloReply
-from ..shm.segment import ShmError
+from ...protocol import HelloReply
+from ...shm.segment import ShmError
 from . import index_path
 from .broker_link import Circuit, Redial, close_fds, dial, probe
 from .errors import BrokerRefused, BrokerUnavailable

@@ -22,8 +22,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol import HelloReply
-from ..shm.journal import Journal
+from ...protocol import HelloReply
+from ...shm.journal import Journal
 from .arena_put import PutArena
 from .frames import Framer, Wire
 from .index_path import ServedBatch

@@ -2,7 +2,7 @@
 one receive buffer, and the replies still owed for posted (reply-less to the
 caller) requests read and handed on before the next reply.
 
-``Wire`` is a part of one ``Session`` (connector/session.py): made when the
+``Wire`` is a part of one ``Session`` (connector/client/session.py): made when the
 connection is made, dropped with it. It knows nothing of the other parts; what it
 must tell them comes through the callables it is given:
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from ..protocol import FRAME_HEADER, ErrorReply, ProtocolError, Reply, frame_length
+from ...protocol import FRAME_HEADER, ErrorReply, ProtocolError, Reply, frame_length
 from .errors import BrokerRefused, BrokerUnavailable
 
 _MAX_REPLY_BYTES = 256 << 20
