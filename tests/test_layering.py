@@ -214,6 +214,7 @@ def test_every_class_name_means_one_thing() -> None:
 # reads only what it defines itself (its own state, methods, and what its
 # constructor was given); the connector composes them instead of inheriting them.
 CONNECTOR_PARTS = {
+    "connector/vllm/scheduler.py": "ECBrokerScheduler",
     "connector/vllm/worker.py": "ECBrokerWorker",
     "connector/vllm/stage_book.py": "StageBook",
     "connector/vllm/stage_link.py": "StageLink",

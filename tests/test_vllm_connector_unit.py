@@ -88,7 +88,7 @@ class Pair:
         for _ in range(100):
             if self.sched.ensure_cache_available(request, computed):
                 return True
-            book = self.sched._book
+            book = self.sched.connector_scheduler.book
             if book is None or not book.staging():
                 return False  # held for something else (a promotion): a later step
             self.sched.wait_for_staging(30)
@@ -304,7 +304,7 @@ def test_roles(pairs, broker):
     # An (encoder-only) producer does not encode what the fleet holds, nor load it
     # (issue 32; tests/test_epd_connector.py); it takes no lease for it.
     assert producer.sched.has_cache_item(h)
-    assert not producer.sched._step_leased
+    assert not producer.sched.connector_scheduler._step_leased
     assert consumer.staged_first(make_request("r", h)) and consumer.sched.has_cache_item(h)
 
 
@@ -393,7 +393,7 @@ def test_deepstack_width_on_a_consumer(pairs, broker):
     nothing of any width (before: zeros of the text hidden size, which the
     model's DeepStack split rejects, killing the engine) and is encoded instead."""
     producer, consumer = pairs("ec_producer"), pairs("ec_consumer")
-    assert consumer.sched._widths == {}
+    assert consumer.sched.connector_scheduler._widths == {}
     wide = torch.randn(NUM_EMBEDS, HIDDEN * 4).to(torch.bfloat16)  # 3 DeepStack levels
     h, gone = "d5" * 32, "d6" * 32
     producer.worker.save_caches({h: wide, gone: wide}, h)
@@ -520,7 +520,7 @@ def test_items_beyond_the_steps_reach_are_not_looked_up(pairs, broker, model_con
     near, far = "e1" * 32, "e2" * 32
     for i, h in enumerate((near, far)):
         p.worker.save_caches({h: embedding(40 + i)}, h)
-    reach = p.sched._reach
+    reach = p.sched.connector_scheduler._settings.reach
     features = [
         MultiModalFeatureSpec(
             data=None,
@@ -539,10 +539,10 @@ def test_items_beyond_the_steps_reach_are_not_looked_up(pairs, broker, model_con
     )
     before = lookups_of(broker_stats(broker.socket_path, p))
     assert p.staged_first(request)
-    assert p.sched._step_state.keys() == {near}
+    assert p.sched.connector_scheduler._step_state.keys() == {near}
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
     assert p.staged_first(request, reach)
-    assert p.sched._step_state.keys() == {far}
+    assert p.sched.connector_scheduler._step_state.keys() == {far}
     assert lookups_of(broker_stats(broker.socket_path, p)) == before + 2
 
 
@@ -754,7 +754,7 @@ def test_an_order_sent_before_the_last_load_ran_keeps_both(pairs, broker):
         p.sched.update_state_after_alloc(request, 0)
         freed = SchedulerOutput.make_empty()
         metas.append(p.sched.build_connector_meta(freed))
-        p.sched._held.discard(h)  # vLLM freed it (free_encoder_mm_hashes of a later step)
+        p.sched.connector_scheduler._held.discard(h)  # vLLM freed it (free_encoder_mm_hashes of a later step)
     for meta in metas:
         cache: dict[str, torch.Tensor] = {}
         p.worker.bind_connector_metadata(meta)
@@ -919,7 +919,7 @@ def test_wrong_entry_is_a_miss_and_left_alone(pairs, broker, connector_log, what
     loaded, never deleted (it was deleted from every tier before)."""
     p = pairs()
     # vLLM measures the encoder's output width on producers; the width check uses it.
-    p.sched._widths = {"image": HIDDEN}
+    p.sched.connector_scheduler._widths = {"image": HIDDEN}
     h = f"e{what}".encode().hex().ljust(64, "0")
     key = p.sched.key(h)
     with BrokerClient(broker.socket_path) as c:
@@ -1152,7 +1152,7 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
             assert not p.sched.has_cache_item(x)
             p.sched.update_state_after_alloc(r, 0)
             p.sched.build_connector_meta(SchedulerOutput.make_empty())
-            p.sched._held.clear()  # a new item each step, as far as vLLM's cache goes
+            p.sched.connector_scheduler._held.clear()  # a new item each step, as far as vLLM's cache goes
             waits.append(time.perf_counter() - t0)
         # The first step waited its budget (a sleep can only run long), and not the
         # 10 s of before; later steps did not wait for the broker at all.
@@ -1165,7 +1165,7 @@ def test_hung_broker_costs_the_scheduler_one_budget_per_outage(pairs, make_broke
     while not (p.staged_first(make_request("again", x)) and p.sched.has_cache_item(x)):
         assert time.monotonic() < deadline, "the scheduler never used the broker again"
         p.sched.build_connector_meta(SchedulerOutput.make_empty())
-        p.sched._held.clear()
+        p.sched.connector_scheduler._held.clear()
         time.sleep(0.05)
 
 
@@ -1289,7 +1289,7 @@ def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
         assert 0.9 * budget < waits[0] < 3 * budget and max(waits[1:]) < budget / 3, waits
         assert p.worker.puts_skipped == 5 and p.worker.broker_timeouts == 1
         r = make_request("r", "0" * 64)
-        p.sched._step_state["0" * 64] = LookupState.READY  # a hit seen before the hang
+        p.sched.connector_scheduler._step_state["0" * 64] = LookupState.READY  # a hit seen before the hang
         t0 = time.perf_counter()
         assert p.staged_first(r)  # ordered; the worker's staging fails at once
         assert time.perf_counter() - t0 < budget / 3

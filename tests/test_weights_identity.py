@@ -181,7 +181,7 @@ def test_worker_neither_loads_nor_stores_under_a_field_it_does_not_hold(pairs, b
 
     # Unknown field (a weight-transfer session): misses without asking, no stores.
     p.worker.connector_worker.adopt_identity(None)
-    p.sched._set_field("")
+    p.sched.connector_scheduler.set_field("")
     with BrokerClient(broker.socket_path) as c:
         assert c.put(make_key(p.worker.model_id, NEW, torch.bfloat16), embedding(3))
     misses = p.sched.ec_misses
@@ -202,7 +202,7 @@ def test_stagings_under_the_old_field_end_when_it_changes(pairs, broker):  # noq
     p.sched.build_connector_meta(SchedulerOutput.make_empty())  # r1 not scheduled after all
     link = p.worker.connector_worker.link
     assert link.held() == {h}
-    p.sched._set_field(p.sched.model_id + "~w0123456789abcdef")
+    p.sched.connector_scheduler.set_field(p.sched.model_id + "~w0123456789abcdef")
     assert not p.sched.has_cache_item(h)
     deadline = time.monotonic() + 30
     while link.held():

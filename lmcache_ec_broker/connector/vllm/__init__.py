@@ -2,7 +2,10 @@
 (``ec_connector_module_path: lmcache_ec_broker.connector.vllm``, or through the
 plugin). Its parts, one concern each (docs/design.md, "The vLLM connector's parts"):
 
-- ``connector.py``: the class vLLM instantiates per role; its scheduler side;
+- ``connector.py``: the class vLLM instantiates per role: the configuration, the
+  broker client of its process, and one part per role, to which it forwards;
+- ``scheduler.py``: the scheduler side (lookups, holds, leases, claims, the step's
+  loads), a part the connector holds;
 - ``worker.py``: the worker side (staging, loads, puts), a part the connector holds;
 - ``stage_book.py`` / ``stage_link.py``: the scheduler's stage orders, and the link
   that carries them to every encoder rank and their reports back;

@@ -80,9 +80,7 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -111,10 +109,10 @@ from lmcache_ec_broker.connector.vllm.model_id import (
     model_id,
     with_config,
 )
-from lmcache_ec_broker.connector.vllm.stage_book import StageBook, StageState
+from lmcache_ec_broker.connector.vllm.scheduler import ECBrokerScheduler, SchedulerSettings
+from lmcache_ec_broker.connector.vllm.stage_book import StageBook
 from lmcache_ec_broker.connector.vllm.stage_link import (
     StageHub,
-    StageItem,
     encoder_ranks,
     link_path,
     loads_off_reason,
@@ -125,7 +123,6 @@ from lmcache_ec_broker.connector.vllm.weights_identity import (
     watch_engine_calls,
 )
 from lmcache_ec_broker.connector.vllm.worker import ECBrokerWorker, logger
-from lmcache_ec_broker.protocol import EntryInfo, LookupState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -141,17 +138,7 @@ DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
 DEFAULT_PUBLISH_WAIT_MS = 2000
 DEFAULT_CLAIM_WAIT_MS = 10_000
-CLAIM_MS = 30_000  # how long this instance's encode claim holds at most (its put ends it)
-_MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
-
-
-@dataclass
-class _Waiting:
-    """A request deferred until its entries are promoted into the slab."""
-
-    since: float
-    hashes: set[str]
 
 
 def _worker_count(name: str) -> property:
@@ -165,10 +152,22 @@ def _worker_count(name: str) -> property:
     return property(get)
 
 
+def _scheduler_count(name: str) -> property:
+    """A scheduler counter: the scheduler part's own; 0 on a worker."""
+
+    def get(self: ECBrokerConnector) -> int:
+        part = self.connector_scheduler
+        return getattr(part, name) if part is not None else 0
+
+    return property(get)
+
+
 class ECBrokerConnector(ECConnectorBase):
-    """The scheduler side is this class; the worker side is a part it holds for the
-    worker role (``connector_worker``, worker.py), the stage orders another
-    (``_book``, stage_book.py): see docs/design.md, "The vLLM connector's parts"."""
+    """The class vLLM instantiates, once per role. It reads the configuration, owns
+    the broker client of its process, and holds one part per role -- the scheduler
+    side (``connector_scheduler``, scheduler.py) or the worker side
+    (``connector_worker``, worker.py) -- and forwards vLLM's hooks to it in one line
+    each: see docs/design.md, "The vLLM connector's parts"."""
 
     # The worker part's class (a test injecting faults subclasses it).
     worker_class: type[ECBrokerWorker] = ECBrokerWorker
@@ -180,6 +179,14 @@ class ECBrokerConnector(ECConnectorBase):
     puts_skipped = _worker_count("puts_skipped")
     published = _worker_count("published")
     publish_failures = _worker_count("publish_failures")
+    ec_hits = _scheduler_count("ec_hits")
+    ec_misses = _scheduler_count("ec_misses")
+    ec_deferred = _scheduler_count("ec_deferred")
+    promotion_failures = _scheduler_count("promotion_failures")
+    claim_waits = _scheduler_count("claim_waits")
+    claim_timeouts = _scheduler_count("claim_timeouts")
+    stage_timeouts = _scheduler_count("stage_timeouts")
+    stage_orders = _scheduler_count("stage_orders")
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -212,7 +219,7 @@ class ECBrokerConnector(ECConnectorBase):
         # The broker answers a lookup within half the budget even when its remote
         # store is slow (keys the store has not answered are a miss: an encode), so a
         # slow store never opens this circuit and turns local hits into encodes too.
-        self._lookup_wait_ms = max(1, int(budget_ms / 2))
+        lookup_wait_ms = max(1, int(budget_ms / 2))
         self._probe_interval_s = probe_ms / 1000
         # Disaggregated encoding (the module docstring, "EPD"): which instance does what.
         self._encoder_only_producer = (
@@ -220,7 +227,7 @@ class ECBrokerConnector(ECConnectorBase):
             and not self.is_consumer
             and bool(getattr(vllm_config, "is_mm_encoder_only", False))
         )
-        self._fresh = self._encoder_only_producer or (self.is_consumer and not self.is_producer)
+        fresh = self._encoder_only_producer or (self.is_consumer and not self.is_producer)
         publish_wait_ms = int(extra("publish_wait_ms", DEFAULT_PUBLISH_WAIT_MS))
         if publish_wait_ms < 0:
             raise ValueError(
@@ -229,9 +236,8 @@ class ECBrokerConnector(ECConnectorBase):
             )
         # Only a pure producer hands entries over to other instances: only it waits.
         self._publish_wait_ms = publish_wait_ms if self.is_producer and not self.is_consumer else 0
-        self._publish: list[str] = []  # this step's items an encoder-only producer skipped
-        self._lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
-        self._max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
+        lease_ms = int(extra("lease_ms", DEFAULT_LEASE_MS))
+        max_defer_s = float(extra("max_defer_s", DEFAULT_MAX_DEFER_S))
         # In-flight deduplication (docs/design.md, "Staged loads"): an instance that
         # stores what it encodes claims the items it misses; an item another encoder
         # claimed holds the request, at most claim_wait_ms, then it is encoded here.
@@ -241,22 +247,18 @@ class ECBrokerConnector(ECConnectorBase):
                 f"ec_connector_extra_config: claim_wait_ms must be >= 0 (got {claim_wait_ms:g};"
                 " 0 = never wait for another encoder)"
             )
-        self._claim_wait_s = claim_wait_ms / 1000
-        self._claims = self.is_producer and claim_wait_ms > 0
-        self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
-        self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
         # The hold bound of a staging (stage_book.py): past a worker's own bounded wait.
         worker_ms = float(extra("worker_budget_ms", DEFAULT_WORKER_BUDGET_MS))
-        self._stage_wait_s = float(extra("stage_wait_ms", worker_ms + 500)) / 1000
-        if self._stage_wait_s <= 0:
+        stage_wait_s = float(extra("stage_wait_ms", worker_ms + 500)) / 1000
+        if stage_wait_s <= 0:
             raise ValueError(
                 "ec_connector_extra_config: stage_wait_ms must be > 0 "
-                f"(got {self._stage_wait_s * 1000:g})"
+                f"(got {stage_wait_s * 1000:g})"
             )
-        if self._lease_ms <= 0 or self._max_defer_s < 0:
+        if lease_ms <= 0 or max_defer_s < 0:
             raise ValueError(
                 "ec_connector_extra_config: lease_ms must be > 0 and max_defer_s >= 0 "
-                f"(got lease_ms={self._lease_ms}, max_defer_s={self._max_defer_s})"
+                f"(got lease_ms={lease_ms}, max_defer_s={max_defer_s})"
             )
         model_config = vllm_config.model_config
         # The effective configuration is part of the field (model_id.config_parts).
@@ -286,75 +288,73 @@ class ECBrokerConnector(ECConnectorBase):
             extra("client_uuid_namespace", None),
             logger if role == ECConnectorRole.SCHEDULER else None,
         )
-        # The field follows the weights in memory (weights_identity.py). Scheduler:
-        # the field it keys with now, "" while unknown (misses, no loads, no stores).
-        # Worker: its part's identity (worker.py).
-        self._field = self._model or ""
         self._dtype = model_config.dtype
         self._dtype_name = dtype_short_name(self._dtype)
         sched = getattr(vllm_config, "scheduler_config", None)
         # How far past its computed tokens one step can take a request (the scheduler's
         # token budget, capped by the long-prefill threshold): items beyond are not
         # looked up yet.
-        self._reach = int(
+        reach = int(
             getattr(sched, "max_num_scheduled_tokens", None)
             or getattr(sched, "max_num_batched_tokens", None)
             or 1 << 62
         )
         threshold = int(getattr(sched, "long_prefill_token_threshold", 0) or 0)
         if threshold > 0:
-            self._reach = min(self._reach, threshold)
+            reach = min(reach, threshold)
         self._client: BrokerClient | None = None
         self._client_pid = -1
         self._client_lock = threading.Lock()
         self._broker_up = True
 
-        # Counters (scheduler side: lookups and their answers; worker side: loads, puts).
-        self.ec_hits = 0
-        self.ec_misses = 0
-        self.ec_deferred = 0  # steps a request waited for a promotion
-        self.promotion_failures = 0  # waited for a promotion that did not come: encoded
+        # Counters of the connector itself (each side's part counts its own).
         self.invalid_skipped = 0  # entries of the wrong dtype/shape: misses, left alone
-        self.claim_waits = 0  # steps a request waited for another encoder's claim
-        self.claim_timeouts = 0  # ... that did not land within claim_wait_ms: encoded
         self._reported: dict[str, int] = {}
         # Worker counters summed from the workers' metadata (scheduler role only): the
         # one route to vLLM's EC stats on the V1 runner too (worker.py says why).
         self._from_workers: dict[str, int] = {}
-
-        # Scheduler state. Per step: the broker's answer per mm_hash (memoised so that
-        # every hook of the step sees one decision), which answers were counted, and the
-        # hashes leased. Across steps: requests waiting for promotions, and the stage
-        # orders (``_book``, stage_book.py); both keep their leases until they settle.
-        self._step_state: dict[str, int] = {}
-        self._counted: set[str] = set()
-        self._step_leased: set[str] = set()
-        self._waiting: dict[str, _Waiting] = {}
-        self._pending_loads: list[LoadSpec] = []
-        self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
-        # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
-        # reported freed): they are never looked up. It can only be stale towards
-        # "held" after vLLM's reset_encoder_cache; has_cache_item then sees a held
-        # hash (vLLM asks only about items it lacks) and drops the mirror.
-        self._held: set[str] = set()
-        # This step's items _ahead skipped as held: mm_hash -> (embeddings, width)
-        self._held_skipped: dict[str, tuple[int, int | None]] = {}
 
         # Whether hits may be staged and loaded at all (stage_link.loads_off_reason).
         self.loads_off = loads_off_reason(vllm_config)
         if self.loads_off and role == ECConnectorRole.SCHEDULER and self.is_consumer:
             logger.warning("EC broker: no loads in this configuration (%s); saving only", self.loads_off)
         stages = self.is_consumer and not self._encoder_only_producer and not self.loads_off
-        # The scheduler's stage orders, through the engine's staging link (stage_link.py).
-        self._book: StageBook | None = None
-        if stages and role == ECConnectorRole.SCHEDULER:
-            try:
-                hub = StageHub(link_path(vllm_config), encoder_ranks(vllm_config))
-            except (OSError, ValueError) as exc:
-                self.loads_off = f"the staging link could not be set up: {exc}"
-                logger.warning("EC broker: no loads (%s); saving only", self.loads_off)
-            else:
-                self._book = StageBook(hub, self._stage_wait_s)
+        # The scheduler side: a part of its own, given what it reads (scheduler.py),
+        # with the stage orders it sends through the engine's staging link.
+        self.connector_scheduler: ECBrokerScheduler | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            book: StageBook | None = None
+            if stages:
+                try:
+                    hub = StageHub(link_path(vllm_config), encoder_ranks(vllm_config))
+                except (OSError, ValueError) as exc:
+                    self.loads_off = f"the staging link could not be set up: {exc}"
+                    logger.warning("EC broker: no loads (%s); saving only", self.loads_off)
+                else:
+                    book = StageBook(hub, stage_wait_s)
+            self.connector_scheduler = ECBrokerScheduler(
+                settings=SchedulerSettings(
+                    encoder_only_producer=self._encoder_only_producer,
+                    fresh=fresh,
+                    lease_ms=lease_ms,
+                    lookup_wait_ms=lookup_wait_ms,
+                    max_defer_s=max_defer_s,
+                    claims=self.is_producer and claim_wait_ms > 0,
+                    claim_wait_s=claim_wait_ms / 1000,
+                    stage_wait_s=stage_wait_s,
+                    reach=reach,
+                ),
+                # The field follows the weights in memory (weights_identity.py).
+                field=self._model or "",
+                dtype=self._dtype,
+                widths=dict(getattr(ec_config, "mm_encoder_output_widths", {})),
+                book=book,
+                on_live_connection=self._on_live_connection,
+                live_client=self._live_client,
+                item_key=self._ids.item_key,
+                mismatch=self._mismatch,
+                delete_invalid=self._delete_invalid,
+            )
 
         # The worker side: a part of its own, given what it reads (worker.py).
         self.connector_worker: ECBrokerWorker | None = None
@@ -382,7 +382,10 @@ class ECBrokerConnector(ECConnectorBase):
         # (weights_identity.py); the workers also report changes they see themselves.
         self.weights_watch: EngineWatch | None = None
         if role == ECConnectorRole.SCHEDULER and self._model is not None:
-            self.weights_watch = EngineWatch(self._model, self._set_field, vllm_config)
+            assert self.connector_scheduler is not None
+            self.weights_watch = EngineWatch(
+                self._model, self.connector_scheduler.set_field, vllm_config
+            )
             if not watch_engine_calls():
                 logger.warning(
                     "EC broker: no vLLM engine core here; the model field of the keys "
@@ -394,36 +397,12 @@ class ECBrokerConnector(ECConnectorBase):
 
     @property
     def model_id(self) -> str:
-        """The model field of this instance's keys. On the scheduler: the field it
-        adopted from the workers' fingerprint ("" while unknown). On a worker: its
-        part's (``ECBrokerWorker.model_id``)."""
+        """The model field of this instance's keys. On the scheduler: the field its
+        part keys with ("" while unknown). On a worker: its part's
+        (``ECBrokerWorker.model_id``)."""
         if self.connector_worker is not None:
             return self.connector_worker.model_id
-        return self._field
-
-    def _set_field(self, field: str) -> None:
-        """Scheduler: key with ``field`` from now on ("" = unknown). Called between
-        steps (weights_identity.EngineWatch). Leases taken under the old field end
-        now: their loads, if any are still to run, are refused by the workers (other
-        weights) and encoded instead."""
-        old = self._field
-        if field == old:
-            return
-        logger.info(
-            "EC broker: model field of the keys is now %s",
-            field or "unknown (weights changing: misses until they are fingerprinted)",
-        )
-        held = self._needed()
-        self._field = field
-        if self._book is not None:  # orders keyed by the old field: encoded instead
-            self._book.clear()
-        if old and held and self._client is not None and self._client_pid == os.getpid():
-            try:
-                self._client.unlease(
-                    [make_key(old, self._ids.item_key(h) or h, self._dtype) for h in held]
-                )
-            except Exception as exc:  # leases also end on their own (lease_ms)
-                logger.warning("EC broker unlease failed: %s", exc)
+        return self._scheduler.field
 
     def _private(self, identifier: str) -> bool:
         """An identifier that does not name the item's content, or a tower LoRA
@@ -432,10 +411,6 @@ class ECBrokerConnector(ECConnectorBase):
 
     def key(self, mm_hash: str) -> str:
         return make_key(self.model_id, self._ids.item_key(mm_hash) or mm_hash, self._dtype)
-
-    def _width(self, modality: str) -> int | None:
-        """The encoder's output width for ``modality``, if vLLM told it."""
-        return self._widths.get(modality)
 
     @property
     def client(self) -> BrokerClient:
@@ -452,6 +427,11 @@ class ECBrokerConnector(ECConnectorBase):
                 self._broker_up = True
                 self._note_health(self._client)
             return self._client
+
+    def _live_client(self) -> BrokerClient | None:
+        """This process's client if it made one (nothing is connected for a release)."""
+        client = self._client
+        return client if client is not None and self._client_pid == os.getpid() else None
 
     def _note_health(self, client: BrokerClient) -> None:
         """Log each transition between reachable and unreachable broker once."""
@@ -513,49 +493,17 @@ class ECBrokerConnector(ECConnectorBase):
             return None
         return ECBrokerStats(data=dict(data or {}))
 
-    @property
-    def stage_timeouts(self) -> int:
-        """Stagings whose hold bound passed (a worker did not answer in time)."""
-        return self._book.timeouts if self._book is not None else 0
-
-    @property
-    def stage_orders(self) -> int:
-        """Stage orders open now (staging, or staged and not yet shipped)."""
-        return len(self._book) if self._book is not None else 0
-
     def wait_for_link(self, timeout_s: float) -> bool:
-        """Block until every encoder rank's staging link is up, at most ``timeout_s``
-        (tests and benchmarks that send a request at once; a served engine's workers
-        link long before its first request). True if up (or nothing to link)."""
-        book = self._book
-        if book is None:
-            return True
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._settle(book.refresh())
-            left = deadline - time.monotonic()
-            if book.ready or left <= 0:
-                return book.ready
-            book.wait(min(left, 0.05))
+        """The scheduler part's ``wait_for_link`` (tests and benchmarks)."""
+        return self._scheduler.wait_for_link(timeout_s)
 
     def wait_for_staging(self, timeout_s: float) -> None:
-        """Block until every staging ordered so far is settled (staged or failed), at
-        most ``timeout_s``: for a caller driving the engine's steps itself (tests,
-        benchmarks), which then sees the same steps whatever the link's timing."""
-        book = self._book
-        if book is None:
-            return
-        deadline = time.monotonic() + timeout_s
-        while book.staging():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            book.wait(left)
-            self._settle(book.refresh())
+        """The scheduler part's ``wait_for_staging`` (tests and benchmarks)."""
+        self._scheduler.wait_for_staging(timeout_s)
 
     def shutdown(self) -> None:
-        if self._book is not None:
-            self._book.close()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.close()
         worker = self.connector_worker
         if worker is not None and worker.link is not None:
             worker.link.close()
@@ -622,321 +570,33 @@ class ECBrokerConnector(ECConnectorBase):
 
     # ---------------------------------------------------------------- scheduler
 
+    # ---------------------------------------------------------------- scheduler
+    # vLLM calls these on the scheduler role only: forwards to the scheduler part.
+
+    @property
+    def _scheduler(self) -> ECBrokerScheduler:
+        part = self.connector_scheduler
+        if part is None:
+            raise RuntimeError("EC broker: a scheduler hook was called on a worker's connector")
+        return part
+
     def ensure_cache_available(
         self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any
     ) -> bool:
-        """vLLM >= 0.24, every step before a multimodal request is scheduled: False
-        holds the request for a later step while a hit is being staged on the workers
-        (bounded: stage_book.py) or an entry promoted from a lower tier (``max_defer_s``);
-        never on an encoder-only producer (an item on a lower tier is held by the
-        fleet, it need not come here)."""
-        if self._encoder_only_producer:
-            expected = self._ahead(request, num_computed_tokens)
-            ask = [h for h in expected if h not in self._step_state]
-            if ask:
-                self._lookup(ask, expected, request.request_id)
-            return not self._claim_hold(request.request_id, expected)
-        book = self._book
-        if not self.is_consumer or self.loads_off or book is None:
-            return True
-        self._settle(book.refresh())
-        expected = self._ahead(request, num_computed_tokens)
-        ask = [h for h in expected if h not in self._step_state and book.state(h) is None]
-        req_id = request.request_id
-        if ask:
-            self._lookup(ask, expected, req_id)
-        if self._claim_hold(req_id, expected):
-            return False
-        # Hits the broker holds: staged on every encoder rank before they are promised.
-        order = [
-            StageItem(h, self.key(h), *expected[h])
-            for h in expected
-            if book.state(h) is not None or self._step_state.get(h) == LookupState.READY
-        ]
-        if order and not book.order(req_id, order):
-            for item in order:  # the link is not up: these are encoded
-                if book.state(item.mm_hash) is None:
-                    self._step_state[item.mm_hash] = LookupState.MISS
-        staging = False
-        for h in expected:
-            state = book.state(h)
-            if state is StageState.FAILED:  # could not be staged: encoded, order ended
-                book.release({h})
-                self._step_state[h] = LookupState.MISS
-            elif state is StageState.STAGING:
-                staging = True
-        waiting = self._waiting.get(req_id)
-        if waiting is not None:
-            # Waited for these; the broker now says MISS: the promotion failed.
-            self.promotion_failures += sum(
-                1 for h in waiting.hashes if self._step_state.get(h) == LookupState.MISS
-            )
-        pending = {h for h in expected if self._step_state.get(h) == LookupState.PENDING}
-        if not pending:
-            self._waiting.pop(req_id, None)
-            return not staging
-        now = time.monotonic()
-        since = waiting.since if waiting is not None else now
-        if now - since >= self._max_defer_s:
-            logger.warning(
-                "EC broker: %d entr%s of request %s not promoted within %.1f s; encoding instead",
-                len(pending),
-                "y" if len(pending) == 1 else "ies",
-                req_id,
-                self._max_defer_s,
-            )
-            self.promotion_failures += len(pending)
-            for h in pending:
-                self._step_state[h] = LookupState.MISS
-            self._waiting.pop(req_id, None)
-            return not staging
-        if waiting is None:
-            logger.info(
-                "EC defer: request %s waits for %s (being promoted into the broker's slab)",
-                req_id,
-                ", ".join(f"mm_hash={h}" for h in sorted(pending)),
-            )
-        self._waiting[req_id] = _Waiting(since, pending)
-        self.ec_deferred += 1
-        return False
-
-    def _claim_hold(self, req_id: str, expected: dict[str, tuple[int, int | None]]) -> bool:
-        """Hold the request while another encoder (instance, node) has claimed one of
-        its items, at most claim_wait_ms; then those are encoded here (never wrong,
-        only duplicated). Each step looks them up again (with a claim): READY is
-        staged, MISS is ours to encode."""
-        claimed = [h for h in expected if self._step_state.get(h) == LookupState.CLAIMED]
-        if not claimed:
-            self._claim_waiting.pop(req_id, None)
-            return False
-        now = time.monotonic()
-        since = self._claim_waiting.setdefault(req_id, now)
-        if now - since < self._claim_wait_s:
-            if since == now:
-                logger.info(
-                    "EC claim: request %s waits for %s (being encoded by another instance)",
-                    req_id,
-                    ", ".join(f"mm_hash={h}" for h in sorted(claimed)),
-                )
-            self.claim_waits += 1
-            return True
-        logger.warning(
-            "EC claim: %d item(s) of request %s not encoded elsewhere within %.1f s; "
-            "encoding here",
-            len(claimed),
-            req_id,
-            self._claim_wait_s,
-        )
-        self.claim_timeouts += len(claimed)
-        for h in claimed:
-            self._step_state[h] = LookupState.MISS
-        self._claim_waiting.pop(req_id, None)
-        return False
-
-    def _stage_now(self, mm_hash: str, dims: tuple[int, int | None]) -> None:
-        """An item the stale mirror hid from ensure_cache_available (after vLLM's
-        reset_encoder_cache, which tells connectors nothing): look it up and stage it
-        while the scheduler waits, bounded by the hold bound (once per outage, as any
-        staging: stage_book.py). Rare: the first step after a reset, per item."""
-        book = self._book
-        assert book is not None
-        self._lookup([mm_hash], {mm_hash: dims})
-        if self._step_state.get(mm_hash) != LookupState.READY:
-            return
-        if not book.order("", [StageItem(mm_hash, self.key(mm_hash), *dims)]):
-            return
-        self.wait_for_staging(self._stage_wait_s)
-        if book.state(mm_hash) is not StageState.STAGED:
-            book.release({mm_hash})
-
-    def _settle(self, settled: set[str]) -> None:
-        """Stagings that ended (staged or failed) need their broker leases no more:
-        a staged tensor is on every encoder rank, a failed one is encoded."""
-        if settled:
-            self._step_leased -= settled
-            self._unlease(settled)
-
-    def _ahead(
-        self, request: Request, num_computed_tokens: int
-    ) -> dict[str, tuple[int, int | None]]:
-        """The request's items this step may need, to look up: mm_hash -> (embeddings,
-        the encoder's output width if known)."""
-        expected: dict[str, tuple[int, int | None]] = {}
-        reach = num_computed_tokens + self._reach
-        for index, feature in enumerate(request.mm_features):
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
-                continue  # already in the KV cache: no encoder output needed
-            if pos.offset >= reach:
-                continue  # not in this step's reach
-            if feature.identifier in self._held:
-                # vLLM's own encoder cache has it: never looked up nor leased (noted,
-                # in case the mirror is stale: has_cache_item)
-                self._held_skipped[feature.identifier] = (
-                    _num_embeds(request, index),
-                    self._width(feature.modality),
-                )
-                continue
-            if self._private(feature.identifier):
-                continue  # a tower LoRA adapter's item: never looked up
-            if feature.identifier not in expected:
-                width = self._width(feature.modality)
-                expected[feature.identifier] = (_num_embeds(request, index), width)
-        return expected
-
-    def _lookup(
-        self,
-        hashes: list[str],
-        expected: dict[str, tuple[int, int | None]],
-        req_id: str | None = None,
-    ) -> None:
-        """One batched lookup with a lease; memoises a state per hash for the step."""
-        if not self._field:  # weights changing: no field to key with yet
-            for mm_hash in hashes:
-                self._step_state[mm_hash] = LookupState.MISS
-            return
-        keys = [self.key(h) for h in hashes]
-        # An encoder-only producer never loads: nothing to protect from eviction.
-        lease_ms = 0 if self._encoder_only_producer else self._lease_ms
-        claim_ms = CLAIM_MS if self._claims else 0
-        try:
-            infos = self._on_live_connection(
-                lambda c: c.lookup(
-                    keys,
-                    lease_ms=lease_ms,
-                    wait_ms=self._lookup_wait_ms,
-                    fresh=self._fresh,
-                    claim_ms=claim_ms,
-                )
-            )
-        except Exception as exc:  # never take the scheduler down
-            logger.warning("EC broker lookup failed: %s", exc)
-            infos = [_MISS] * len(hashes)
-        bad: list[tuple[str, str]] = []
-        for mm_hash, info in zip(hashes, infos, strict=True):
-            state = info.state
-            if state in (LookupState.READY, LookupState.PENDING):
-                if lease_ms:
-                    self._step_leased.add(mm_hash)
-                num_embeds, width = expected.get(mm_hash, (None, None))
-                why = self._mismatch(info.dtype, info.shape, num_embeds, width)
-                if why:
-                    bad.append((mm_hash, why))
-                    state = LookupState.MISS
-            elif state == LookupState.CLAIMED and claim_ms:
-                pass  # another encoder is on it: the request waits (_claim_hold)
-            else:
-                if claim_ms and state == LookupState.MISS and req_id is not None:
-                    self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
-                state = LookupState.MISS  # including states a newer broker may invent
-            self._step_state[mm_hash] = state
-        if bad:
-            self._delete_invalid(bad)
+        return self._scheduler.ensure_cache_available(request, num_computed_tokens)
 
     def has_cache_item(self, identifier: str) -> bool:
-        producer = self._encoder_only_producer
-        book = self._book
-        if not producer and (not self.is_consumer or self.loads_off or book is None):
-            return False
-        stale = identifier in self._held
-        if stale:
-            # vLLM asks only about items its encoder cache lacks: the mirror is stale
-            # (reset_encoder_cache), so forget it; it refills from the allocations.
-            self._held.clear()
-        if producer:
-            if self._private(identifier):
-                self._step_state[identifier] = LookupState.MISS
-            if identifier not in self._step_state:
-                self._lookup([identifier], {})
-            # A producer skips what the fleet holds anywhere.
-            state = self._step_state[identifier]
-            answer = state in (LookupState.READY, LookupState.PENDING)
-        else:
-            # A consumer promises only what every encoder rank holds staged (an item
-            # ensure_cache_available did not order, or that failed, is encoded).
-            assert book is not None
-            dims = self._held_skipped.get(identifier)
-            if stale and dims is not None and book.state(identifier) is None:
-                self._stage_now(identifier, dims)
-            answer = book.state(identifier) is StageState.STAGED
-        if identifier not in self._counted:
-            self._counted.add(identifier)
-            if answer:
-                self.ec_hits += 1
-            else:
-                self.ec_misses += 1
-        return answer
+        return self._scheduler.has_cache_item(identifier)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        # Also called for items the scheduler chose to encode locally: only the
-        # ones has_cache_item answered True for this step are external loads.
-        mm_hash = request.mm_features[index].identifier
-        self._held.add(mm_hash)  # encoded or loaded, vLLM's encoder cache now has it
-        if self._encoder_only_producer:
-            if self._step_state.get(mm_hash) in (LookupState.READY, LookupState.PENDING):
-                self._publish.append(mm_hash)  # skipped: its workers publish it
-            return
-        book = self._book
-        if book is None or book.state(mm_hash) is not StageState.STAGED:
-            return
-        if any(spec.mm_hash == mm_hash for spec in self._pending_loads):
-            return  # one load per item and step
-        modality = request.mm_features[index].modality
-        self._pending_loads.append(
-            LoadSpec(
-                request.request_id,
-                mm_hash,
-                _num_embeds(request, index),
-                self._width(modality),
-                index,
-            )
-        )
+        self._scheduler.update_state_after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        # Every vLLM with EC connectors passes its SchedulerOutput here. Every load goes
-        # out, even one whose request was preempted later in the step: its tensor
-        # moves into the encoder cache (vLLM holds the item) and its order ends.
-        self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
-        meta = ECBrokerConnectorMetadata(
-            loads=self._pending_loads,
-            model=self.model_id,
-            publish=self._publish,
-        )
-        self._publish = []
-        if self._book is not None:
-            for spec in self._pending_loads:
-                self._book.shipped(spec.mm_hash)
-            # _stage_now's orders were for this step's has_cache_item only: one vLLM
-            # did not allocate after all is released here, not held until a reset.
-            self._book.forget_request("")
-        leased = self._step_leased
-        self._pending_loads = []
-        self._step_state = {}
-        self._counted = set()
-        self._step_leased = set()
-        self._held_skipped = {}
-        # Hits not staging (the request was not scheduled after all, the item was in
-        # vLLM's own encoder cache, a wrong entry, staged already) protect nothing.
-        self._unlease(leased)
-        return meta
+        return self._scheduler.build_connector_meta(scheduler_output)
 
-    def _needed(self) -> set[str]:
-        needed = set(self._book.staging()) if self._book is not None else set()
-        needed |= self._step_leased
-        for waiting in self._waiting.values():
-            needed |= waiting.hashes
-        return needed
-
-    def _unlease(self, hashes: set[str]) -> None:
-        done = hashes - self._needed()
-        if not done or not self.model_id:  # "": nothing was leased under a field
-            return
-        if self._client is None or self._client_pid != os.getpid():
-            return
-        try:
-            self._client.unlease([self.key(h) for h in done])
-        except Exception as exc:  # leases also end on their own (lease_ms)
-            logger.warning("EC broker unlease failed: %s", exc)
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.request_finished(request)
+        return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
@@ -944,34 +604,7 @@ class ECBrokerConnector(ECConnectorBase):
             return
         watch = self.weights_watch
         if meta.identity is not None and not (watch is not None and watch.in_session):
-            self._set_field(meta.identity)  # the workers saw their weights change
+            self._scheduler.set_field(meta.identity)  # the workers saw their weights change
         for name, delta in meta.counts.items():
             if name in STAT_FIELDS:
                 self._from_workers[name] = self._from_workers.get(name, 0) + delta
-
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._claim_waiting.pop(request.request_id, None)
-        claimed = self._claimed_by.pop(request.request_id, None)
-        if claimed and self._field and self._client is not None:
-            # a claim whose put landed is gone already; one of an aborted request is
-            # let go so that no other instance waits for an encode that will not come
-            try:
-                self._client.unclaim([self.key(h) for h in claimed])
-            except Exception as exc:  # claims also end on their own (CLAIM_MS)
-                logger.warning("EC broker unclaim failed: %s", exc)
-        waiting = self._waiting.pop(request.request_id, None)
-        if waiting is not None:  # aborted or failed while waiting for a promotion
-            self._unlease(waiting.hashes)
-        if self._book is not None:  # its stagings no other request waits for end
-            before = self._book.staging()
-            self._book.forget_request(request.request_id)
-            self._unlease(before - self._book.staging())
-        return False, None
-
-
-def _num_embeds(request: Request, index: int) -> int:
-    for name in ("get_num_encoder_embeds", "get_num_encoder_tokens"):
-        method = getattr(request, name, None)
-        if method is not None:
-            return int(method(index))
-    return int(request.mm_features[index].mm_position.length)
