@@ -322,7 +322,7 @@ def test_v2_runner_keeps_loads_with_lora():
 def _digest_rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from lmcache_ec_broker.connector.vllm import weights_identity as wi
+    from lmcache_ec_broker.connector.vllm import tp_digest
 
     dist.init_process_group(
         "gloo",
@@ -332,7 +332,7 @@ def _digest_rank(rank: int, port: int, results) -> None:
         timeout=__import__("datetime").timedelta(seconds=60),
     )
     group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
-    wi._tp_group = lambda: group  # this test's TP group: both processes
+    tp_digest._tp_group = lambda: group  # this test's TP group: both processes
 
     class Broken(torch.nn.Module):
         def named_parameters(self, *a, **k):
@@ -341,9 +341,9 @@ def _digest_rank(rank: int, port: int, results) -> None:
     model = Broken() if rank == 1 else torch.nn.Linear(4, 4).to(torch.bfloat16)
     t0 = time.monotonic()
     try:
-        wi.settle_field(model, "m")
+        tp_digest.settle_field(model, "m")
         results[rank] = ("returned", time.monotonic() - t0)
-    except wi.DigestFailed as exc:
+    except tp_digest.DigestFailed as exc:
         results[rank] = (f"DigestFailed: {exc}", time.monotonic() - t0)
     except Exception as exc:
         results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
@@ -455,7 +455,7 @@ def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    from lmcache_ec_broker.connector.vllm import weights_identity as wi
+    from lmcache_ec_broker.connector.vllm.tp_digest import weights_digest
 
     seed, change_rank1, odd = case
     # vLLM's CPU communicator reads the name its CPU worker sets (cpu_worker.py); when an
@@ -474,7 +474,7 @@ def _tp_digest(rank: int, world: int, port: int, case: tuple, results) -> None:
         if change_rank1 and rank == 1:  # one element of rank 1's row-parallel shard
             with torch.no_grad():
                 model.visual.fc2.weight[5, 3] += 1
-        results[(world, case, rank)] = wi.weights_digest(model)
+        results[(world, case, rank)] = weights_digest(model)
 
 
 def test_encoder_digest_is_the_same_for_tp1_and_tp2_and_covers_every_shard():

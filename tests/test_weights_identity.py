@@ -29,8 +29,8 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.vllm import make_key
+from lmcache_ec_broker.connector.vllm.encoder_digest import local_digest
 from lmcache_ec_broker.connector.vllm.model_id import model_id
-from lmcache_ec_broker.connector.vllm.weights_identity import local_digest
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
 
 HERE = Path(__file__).resolve().parent

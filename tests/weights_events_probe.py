@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.ec_transfer import get_ec_transfer  # noqa: E402
 
-from lmcache_ec_broker.connector.vllm.weights_identity import encoder_parameters  # noqa: E402
+from lmcache_ec_broker.connector.vllm.encoder_digest import encoder_parameters  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import png_data_url  # noqa: E402
 
 M1, M2, SOCKET = sys.argv[1:4]

@@ -12,6 +12,8 @@ plugin). Its parts, one concern each (docs/design.md, "The vLLM connector's part
 - ``meta.py``: the messages between the two sides, the key format, the stats;
 - ``model_id.py``, ``weights_identity.py``, ``identifiers.py``: what a key's model
   field and item part say (which weights and configuration, which content);
+  ``encoder_digest.py`` / ``tp_digest.py``: the encoder weights' digest, one rank's
+  part and its settling over the TP group (``weights_identity.py``: when it is taken);
 - ``extra_config.py``: the ``ec_connector_extra_config`` keys and their refusals.
 
 The names are loaded on first use, so that the identity modules (imported by the

@@ -38,7 +38,8 @@ from lmcache_ec_broker.connector.vllm.meta import (
 )
 from lmcache_ec_broker.connector.vllm.model_id import model_id
 from lmcache_ec_broker.connector.vllm.stage_link import StageItem, StageLink
-from lmcache_ec_broker.connector.vllm.weights_identity import TRACKER, DigestFailed, settle_field
+from lmcache_ec_broker.connector.vllm.tp_digest import DigestFailed, settle_field
+from lmcache_ec_broker.connector.vllm.weights_identity import TRACKER
 from lmcache_ec_broker.protocol import PublishState
 
 # The connector's one logger (connector.py uses it too): vLLM's handler and format.
