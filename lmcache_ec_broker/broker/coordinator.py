@@ -17,7 +17,7 @@ then remote). The coordinator alone
 - asks the remote tiers, dropping answers a delete or shared clear made stale
   (``remote_asks.py``);
 - keeps the membership filter: the slab reports its keys through
-  ``store.membership``, the lower tiers through ``TierEvents`` (``added``/``removed``).
+  ``store.index.membership``, the lower tiers through ``TierEvents`` (``added``/``removed``).
 
 Invariants:
 1. Every ``hold`` on a tier is matched by exactly one ``unhold`` (lease ended,
@@ -135,7 +135,7 @@ class Coordinator:
     def attach_filter(self, membership: MembershipFilter | None) -> None:
         """Publish (or, with None, stop publishing) every tier's keys in ``membership``."""
         self.membership = membership
-        self.store.membership = membership
+        self.store.index.membership = membership
         if membership is not None:
             self._sync_partial()
 

@@ -510,7 +510,7 @@ class BrokerServer:
     def _publish_residency(self, name: str) -> None:
         store = self.store
         self.residency = ResidencyWriter(name, residency_slots(store.nblocks), store.capacity_bytes)
-        store.residency = self.residency
+        store.index.residency = self.residency
 
     def handover(self) -> tuple[list[str], list[int]]:
         """The segments an admitted client gets over the socket, as (labels, fds):
@@ -618,7 +618,7 @@ class BrokerServer:
             self.journal.close()
             self.journal = None
         if self.residency is not None:
-            self.store.residency = None
+            self.store.index.residency = None
             self.residency.close()  # clears LIVE first: readers ask the broker from here
             self.residency = None
         if self._tiers_open:

@@ -1,6 +1,10 @@
 """Entry index and lifecycle: reserve -> commit (ready) | abort; get -> pin -> release.
 
-Pure state, no I/O: the server loop calls it, tests drive it directly.
+Pure state, no I/O: the server loop calls it, tests drive it directly. Its parts,
+each owning its state: ``EntryIndex`` (entry_index.py: key -> entry, and the views
+published of it), ``ReservationBooks`` (reservations.py: open reservations and when
+they lapse), ``ConnBooks`` (conn_books.py: what each connection holds and may hold)
+and ``ArenaBooks`` (arenas.py); the store owns the blocks and every state change.
 
 Invariants (``check()`` asserts them; tests call it after every step):
 1. ``free + used + reserved == capacity`` (all in block-granular bytes), where
@@ -42,7 +46,6 @@ turns them into a READY entry without a round trip. Invariants, also in ``check(
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections.abc import Callable, Mapping
@@ -60,17 +63,10 @@ from ..protocol import (
 from ..shm.allocator import BlockAllocator, Run
 from .arenas import ArenaBooks
 from .conn_books import LIMIT_COUNTERS, ConnBooks, ConnState
-from .entries import (  # re-exported: coordinator, server and tests import them from here
-    Entry,
-    EntryRules,
-    MembershipFilter,
-    Pin,
-    ResidencyIndex,
-    State,
-    StoreObserver,
-)
-from .eviction import LRUPolicy
+from .entries import Entry, EntryRules, Pin, State  # Entry, State: imported from here too
+from .entry_index import EntryIndex
 from .quotas import QuotaBooks, QuotaLimits
+from .reservations import ReservationBooks
 
 # Monotonic counters the store keeps (the metrics endpoint exports them as counters).
 STORE_COUNTERS = (
@@ -131,9 +127,11 @@ class Store:
             self.capacity_bytes,
         )
         self.allocator = BlockAllocator(self.nblocks)
-        self.lru = LRUPolicy()
-        self.entries: dict[str, Entry] = {}
-        self.reservations: dict[int, Entry] = {}
+        # The entries and the views published of them (filter, residency index,
+        # observer, LRU order; invariants 3 and 9; entry_index.py).
+        self.index = EntryIndex()
+        # Open reservations, their blocks, when each lapses (invariant 11; reservations.py).
+        self.reserved = ReservationBooks(reservation_ttl_s)
         self.counters = dict.fromkeys(STORE_COUNTERS, 0)
         self._ids = itertools.count(1)  # pin ids and reservation tokens
         # What each connection holds (reservations, pins, leases) and may hold, and
@@ -151,30 +149,14 @@ class Store:
                 1, self._blocks_for(max_reserved_bytes_per_conn) or self.nblocks // 4
             ),
         )
-        # The published membership filter (shm/filter.py); None when not published.
-        # This memory tier adds a key before it becomes READY and removes it after
-        # it stopped being READY, keeping the filter's invariant for its own keys.
-        self.membership: MembershipFilter | None = None
-        # The published residency index (shm/residency.py); None when not published.
-        # Invariant: a key is in it only while its entry is READY with the published
-        # extents: ``publish`` after the entry turns READY (commit, place), ``withdraw``
-        # first thing in _drop_ready, before the blocks can be freed or reused.
-        self.residency: ResidencyIndex | None = None
-        # Residency events (events/ package): told of every entry that became READY
-        # (commit) and every READY entry that left the index (evict, delete, clear).
-        self.observer: StoreObserver | None = None
         # Told the key of every reservation that ends without a commit (abort, its
         # connection closed): the Publish requests waiting for it (publish.py).
         self.on_abort: Callable[[str], None] | None = None
         self._clock = clock
-        self.reserved_blocks = 0
-        self.used_blocks = 0
+        self.used_blocks = 0  # blocks of READY entries and doomed ones still pinned
         # Put arenas (invariants 7, 8, 10): the books own which blocks and journal slot
         # each connection holds; the store allocates and frees their blocks.
         self.arenas = ArenaBooks(self.nblocks, block_size, arena_bytes, arena_slots)
-        # Client reservations lapse this long after they were granted (invariant 11).
-        self.reservation_ttl = reservation_ttl_s
-        self._reservation_heap: list[tuple[float, int]] = []  # (expires_at, token)
 
     # What the server, the tiers and the tests read of the parts.
 
@@ -185,6 +167,20 @@ class Store:
     @property
     def max_entry_bytes(self) -> int:
         return self.rules.max_entry_bytes
+
+    @property
+    def entries(self) -> Mapping[str, Entry]:
+        """Key -> entry, RESERVED or READY (the index's)."""
+        return self.index.entries
+
+    @property
+    def reservations(self) -> Mapping[int, Entry]:
+        """Token -> open reservation, lapsed ones included (the reservation books')."""
+        return self.reserved.by_token
+
+    @property
+    def reservation_ttl(self) -> float:
+        return self.reserved.ttl
 
     @property
     def conns(self) -> Mapping[int, ConnState]:
@@ -249,29 +245,20 @@ class Store:
         return extents
 
     def _free_blocks(self, entry: Entry) -> None:
-        n = sum(length for _, length in entry.runs)
-        if entry.state is State.RESERVED:
-            self.reserved_blocks -= n
-        else:
-            self.used_blocks -= n
+        """Free a READY (or doomed) entry's blocks; a reservation's are counted off by
+        the reservation books when it closes (``_abort``)."""
+        if entry.state is not State.RESERVED:
+            self.used_blocks -= sum(length for _, length in entry.runs)
         self.allocator.free(entry.runs)
         entry.runs = []
         entry.extents = []
 
     def _drop_ready(self, entry: Entry) -> None:
-        """Remove a READY entry from the index; free now or at its last release.
-        Leases on it end now: they protect a later load, which can no longer happen,
-        and must not hold the blocks until they expire (a reader's pin does)."""
-        if self.residency is not None:
-            # First: clients stop copying from these blocks before they can be freed
-            # (below, or at the last release) and granted to a writer.
-            self.residency.withdraw(entry.key)
-        del self.entries[entry.key]
-        if self.membership is not None:
-            self.membership.remove(entry.key)
-        if self.observer is not None:
-            self.observer.slab_removed(entry.key)
-        self.lru.remove(entry.key)
+        """Remove a READY entry from the index (withdrawn from the residency index
+        first: entry_index.py); free now or at its last release. Leases on it end
+        now: they protect a later load, which can no longer happen, and must not hold
+        the blocks until they expire (a reader's pin does)."""
+        self.index.drop(entry)
         if entry.pins:
             self.books.end_leases(entry)
         if entry.pins:
@@ -284,17 +271,8 @@ class Store:
         self.expire_leases()
         if self.allocator.free_blocks >= nblocks:
             return True
-        need = nblocks - self.allocator.free_blocks
-        victims: list[Entry] = []
-        for key in self.lru.candidates():
-            entry = self.entries[key]
-            if entry.pins:
-                continue
-            victims.append(entry)
-            need -= sum(length for _, length in entry.runs)
-            if need <= 0:
-                break
-        if need > 0:
+        victims = self.index.victims(nblocks - self.allocator.free_blocks)
+        if victims is None:
             return False
         for entry in victims:
             self._drop_ready(entry)
@@ -305,7 +283,7 @@ class Store:
 
     def admit_pins(self, conn: int, keys: list[str]) -> ErrorReply | None:
         """Refuse a get of ``keys`` that could take ``conn`` past what it may hold."""
-        return self.books.admit_pins(conn, keys, self.entries)
+        return self.books.admit_pins(conn, keys, self.index.entries)
 
     def admit_reservation(self, conn: int, nblocks: int) -> ErrorReply | None:
         """Refuse a reserve that would take ``conn`` past its reservation limits."""
@@ -314,7 +292,7 @@ class Store:
     def admit_leases(self, conn: int, keys: list[str], extra_held: int = 0) -> ErrorReply | None:
         """Refuse a leasing has/lookup that could take ``conn`` past its lease limits
         (``extra_held``: leases the caller keeps elsewhere, on lower tiers)."""
-        return self.books.admit_leases(conn, keys, self.entries, extra_held)
+        return self.books.admit_leases(conn, keys, self.index.entries, extra_held)
 
     # ------------------------------------------------------------ operations
 
@@ -323,7 +301,7 @@ class Store:
     ) -> ReserveReply | ErrorReply:
         if (err := self.rules.check(key, nbytes, dtype, shape)) is not None:
             return err
-        existing = self.entries.get(key)
+        existing = self.index.entries.get(key)
         if (
             existing is not None
             and existing.state is State.RESERVED
@@ -333,7 +311,7 @@ class Store:
             existing = None
         if existing is not None:
             if existing.state is State.READY:
-                self.lru.touch(key)
+                self.index.touch(key)
                 self.counters["put_present"] += 1
                 return ReserveReply(ReserveStatus.PRESENT)
             self.counters["put_in_progress"] += 1
@@ -346,7 +324,7 @@ class Store:
             return ErrorReply(
                 ErrorCode.NO_SPACE,
                 f"no room for {nbytes} bytes: {self.allocator.free_blocks * self.block_size} "
-                f"bytes free, {self.reserved_blocks * self.block_size} reserved by writers and "
+                f"bytes free, {self.reserved.blocks * self.block_size} reserved by writers and "
                 f"{self.books.pinned_entries} entries pinned by readers; retry later or grow --shm-size",
             )
         runs = self.allocator.allocate(nblocks)
@@ -356,12 +334,9 @@ class Store:
         # a client's commit is posted, so another client must ask the broker, which
         # then reads the writer's pending commit (server.settle_reservations).
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.RESERVED, token, conn)
-        self.reservations[token] = entry
-        self.reserved_blocks += nblocks
         self.books.reserved(conn, token, nblocks)
-        if conn >= 0:  # a client's: lapses (invariant 11); the broker's own promotions do not
-            entry.expires_at = self._clock() + self.reservation_ttl
-            heapq.heappush(self._reservation_heap, (entry.expires_at, token))
+        # A client's lapses (invariant 11); the broker's own promotions do not.
+        self.reserved.open(token, entry, nblocks, self._clock() if conn >= 0 else None)
         return ReserveReply(ReserveStatus.RESERVED, token, entry.extents)
 
     def _add_entry(
@@ -388,9 +363,7 @@ class Store:
             token=token,
             owner=owner,
         )
-        if self.membership is not None:
-            self.membership.add(key)
-        self.entries[key] = entry
+        self.index.add(entry)
         return entry
 
     # ------------------------------------------------------------ put arenas
@@ -458,11 +431,11 @@ class Store:
                 f"placement of {key!r} names blocks {runs[:8]} that are not "
                 f"{self._blocks_for(nbytes)} distinct free blocks of this connection's arena",
             )
-        existing = self.entries.get(key)
+        existing = self.index.entries.get(key)
         if existing is not None:
             # The blocks never left the arena: the client may use them again.
             if existing.state is State.READY:
-                self.lru.touch(key)
+                self.index.touch(key)
                 self.counters["put_present"] += 1
             else:
                 self.counters["put_in_progress"] += 1
@@ -472,102 +445,65 @@ class Store:
         self.used_blocks += len(blocks)
         runs = [(start, length) for start, length in runs]
         entry = self._add_entry(key, nbytes, dtype, shape, runs, State.READY)  # invariant 9
-        self.lru.insert(key)
         self.counters["puts"] += 1
         self.counters["arena_places"] += 1
         self.counters["bytes_stored"] += nbytes
-        if self.residency is not None:  # the client's copy is in: the bytes are final
-            self.residency.publish(key, nbytes, entry.dtype, entry.shape, entry.extents)
-        if self.observer is not None:
-            self.observer.slab_stored(key, nbytes)
+        self.index.became_ready(entry)  # the client's copy is in: the bytes are final
         return entry
 
     # ------------------------------------------------------------ reservations
 
-    def _owned_reservation(self, conn: int, token: int) -> Entry | ErrorReply:
-        entry = self.reservations.get(token)
-        if entry is None or entry.owner != conn:
-            return ErrorReply(
-                ErrorCode.UNKNOWN_TOKEN,
-                f"token {token} is not an open reservation of this connection "
-                "(already committed or aborted, or never issued to it)",
-            )
-        return entry
-
     def commit(self, conn: int, token: int) -> ErrorReply | None:
-        entry = self._owned_reservation(conn, token)
+        entry = self.reserved.owned(conn, token)
         if isinstance(entry, ErrorReply):
             return entry
         if entry.lapsed:  # invariant 11: the holder is done with the blocks; nothing stored
             self._abort(token)
-            return ErrorReply(
-                ErrorCode.UNKNOWN_TOKEN,
-                f"the reservation of {entry.key!r} (token {token}) expired "
-                f"{self.reservation_ttl:g} s after it was granted, before this commit "
-                "(reservation_ttl_s): nothing was stored; put the entry again, and raise "
-                "reservation_ttl_s if copies really take that long",
-            )
-        del self.reservations[token]
+            return self.reserved.lapsed_refusal(entry, token)
+        self.reserved.close(token)
         n = sum(length for _, length in entry.runs)
         self.books.reservation_ended(conn, token, n)
-        self.reserved_blocks -= n
         self.used_blocks += n
         entry.state = State.READY
         entry.token = 0
         entry.owner = 0
         entry.expires_at = 0.0
-        self.lru.insert(entry.key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += entry.nbytes
-        if self.residency is not None:  # the writer's copy is in: the bytes are final
-            self.residency.publish(entry.key, entry.nbytes, entry.dtype, entry.shape, entry.extents)
-        if self.observer is not None:
-            self.observer.slab_stored(entry.key, entry.nbytes)
+        self.index.became_ready(entry)  # the writer's copy is in: the bytes are final
         return None
 
     def abort(self, conn: int, token: int) -> ErrorReply | None:
-        entry = self._owned_reservation(conn, token)
+        entry = self.reserved.owned(conn, token)
         if isinstance(entry, ErrorReply):
             return entry
         self._abort(token)
         return None
 
     def _abort(self, token: int) -> None:
-        entry = self.reservations.pop(token)
+        entry = self.reserved.close(token)
         n = sum(length for _, length in entry.runs)
         self.books.reservation_ended(entry.owner, token, n)  # its owner may be closing
         if not entry.lapsed:  # a lapsed one already left the index (invariant 11)
-            self._unindex_reservation(entry)
+            self.index.unindex(entry)
         self._free_blocks(entry)
         self.counters["aborts"] += 1
         if self.on_abort is not None:
             self.on_abort(entry.key)
-
-    def _unindex_reservation(self, entry: Entry) -> None:
-        del self.entries[entry.key]
-        if self.membership is not None:
-            self.membership.remove(entry.key)
 
     def expire_reservations(self, most: int = LAPSES_PER_SWEEP) -> int:
         """Lapse client reservations whose time is up (invariant 11), at most ``most``
         per call (the sweep runs every 0.1 s: a flood of reservations lapsing at once
         must not stall the loop): its key leaves the index now, its blocks stay with
         the holder until it commits, aborts or closes. Returns how many lapsed."""
-        now = self._clock()
-        heap = self._reservation_heap
-        lapsed = 0
-        while heap and heap[0][0] <= now and lapsed < most:
-            _, token = heapq.heappop(heap)
-            entry = self.reservations.get(token)
-            if entry is None or entry.lapsed:
-                continue  # committed or aborted since
+        due = self.reserved.due(self._clock(), most)
+        for entry in due:
             self._lapse(entry)
-            lapsed += 1
-        return lapsed
+        return len(due)
 
     def _lapse(self, entry: Entry) -> None:
         entry.lapsed = True
-        self._unindex_reservation(entry)
+        self.index.unindex(entry)
         self.counters["reservations_expired"] += 1
         if self.on_abort is not None:  # a Publish waiting for this key wakes: it left the index
             self.on_abort(entry.key)
@@ -577,15 +513,15 @@ class Store:
         coordinator, which may still promote a missing key) counts the misses itself."""
         out: list[Hit | None] = []
         for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or entry.state is not State.READY:
+            entry = self.index.ready(key)
+            if entry is None:
                 if count_misses:
                     self.counters["misses"] += 1
                 out.append(None)
                 continue
             self.counters["hits"] += 1
             self.counters["bytes_loaded"] += entry.nbytes
-            self.lru.touch(key)
+            self.index.touch(key)
             pin_id = self.books.pin(conn, entry)
             out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
         return out
@@ -599,11 +535,11 @@ class Store:
         hits (no keys named) at most SERVED_HAS_HITS_MAX per frame."""
         counters = self.counters
         counters["has_hits"] += min(max(0, has_hits), SERVED_HAS_HITS_MAX)
-        entries, touch = self.entries, self.lru.touch
+        ready, touch = self.index.ready, self.index.touch
         hits = loaded = 0
         for i, key in enumerate(keys):
-            entry = entries.get(key)
-            if entry is None or entry.state is not State.READY:
+            entry = ready(key)
+            if entry is None:
                 continue
             hits += 1
             if i < len(nbytes):
@@ -619,8 +555,7 @@ class Store:
         return self.books.pin(conn, entry)
 
     def ready(self, key: str) -> Entry | None:
-        entry = self.entries.get(key)
-        return entry if entry is not None and entry.state is State.READY else None
+        return self.index.ready(key)
 
     def lease_entry(self, conn: int, key: str, expires_at: float) -> bool:
         """Lease the READY ``key`` to ``conn`` until ``expires_at`` (clock time) without
@@ -647,10 +582,9 @@ class Store:
         hits: list[bool] = []
         now = self._clock() if lease_ms > 0 else 0.0
         for key in keys:
-            entry = self.entries.get(key)
-            hit = entry is not None and entry.state is State.READY
-            hits.append(hit)
-            if not hit:
+            entry = self.index.ready(key)
+            hits.append(entry is not None)
+            if entry is None:
                 if count_misses:
                     self.counters["has_misses"] += 1
                 continue
@@ -672,8 +606,8 @@ class Store:
     def delete(self, keys: list[str]) -> list[bool]:
         out = []
         for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or entry.state is not State.READY:
+            entry = self.index.ready(key)
+            if entry is None:
                 out.append(False)
                 continue
             self._drop_ready(entry)
@@ -682,7 +616,7 @@ class Store:
         return out
 
     def clear(self) -> int:
-        ready = [e for e in self.entries.values() if e.state is State.READY]
+        ready = self.index.ready_entries()
         for entry in ready:
             self._drop_ready(entry)
         return len(ready)
@@ -691,12 +625,11 @@ class Store:
 
     def stats(self) -> dict[str, int]:
         bs = self.block_size
-        ready = len(self.lru)
         return {
-            "entries": ready,
-            "reserved_entries": len(self.reservations),
+            "entries": len(self.index),
+            "reserved_entries": len(self.reserved),
             "used_bytes": self.used_blocks * bs,
-            "reserved_bytes": self.reserved_blocks * bs,
+            "reserved_bytes": self.reserved.blocks * bs,
             "arena_bytes": self.arenas.blocks * bs,
             "arenas": len(self.arenas),
             "free_bytes": self.allocator.free_blocks * bs,
@@ -706,7 +639,7 @@ class Store:
             "pinned_entries": self.books.pinned_entries,
             "pins": len(self.pins),
             "free_runs": self.allocator.free_runs,
-            "lapsed_reservations": sum(1 for e in self.reservations.values() if e.lapsed),
+            "lapsed_reservations": self.reserved.lapsed(),
             **self.books.stats(),
             # Saturating: a counter a client could drive (hits, bytes_loaded through
             # Served) must never make a Stats reply unencodable for everyone.
@@ -718,7 +651,7 @@ class Store:
         assert (
             self.allocator.free_blocks
             + self.used_blocks
-            + self.reserved_blocks
+            + self.reserved.blocks
             + self.arenas.blocks
             == self.nblocks
         ), "free + used + reserved + arena != capacity"
@@ -729,17 +662,16 @@ class Store:
                 blocks = set(range(start, start + length))
                 assert not (blocks & owned), f"block shared by two entries ({entry.key!r})"
                 owned |= blocks
-        assert len(owned) == self.used_blocks + self.reserved_blocks, "block accounting drift"
+        assert len(owned) == self.used_blocks + self.reserved.blocks, "block accounting drift"
         used_map = self.allocator._used  # noqa: SLF001 (the check reads the allocator's map)
         self.arenas.check(owned, used_map)
-        for entry in self.reservations.values():  # invariant 11
-            assert entry.lapsed == (self.entries.get(entry.key) is not entry), "lapse drift"
-        self.books.check(self.reservations, lambda c: len(self.arenas.held(c)))
+        self.reserved.check(self.index.entries)  # invariant 11
+        self.books.check(self.reserved.by_token, lambda c: len(self.arenas.held(c)))
         assert sum(1 for e in entries if e.pins) == self.books.pinned_entries, "pinned count drift"
 
     def _live_entries(self) -> list[Entry]:
         """Indexed entries, lapsed reservations and doomed ones still pinned (each once)."""
-        uniq = {id(e): e for e in self.entries.values()}
-        uniq.update((id(e), e) for e in self.reservations.values())
+        uniq = {id(e): e for e in self.index.entries.values()}
+        uniq.update((id(e), e) for e in self.reserved.by_token.values())
         uniq.update((id(p.entry), p.entry) for p in self.pins.values())
         return list(uniq.values())

@@ -54,7 +54,7 @@ def install(server: BrokerServer) -> ResidencyTracker:
                 "another events_port (it and events_port + 1 must be free; 0 turns events off)"
             ) from exc
     tracker = ResidencyTracker(node, server.epoch, publisher.offer if publisher else None)
-    server.store.observer = tracker
+    server.store.index.observer = tracker
     server.tiers.observer = tracker
     http = None
     if cfg.events_lookup_port:
