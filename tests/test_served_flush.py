@@ -9,6 +9,7 @@ thing that can tell the broker is the client's own flusher.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -271,6 +273,23 @@ def test_a_served_frame_counts_each_key_once_and_only_keys_it_could_read(broker)
     assert after["bytes_loaded"] - before["bytes_loaded"] == t.nbytes
 
 
+@contextlib.contextmanager
+def _wrote_two_read_one(
+    socket_path: str,
+) -> Iterator[tuple[BrokerClient, BrokerClient, int]]:
+    """A writer that put "a" and "b", a reader trusting its filter that read "a" from
+    the index (arming its flusher), and the broker's hits before that read."""
+    t = torch.arange(64, dtype=torch.float32)
+    with (
+        BrokerClient(socket_path) as w,
+        BrokerClient(socket_path, filter_trust_s=60) as c,
+    ):
+        assert w.put("a", t) and w.put("b", t) and w.flush()
+        before = w.stats()["hits"]
+        assert c.get("a") is not None
+        yield w, c, before
+
+
 def test_a_hit_while_the_flusher_lingers_wakes_no_thread_and_still_arrives(broker) -> None:
     # Issue 42: arming the flusher was an Event.set() per batch -- a futex wake of a
     # sleeping thread (7 us median, 31 us p90 on a busy 2-vCPU host) on the path of
@@ -278,14 +297,8 @@ def test_a_hit_while_the_flusher_lingers_wakes_no_thread_and_still_arrives(broke
     # waking by itself every SERVED_FLUSH_S, and a batch armed meanwhile wakes nothing.
     # Fails on the old code (the second hit's arm called set()). The batch must still
     # reach the broker with nothing else sent by this client.
-    t = torch.arange(64, dtype=torch.float32)
-    with (
-        BrokerClient(broker.socket_path) as w,
-        BrokerClient(broker.socket_path, filter_trust_s=60) as c,
-    ):
-        assert w.put("a", t) and w.put("b", t) and w.flush()
-        before = w.stats()["hits"]
-        assert c.get("a") is not None and c.index_hits == 1  # the first arm starts the thread
+    with _wrote_two_read_one(broker.socket_path) as (w, c, before):
+        assert c.index_hits == 1  # the first arm started the thread
         s = c._link.session
         assert s is not None
         wait_until(lambda: not s.served.at, "the flusher sent the first batch", timeout=30)
@@ -310,14 +323,7 @@ def test_an_idle_flusher_is_woken_after_its_linger(broker, monkeypatch) -> None:
 
     monkeypatch.setattr(served_flush, "_LINGER_S", 0.2)
     monkeypatch.setattr(served_flush, "_IDLE_WAKE_S", 60.0)  # only a wake-up can send it
-    t = torch.arange(64, dtype=torch.float32)
-    with (
-        BrokerClient(broker.socket_path) as w,
-        BrokerClient(broker.socket_path, filter_trust_s=60) as c,
-    ):
-        assert w.put("a", t) and w.put("b", t) and w.flush()
-        before = w.stats()["hits"]
-        assert c.get("a") is not None
+    with _wrote_two_read_one(broker.socket_path) as (w, c, before):
         flusher = c._link._flusher
         wait_until(lambda: flusher._awake_until == 0.0 and not c._link.session.served.at,
                    "the flusher gone idle", timeout=30)  # fmt: skip

@@ -496,27 +496,24 @@ class BrokerClient:
         encode failed, the request ended). Sent without waiting for the reply; claims
         also end when the key's put commits or aborts, the connection closes, or the
         ``claim_ms`` given at the lookup passes."""
-        if not keys:
-            return
-        with self._link.lock:
-            s = self._link.session
-            if s is None:
-                return  # claims died with the connection
-            try:
-                s.wire.post(Unclaim(list(keys)))
-            except BrokerUnavailable:
-                pass
+        if keys:
+            self._post_on_session(Unclaim(list(keys)))
 
     def unlease(self, keys: list[str]) -> None:
         """End this client's leases on ``keys`` (sent without waiting for the reply)."""
-        if not keys:
-            return
+        if keys:
+            self._post_on_session(Unlease(list(keys)))
+
+    def _post_on_session(self, msg: Unclaim | Unlease) -> None:
+        """Post ``msg`` on the session that holds what it ends, if it is still open:
+        claims and leases die with their connection, so there is nothing to end
+        without one (and nothing to reconnect for)."""
         with self._link.lock:
             s = self._link.session
             if s is None:
-                return  # leases died with the connection
+                return
             try:
-                s.wire.post(Unlease(list(keys)))
+                s.wire.post(msg)
             except BrokerUnavailable:
                 pass
 
