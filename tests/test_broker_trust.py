@@ -33,7 +33,7 @@ from lmcache_ec_broker.protocol import (
 
 MiB = 1 << 20
 TOO_MANY_RESERVATIONS = "too_many_reservations"  # protocol.ErrorCode
-SERVED_HAS_HITS_MAX = 1024  # broker/store.py: has() hits counted per Served frame, at most
+SERVED_HAS_HITS_MAX = 1024  # broker/slab_reads.py: has() hits counted per Served frame, at most
 
 
 def test_a_client_scribbling_on_the_residency_index_cannot_break_the_broker(broker) -> None:

@@ -67,6 +67,7 @@ from .entries import Entry, EntryRules, Pin, State  # Entry, State: imported fro
 from .entry_index import EntryIndex
 from .quotas import QuotaBooks, QuotaLimits
 from .reservations import ReservationBooks
+from .slab_reads import SlabReads
 
 # Monotonic counters the store keeps (the metrics endpoint exports them as counters).
 STORE_COUNTERS = (
@@ -89,10 +90,6 @@ STORE_COUNTERS = (
     *LIMIT_COUNTERS,  # requests refused by a per-connection, process or uid limit
     "reservations_expired",  # client reservations that lapsed (reservation_ttl_s) uncommitted
 )
-# has() hits a client answered from the residency index name no key, so the broker
-# cannot verify them: one Served frame counts at most this many (BrokerClient sends
-# one every 64 served items; connector/client/index_path.py).
-SERVED_HAS_HITS_MAX = 1024
 # What any counter shows (stats, metrics) at most: msgpack's and Prometheus' u64.
 COUNTER_MAX = (1 << 64) - 1
 # Reservations one sweep lapses at most (a few microseconds each).
@@ -149,6 +146,8 @@ class Store:
                 1, self._blocks_for(max_reserved_bytes_per_conn) or self.nblocks // 4
             ),
         )
+        # Gets, has, and the reads clients answered themselves (slab_reads.py).
+        self.reads = SlabReads(self.index, self.books, self.counters, clock)
         # Told the key of every reservation that ends without a commit (abort, its
         # connection closed): the Publish requests waiting for it (publish.py).
         self.on_abort: Callable[[str], None] | None = None
@@ -508,64 +507,27 @@ class Store:
         if self.on_abort is not None:  # a Publish waiting for this key wakes: it left the index
             self.on_abort(entry.key)
 
+    # Reads (slab_reads.py).
+
     def get(self, conn: int, keys: list[str], count_misses: bool = True) -> list[Hit | None]:
-        """Pin and return each READY key. ``count_misses=False``: the caller (the tier
-        coordinator, which may still promote a missing key) counts the misses itself."""
-        out: list[Hit | None] = []
-        for key in keys:
-            entry = self.index.ready(key)
-            if entry is None:
-                if count_misses:
-                    self.counters["misses"] += 1
-                out.append(None)
-                continue
-            self.counters["hits"] += 1
-            self.counters["bytes_loaded"] += entry.nbytes
-            self.index.touch(key)
-            pin_id = self.books.pin(conn, entry)
-            out.append(Hit(pin_id, entry.nbytes, entry.dtype, entry.shape, entry.extents))
-        return out
+        return self.reads.get(conn, keys, count_misses)
+
+    def has(
+        self, conn: int, keys: list[str], lease_ms: int = 0, count_misses: bool = True
+    ) -> list[bool]:
+        return self.reads.has(conn, keys, lease_ms, count_misses)
 
     def served(self, keys: list[str], nbytes: list[int], has_hits: int) -> None:
-        """Count what a client answered from the residency index, as a Get or Has would
-        have: a hit and its bytes per copied key, and touch the ones still present in
-        the LRU (an entry read often must not be evicted because its reads were local).
-        Nothing a client reports is counted beyond what the broker can verify: a key
-        counts only while its entry is READY, with at most that entry's bytes; has()
-        hits (no keys named) at most SERVED_HAS_HITS_MAX per frame."""
-        counters = self.counters
-        counters["has_hits"] += min(max(0, has_hits), SERVED_HAS_HITS_MAX)
-        ready, touch = self.index.ready, self.index.touch
-        hits = loaded = 0
-        for i, key in enumerate(keys):
-            entry = ready(key)
-            if entry is None:
-                continue
-            hits += 1
-            if i < len(nbytes):
-                loaded += min(max(0, nbytes[i]), entry.nbytes)
-            touch(key)
-        counters["hits"] += hits
-        counters["bytes_loaded"] += loaded
+        self.reads.served(keys, nbytes, has_hits)
 
     def pin_entry(self, conn: int, entry: Entry) -> int:
-        """Pin a READY entry for a broker-internal reader (a tier's write-behind)
-        without counting a hit; undone by ``release(conn, [pin])`` or ``close_connection``."""
-        assert entry.state is State.READY and not entry.doomed
-        return self.books.pin(conn, entry)
+        return self.reads.pin_entry(conn, entry)
+
+    def lease_entry(self, conn: int, key: str, expires_at: float) -> bool:
+        return self.reads.lease_entry(conn, key, expires_at)
 
     def ready(self, key: str) -> Entry | None:
         return self.index.ready(key)
-
-    def lease_entry(self, conn: int, key: str, expires_at: float) -> bool:
-        """Lease the READY ``key`` to ``conn`` until ``expires_at`` (clock time) without
-        counting a hit: a promoted entry landing for a connection that leased it on a
-        lower tier. False if the key is not READY or the connection is gone."""
-        entry = self.ready(key)
-        if entry is None or conn not in self.books.conns:
-            return False
-        self.books.lease(conn, entry, expires_at)
-        return True
 
     def count(self, counter: str, n: int = 1) -> None:
         self.counters[counter] += n
@@ -575,23 +537,6 @@ class Store:
 
     def release(self, conn: int, pins: list[int]) -> ErrorReply | None:
         return self.books.release(conn, pins)
-
-    def has(
-        self, conn: int, keys: list[str], lease_ms: int = 0, count_misses: bool = True
-    ) -> list[bool]:
-        hits: list[bool] = []
-        now = self._clock() if lease_ms > 0 else 0.0
-        for key in keys:
-            entry = self.index.ready(key)
-            hits.append(entry is not None)
-            if entry is None:
-                if count_misses:
-                    self.counters["has_misses"] += 1
-                continue
-            self.counters["has_hits"] += 1
-            if lease_ms > 0:
-                self.books.lease(conn, entry, now + lease_ms / 1000.0)
-        return hits
 
     def unlease(self, conn: int, keys: list[str]) -> None:
         """End ``conn``'s leases on ``keys``; keys it holds no lease on are ignored."""
