@@ -396,15 +396,14 @@ class Coordinator:
             return GetReply(items)
         for prom in waits.values():
             prom.waiters += 1
-        fetcher = self.remote_tiers[0] if remote else None
         want = {keys[i] for i in remote}
-        if len(want) == 1 and getattr(fetcher, "can_fetch", False):
+        if len(want) == 1 and getattr(self.remote_tiers[0], "can_fetch", False):
             # No lookup first: the promotion reads the value and its header says what
             # it is -- one store round trip. Started here, not in _get_promoted's first
             # step: its task runs one loop iteration sooner. (Several keys keep one
             # batched lookup: a fetch each could outrun the tier's lookup limits.)
             (key,) = want
-            prom = self.promoter.promotion(key, [(fetcher, None)])  # type: ignore[list-item]
+            prom = self.promoter.promotion(key, [(self.remote_tiers[0], None)])
             prom.waiters += 1
             waits[key] = prom
             remote = []
