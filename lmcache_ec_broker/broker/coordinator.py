@@ -396,6 +396,17 @@ class Coordinator:
             return GetReply(items)
         for prom in waits.values():
             prom.waiters += 1
+        want = {keys[i] for i in remote}
+        if len(want) == 1 and getattr(self.remote_tiers[0], "can_fetch", False):
+            # No lookup first: the promotion reads the value and its header says what
+            # it is -- one store round trip. Started here, not in _get_promoted's first
+            # step: its task runs one loop iteration sooner. (Several keys keep one
+            # batched lookup: a fetch each could outrun the tier's lookup limits.)
+            (key,) = want
+            prom = self.promoter.promotion(key, [(self.remote_tiers[0], None)])
+            prom.waiters += 1
+            waits[key] = prom
+            remote = []
         return self._get_promoted(conn, keys, items, missing, waits, remote)
 
     def _sync_sources(self, key: str) -> list[tuple[LowerTier, EntryMeta]]:
@@ -419,17 +430,6 @@ class Coordinator:
         try:
             if remote:
                 want = list(dict.fromkeys(keys[i] for i in remote))
-                fetcher = self.remote_tiers[0]
-                if len(want) == 1 and getattr(fetcher, "can_fetch", False):
-                    # No lookup first: the promotion reads the value and its header says
-                    # what it is -- one store round trip. (Several keys keep one batched
-                    # lookup: a fetch each could outrun the tier's lookup limits.)
-                    for key in want:
-                        if key not in waits:
-                            prom = self.promoter.promotion(key, [(fetcher, None)])
-                            prom.waiters += 1
-                            waits[key] = prom
-                    want = []
                 for tier in self.remote_tiers:
                     if not want:
                         break
@@ -443,8 +443,9 @@ class Coordinator:
                             prom.waiters += 1
                             waits[key] = prom
                     want = rest
-            if waits:
-                await asyncio.wait([p.future for p in waits.values()])
+            for prom in waits.values():
+                if not prom.future.done():
+                    await self.promoter.ended(prom)
             ok = [i for i in missing if keys[i] in waits and _succeeded(waits[keys[i]].future)]
             if conn not in self.store.conns:
                 ok = []  # the client left meanwhile: nothing to pin for it

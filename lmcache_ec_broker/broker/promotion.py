@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol import ErrorReply, Extent, ReserveReply, ReserveStatus
@@ -50,6 +50,10 @@ class Promotion:
     waiters: int = 0
     cancelled: bool = False  # deleted or cleared meanwhile: do not resurrect it
     missed: bool = False  # a fetch found no value: a miss, not a failed promotion
+    # the gets waiting for the end (``Promoter.ended``): one future each, resolved
+    # with ``future`` -- awaiting one wakes its get in the next loop iteration, where
+    # asyncio.wait on ``future`` takes two; a get cancelled cancels only its own
+    listeners: list[asyncio.Future[None]] = field(default_factory=list)
 
 
 class Promoter:
@@ -87,6 +91,17 @@ class Promoter:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return prom
+
+    def ended(self, prom: Promotion) -> asyncio.Future[None]:
+        """A future of the caller's own, resolved when ``prom`` ends (then
+        ``prom.future`` holds its result)."""
+        assert self._loop is not None, "start() first"
+        waiting: asyncio.Future[None] = self._loop.create_future()
+        if prom.future.done():
+            waiting.set_result(None)
+        else:
+            prom.listeners.append(waiting)
+        return waiting
 
     def release(self, prom: Promotion) -> None:
         """Drop the promotion's pin once it is done and every waiting get has pinned."""
@@ -127,6 +142,10 @@ class Promoter:
                 self.counters["promotion_failures"] += 1
                 self.leases.fail(prom.key)
             prom.future.set_result(bool(ok))
+            for waiting in prom.listeners:
+                if not waiting.done():
+                    waiting.set_result(None)
+            prom.listeners.clear()
             self.release(prom)
 
     def _reserve_for(self, key: str, tier: LowerTier, meta: EntryMeta) -> ReserveReply | None:
