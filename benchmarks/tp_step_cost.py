@@ -154,6 +154,12 @@ def main() -> int:
         producer.terminate()
         server.stop()
         producer.wait_stopped()
+        if args.keep:  # the broker's side of any timeout the servers logged
+            from lmcache_ec_broker import BrokerClient
+
+            with BrokerClient(broker.socket_path) as c:
+                (work / "broker-stats.json").write_text(json.dumps(c.stats(), indent=1))
+            (work / "broker.log").write_text(broker.read_log())
         broker.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
