@@ -26,7 +26,10 @@ mm_hash=...`` from the scheduler's ``update_state_after_alloc`` (which item each
 request got). Runs per distinct item = the round's requests' items' run lines on all
 instances / distinct items (1.00: each encoded once). The connectors' own counters
 (vLLM's ``EC Transfer metrics`` log line: ``ec_misses``, ``puts_stored``, ``loads``,
-``claim_waits``, ``claim_timeouts``) are summed beside them as a cross-check.
+``claim_waits``: steps a request was held on a claim; ``claim_reasks``: lookups of
+such an item after the first, spaced out by connector/vllm/reask.py; ``claim_timeouts``;
+``broker_timeouts``: lookups past the scheduler's budget, each opening a circuit)
+are summed beside them as a cross-check.
 
 TTFT (streamed, first chunk) per request, by what its instance did for its item:
 ``encoded here`` (it ran the encoder), ``waited, loaded`` (held on another encoder's
@@ -71,10 +74,14 @@ LOADED = re.compile(r"EC load: loaded \d+ bytes for mm_hash=(\S+)")
 WAITS = re.compile(r"EC claim: request chatcmpl-(\S+)-[0-9a-f]{8} waits for")
 TIMED_OUT = re.compile(r"EC claim: \d+ item\(s\) of request chatcmpl-(\S+)-[0-9a-f]{8} not encoded")
 METRICS = re.compile(r"EC Transfer metrics: (.*)")
-COUNTERS = ("ec_misses", "puts_stored", "loads", "claim_waits", "claim_timeouts")
+COUNTERS = (
+    "ec_misses", "puts_stored", "loads", "claim_waits", "claim_reasks", "claim_timeouts",
+    "broker_timeouts",
+)  # fmt: skip
 RUN_HEADERS = [
     "setup", "instances", "claims", "requests/items", "encoder runs", "runs/item", "vs off",
-    "misses/puts/loads", "claim waits/timeouts", "TTFT p50 ms", "p99 ms", "p50 vs off", "errors",
+    "misses/puts/loads", "claim waits/re-asks/timeouts", "broker timeouts",
+    "TTFT p50 ms", "p99 ms", "p50 vs off", "errors",
 ]  # fmt: skip
 TTFT_HEADERS = [
     "setup",
@@ -358,7 +365,8 @@ def tables(runs: list[Run]) -> str:
                 f"{sum(1 for s in r.sent if s.phase == 'burst')}/{r.distinct}",
                 r.runs, f"{per_item:.2f}", ratio(per_item, b_item),
                 f"{c['ec_misses']}/{c['puts_stored']}/{c['loads']}",
-                f"{c['claim_waits']}/{c['claim_timeouts']}",
+                f"{c['claim_waits']}/{c['claim_reasks']}/{c['claim_timeouts']}",
+                c["broker_timeouts"],
                 ms(p50(t)), ms(percentile(t, 0.99)), ratio(p50(t), p50(burst_ttfts(b))) if b else "-",
                 len(r.errors),
             ]

@@ -273,3 +273,21 @@ def test_batch_start_probe_smoke() -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     for needle in ("get_into 64 KiB", "has() hit", "before / after", "load (1 min)"):
         assert needle in r.stdout, (needle, r.stdout)
+
+
+@pytest.mark.vllm
+def test_tp_step_cost_smoke(tmp_path: Path) -> None:
+    """benchmarks/tp_step_cost.py: one real vllm serve at TP 2, one image as a miss then
+    a hit: both ranks log steps with and without loads, and the hit loaded."""
+    out = tmp_path / "tp_step_cost.json"
+    r = _run(
+        "tp_step_cost.py", "--images", "1", "--max-tokens", "2", "--side", "112",
+        "--json", str(out), timeout=540,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    for needle in ("p50 with/without", "hit (looked up, loaded)"):
+        assert needle in r.stdout, (needle, r.stdout)
+    samples = json.loads(out.read_text())["samples"]
+    assert {"worker/0/True", "worker/1/True", "worker/0/False", "worker/1/False"} <= set(
+        samples
+    ), sorted(samples)

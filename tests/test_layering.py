@@ -217,6 +217,7 @@ CONNECTOR_PARTS = {
     "connector/vllm/scheduler.py": "ECBrokerScheduler",
     "connector/vllm/worker.py": "ECBrokerWorker",
     "connector/vllm/stage_book.py": "StageBook",
+    "connector/vllm/reask.py": "ReaskSchedule",
     "connector/vllm/stage_link.py": "StageLink",
 }
 

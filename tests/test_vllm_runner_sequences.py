@@ -460,3 +460,63 @@ def test_a_claim_that_never_lands_costs_one_bounded_wait(engines, broker):
     assert_answers_unchanged(b, [rb])
     assert 0.3 <= waited < 10, waited
     assert b.sched_connector.claim_timeouts == 1 and b.sched_connector.ec_misses == 1
+
+
+def test_a_held_request_re_asks_at_intervals_not_every_step(engines, broker):
+    """A request held on another encoder's claim is not looked up again on every
+    engine step (vLLM steps an engine with a held request about every millisecond):
+    its CLAIMED answer is kept between re-asks spaced out by connector/vllm/reask.py. The
+    broker counts the claiming lookups it answered CLAIMED; before, one per step. When
+    the other encoder's put lands, the held request loads it (no encode here)."""
+    b = engines(claim_wait_ms=10_000)
+    x = "9c" * 32
+    with BrokerClient(broker.socket_path) as other:  # another instance's claim
+        (info,) = other.lookup([b.sched_connector.key(x)], claim_ms=60_000)
+        assert info.state == 0  # MISS: claimed for "other"
+        before = other.stats()["claims_answered"]
+        rb = make_request("b", [x])
+        b.add(rb)
+        t0 = time.monotonic()
+        steps = 0
+        while time.monotonic() - t0 < 0.5:  # held for 500 ms, a step every ~ms
+            assert not b.step().num_scheduled_tokens, "not held on the claim"
+            steps += 1
+            time.sleep(0.001)
+        asked = other.stats()["claims_answered"] - before
+        assert steps >= 100, f"only {steps} steps: the test cannot tell"
+        # 5, 10, 20, then every 40 ms: ~15 in 500 ms (a loaded machine steps late: fewer)
+        assert 1 <= asked <= 20, f"{asked} claiming lookups in {steps} steps"
+        assert b.sched_connector.claim_reasks == asked - 1
+        assert b.sched_connector.claim_waits == steps
+        store(engines(), x)  # the other encoder's put lands
+        landed = time.monotonic()
+        while not b.outputs.get("b"):
+            b.step()
+            time.sleep(0.001)
+            assert time.monotonic() - landed < 10, "the request hung after the put landed"
+    assert_answers_unchanged(b, [rb])
+    assert b.worker.loads == 1 and b.sched_connector.ec_hits == 1, "it encoded it itself"
+    assert b.sched_connector.ec_misses == 0 and b.sched_connector.claim_timeouts == 0
+
+
+def test_a_request_aborted_while_held_asks_no_more(engines, broker):
+    """Aborted while held on a claim: the request lets go of everything; the item is
+    not asked about again for it."""
+    from vllm.v1.request import RequestStatus
+
+    b = engines(claim_wait_ms=10_000)
+    x = "9d" * 32
+    with BrokerClient(broker.socket_path) as other:
+        other.lookup([b.sched_connector.key(x)], claim_ms=60_000)
+        b.add(make_request("b", [x]))
+        for _ in range(3):
+            b.step()
+            time.sleep(0.01)
+        assert b.sched_connector.claims_awaited == 1
+        b.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        before = other.stats()["claims_answered"]
+        for _ in range(20):
+            b.step()
+            time.sleep(0.005)
+        assert other.stats()["claims_answered"] == before
+        assert b.sched_connector.claims_awaited == 0 and not b.has_work()

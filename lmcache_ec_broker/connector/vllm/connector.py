@@ -57,7 +57,8 @@ Flow per engine step (staged loads: docs/design.md, "Staged loads"):
   the staging fails (then it is a miss: vLLM encodes it), bounded by
   ``stage_wait_ms``. PENDING (being promoted from the disk tier): the request waits
   for a later step (``max_defer_s``). CLAIMED (another encoder is encoding it): the
-  request waits, at most ``claim_wait_ms``. A wrong dtype or shape: a miss,
+  request waits, at most ``claim_wait_ms``; the answer is kept across steps and
+  the item asked about again at growing intervals (reask.py), not every step. A wrong dtype or shape: a miss,
   counted, and this request encodes the item; the entry is left alone (never
   deleted: it is another configuration's). Answers are memoised for the step.
 - scheduler ``has_cache_item``: True only for an item staged on every encoder
@@ -184,6 +185,8 @@ class ECBrokerConnector(ECConnectorBase):
     ec_deferred = _scheduler_count("ec_deferred")
     promotion_failures = _scheduler_count("promotion_failures")
     claim_waits = _scheduler_count("claim_waits")
+    claim_reasks = _scheduler_count("claim_reasks")
+    claims_awaited = _scheduler_count("claims_awaited")
     claim_timeouts = _scheduler_count("claim_timeouts")
     stage_timeouts = _scheduler_count("stage_timeouts")
     stage_orders = _scheduler_count("stage_orders")

@@ -99,6 +99,7 @@ STAT_FIELDS = (
     "invalid_skipped",
     "stage_timeouts",
     "claim_waits",
+    "claim_reasks",
     "claim_timeouts",
     *WORKER_STAT_FIELDS,
     "broker_timeouts",

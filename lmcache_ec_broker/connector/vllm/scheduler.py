@@ -34,6 +34,7 @@ from lmcache_ec_broker.connector.vllm.meta import (
     LoadSpec,
     make_key,
 )
+from lmcache_ec_broker.connector.vllm.reask import ReaskSchedule
 from lmcache_ec_broker.connector.vllm.stage_book import StageBook, StageState
 from lmcache_ec_broker.connector.vllm.stage_link import StageItem
 from lmcache_ec_broker.connector.vllm.worker import logger
@@ -54,6 +55,7 @@ SCHEDULER_STAT_FIELDS = (
     "ec_deferred",
     "promotion_failures",
     "claim_waits",
+    "claim_reasks",
     "claim_timeouts",
 )
 
@@ -135,6 +137,7 @@ class ECBrokerScheduler:
         self._waiting: dict[str, _Waiting] = {}
         self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
         self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
+        self._reask = ReaskSchedule()  # when a CLAIMED item is asked about again (reask.py)
         self._pending_loads: list[LoadSpec] = []
         self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
@@ -175,6 +178,16 @@ class ECBrokerScheduler:
                 client.unlease([make_key(old, self._item_key(h) or h, self._dtype) for h in held])
             except Exception as exc:  # leases also end on their own (lease_ms)
                 logger.warning("EC broker unlease failed: %s", exc)
+
+    @property
+    def claim_reasks(self) -> int:
+        """Lookups of items requests were held on, past the first (reask.py)."""
+        return self._reask.reasks
+
+    @property
+    def claims_awaited(self) -> int:
+        """Items requests are held on now (another encoder claimed them)."""
+        return len(self._reask)
 
     # ------------------------------------------------------------------ staging
 
@@ -232,7 +245,7 @@ class ECBrokerScheduler:
         fleet, it need not come here)."""
         if self._settings.encoder_only_producer:
             expected = self._ahead(request, num_computed_tokens)
-            ask = [h for h in expected if h not in self._step_state]
+            ask = [h for h in expected if h not in self._step_state and not self._kept(h)]
             if ask:
                 self._lookup(ask, expected, request.request_id)
             return not self._claim_hold(request.request_id, expected)
@@ -241,7 +254,11 @@ class ECBrokerScheduler:
             return True
         self._settle(book.refresh())
         expected = self._ahead(request, num_computed_tokens)
-        ask = [h for h in expected if h not in self._step_state and book.state(h) is None]
+        ask = [
+            h
+            for h in expected
+            if h not in self._step_state and book.state(h) is None and not self._kept(h)
+        ]
         req_id = request.request_id
         if ask:
             self._lookup(ask, expected, req_id)
@@ -300,15 +317,25 @@ class ECBrokerScheduler:
         self.ec_deferred += 1
         return False
 
+    def _kept(self, mm_hash: str) -> bool:
+        """A CLAIMED item not due for a re-ask yet (reask.py): CLAIMED for this step."""
+        if not self._reask.kept(mm_hash, time.monotonic()):
+            return False
+        self._step_state[mm_hash] = LookupState.CLAIMED
+        return True
+
     def _claim_hold(self, req_id: str, expected: dict[str, tuple[int, int | None]]) -> bool:
         """Hold the request while another encoder (instance, node) has claimed one of
         its items, at most claim_wait_ms; then those are encoded here (never wrong,
-        only duplicated). Each step looks them up again (with a claim): READY is
-        staged, MISS is ours to encode."""
+        only duplicated). They are looked up again (with a claim) when the re-ask
+        schedule says (reask.py; CLAIMED meanwhile): READY is staged, MISS is ours to
+        encode."""
         claimed = [h for h in expected if self._step_state.get(h) == LookupState.CLAIMED]
         if not claimed:
             self._claim_waiting.pop(req_id, None)
+            self._reask.forget_request(req_id)
             return False
+        self._reask.hold(claimed, req_id)
         now = time.monotonic()
         since = self._claim_waiting.setdefault(req_id, now)
         if now - since < self._settings.claim_wait_s:
@@ -331,6 +358,7 @@ class ECBrokerScheduler:
         for h in claimed:
             self._step_state[h] = LookupState.MISS
         self._claim_waiting.pop(req_id, None)
+        self._reask.forget_request(req_id)
         return False
 
     def _stage_now(self, mm_hash: str, dims: tuple[int, int | None]) -> None:
@@ -414,6 +442,7 @@ class ECBrokerScheduler:
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
         bad: list[tuple[str, str]] = []
+        now = time.monotonic()
         for mm_hash, info in zip(hashes, infos, strict=True):
             state = info.state
             if state in (LookupState.READY, LookupState.PENDING):
@@ -431,6 +460,8 @@ class ECBrokerScheduler:
                     self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
                 state = LookupState.MISS  # including states a newer broker may invent
             self._step_state[mm_hash] = state
+            if claim_ms and req_id is not None:
+                self._reask.answered(mm_hash, state == LookupState.CLAIMED, now)
         if bad:
             self._delete_invalid(bad)
 
@@ -542,6 +573,7 @@ class ECBrokerScheduler:
 
     def request_finished(self, request: Request) -> None:
         self._claim_waiting.pop(request.request_id, None)
+        self._reask.forget_request(request.request_id)
         claimed = self._claimed_by.pop(request.request_id, None)
         client = self._live_client()
         if claimed and self.field and client is not None:

@@ -1,0 +1,55 @@
+"""The re-ask schedule of CLAIMED items (connector/vllm/reask.py): pure state, times given."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_ec_broker.connector.vllm.reask import ReaskSchedule
+
+
+def test_a_claimed_item_is_kept_then_due_at_growing_bounded_intervals():
+    s = ReaskSchedule(first_s=0.005, growth=2.0, max_s=0.040)
+    assert not s.kept("x", 0.0), "an item never answered is asked"
+    s.answered("x", True, 0.0)
+    s.hold(["x"], "r")
+    asks = [0.0]
+    t = 0.0
+    while t < 1.0:  # a step every millisecond for a second
+        t = round(t + 0.001, 6)
+        if not s.kept("x", t):
+            asks.append(t)
+            s.answered("x", True, t)
+    gaps = [round(b - a, 3) for a, b in zip(asks[:-1], asks[1:], strict=True)]
+    want = [0.005, 0.01, 0.02] + [0.04] * (len(gaps) - 3)
+    # each gap is its interval, or one step more (the step after it fell due)
+    assert all(w <= g <= w + 0.001 for g, w in zip(gaps, want, strict=True)), gaps
+    assert 1 + 3 + 23 <= len(asks) <= 1 + 3 + 25, asks  # not one per step (1000)
+    assert s.reasks == len(asks) - 1
+
+
+def test_any_other_answer_drops_it():
+    s = ReaskSchedule()
+    s.answered("x", True, 0.0)
+    s.hold(["x"], "r")
+    assert s.kept("x", 0.001)
+    assert not s.kept("x", 1.0)
+    s.answered("x", False, 1.0)  # READY (or MISS: ours now)
+    assert len(s) == 0 and not s.kept("x", 1.0001)
+
+
+def test_released_when_no_held_request_waits_for_it():
+    s = ReaskSchedule()
+    for h in ("x", "y"):
+        s.answered(h, True, 0.0)
+    s.hold(["x", "y"], "a")
+    s.hold(["x"], "b")
+    s.forget_request("a")  # aborted, finished or stopped waiting
+    assert len(s) == 1 and s.kept("x", 0.001) and not s.kept("y", 0.001)
+    s.forget_request("b")
+    assert len(s) == 0
+
+
+@pytest.mark.parametrize("args", [(0, 2, 0.04), (0.05, 2, 0.04), (0.005, 0.5, 0.04)])
+def test_bad_bounds_refused(args):
+    with pytest.raises(ValueError, match="re-ask schedule"):
+        ReaskSchedule(*args)
