@@ -49,7 +49,31 @@ def test_released_when_no_held_request_waits_for_it():
     assert len(s) == 0
 
 
-@pytest.mark.parametrize("args", [(0, 2, 0.04), (0.05, 2, 0.04), (0.005, 0.5, 0.04)])
+@pytest.mark.parametrize(
+    "args", [(0, 2, 0.04), (0.05, 2, 0.04), (0.005, 0.5, 0.04), (0.005, 2, 0.04, -1)]
+)
 def test_bad_bounds_refused(args):
     with pytest.raises(ValueError, match="re-ask schedule"):
         ReaskSchedule(*args)
+
+
+def test_an_unanswered_re_ask_keeps_it_a_bounded_time_only():
+    s = ReaskSchedule(unreached_s=1.0)
+    assert not s.unreached("x", 0.0), "an item not held is encoded: nothing to keep"
+    s.answered("x", True, 0.0)
+    s.hold(["x"], "r")
+    assert s.unreached("x", 0.1), "the first unanswered re-ask keeps it CLAIMED"
+    assert s.kept("x", 0.101), "and it is not due again at once"
+    assert s.unreached("x", 1.0), "still within 1 s of the first unanswered re-ask"
+    assert not s.unreached("x", 1.1), "past the bound: it leaves, encoded here"
+    assert len(s) == 0
+
+
+def test_an_answer_between_unanswered_re_asks_restarts_the_bound():
+    s = ReaskSchedule(unreached_s=1.0)
+    s.answered("x", True, 0.0)
+    s.hold(["x"], "r")
+    assert s.unreached("x", 0.5)
+    s.answered("x", True, 1.2)  # the broker answered again: still CLAIMED
+    assert s.unreached("x", 2.0) and s.unreached("x", 2.9)
+    assert not s.unreached("x", 3.0)

@@ -11,6 +11,7 @@ gathered embeddings are the encoder's own output)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -497,6 +498,44 @@ def test_a_held_request_re_asks_at_intervals_not_every_step(engines, broker):
     assert_answers_unchanged(b, [rb])
     assert b.worker.loads == 1 and b.sched_connector.ec_hits == 1, "it encoded it itself"
     assert b.sched_connector.ec_misses == 0 and b.sched_connector.claim_timeouts == 0
+
+
+def test_a_held_request_outlives_a_hung_broker_a_bounded_time(engines, broker):
+    """A re-ask of a held item that the broker does not answer (SIGSTOPped: the lookup
+    times out and the client's circuit opens) keeps the request held -- the other
+    encoder is most likely still on it -- for at most two probe intervals; with the
+    broker still hung it is then encoded here: never a hang, never a wrong answer."""
+    b = engines(
+        claim_wait_ms=60_000, scheduler_budget_ms=50, worker_budget_ms=500, probe_interval_ms=300
+    )
+    x = "9e" * 32
+    with BrokerClient(broker.socket_path) as other:
+        other.lookup([b.sched_connector.key(x)], claim_ms=60_000)  # another's claim
+        rb = make_request("b", [x])
+        b.add(rb)
+        for _ in range(3):
+            assert not b.step().num_scheduled_tokens, "not held on the claim"
+            time.sleep(0.01)
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            held_for = None
+            while not b.outputs.get("b"):
+                before_step = time.monotonic() - t0  # (the step's put waits its budget)
+                out = b.step()
+                if out.num_scheduled_tokens and held_for is None:
+                    held_for = before_step
+                time.sleep(0.002)
+                assert time.monotonic() - t0 < 20, "the request hung on a hung broker"
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+    assert held_for is not None
+    # held through the hang (one 50 ms timeout, then the open circuit's misses) for
+    # two probe intervals from the first unanswered re-ask, then encoded here
+    assert 0.5 <= held_for < 5, held_for
+    assert_answers_unchanged(b, [rb])
+    assert b.worker.loads == 0 and b.sched_connector.claim_timeouts == 0
+    assert b.sched_connector.broker_timeouts >= 1
 
 
 def test_a_request_aborted_while_held_asks_no_more(engines, broker):

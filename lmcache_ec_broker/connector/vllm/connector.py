@@ -345,6 +345,7 @@ class ECBrokerConnector(ECConnectorBase):
                     claims=self.is_producer and claim_wait_ms > 0,
                     claim_wait_s=claim_wait_ms / 1000,
                     stage_wait_s=stage_wait_s,
+                    probe_interval_s=self._probe_interval_s,
                     reach=reach,
                 ),
                 # The field follows the weights in memory (weights_identity.py).

@@ -21,7 +21,14 @@ Invariants:
    so it cannot make an answer wrong.
 2. **Bounded.** A kept answer is at most ``max_s`` old; the request's own
    ``claim_wait_ms`` bound is the connector's and is checked on every step.
-3. **Released with its requests.** An item no held request waits for any more (the
+3. **An unreachable broker holds an item a bounded time only.** A re-ask the broker
+   did not answer (it timed out, or its circuit is open: a hung or busy broker) keeps
+   the item CLAIMED -- the other encoder is most likely still on it, and the broker
+   is most likely busy, not gone -- but only for ``unreached_s`` from the first such
+   re-ask (the connector passes twice its probe interval: one probe, then one
+   re-ask); then it leaves the schedule and the item is encoded here. A dead broker
+   thus costs a request already held at most ``unreached_s`` more, never a hang.
+4. **Released with its requests.** An item no held request waits for any more (the
    request finished, was aborted, stopped waiting) leaves the schedule.
 """
 
@@ -42,18 +49,26 @@ MAX_S = 0.040
 class _Item:
     due: float  # when to ask the broker again
     interval: float  # the wait before the next re-ask after this one
+    unreached_since: float | None = None  # the first re-ask the broker did not answer
     requests: set[str] = field(default_factory=set)  # held on it
 
 
 class ReaskSchedule:
     """Owns the CLAIMED answers kept across steps, per mm_hash."""
 
-    def __init__(self, first_s: float = FIRST_S, growth: float = GROWTH, max_s: float = MAX_S):
-        if not 0 < first_s <= max_s or growth < 1:
+    def __init__(
+        self,
+        first_s: float = FIRST_S,
+        growth: float = GROWTH,
+        max_s: float = MAX_S,
+        unreached_s: float = 0.0,
+    ):
+        if not 0 < first_s <= max_s or growth < 1 or unreached_s < 0:
             raise ValueError(
-                f"re-ask schedule: need 0 < first_s <= max_s and growth >= 1 "
-                f"(got {first_s}, {max_s}, {growth})"
+                f"re-ask schedule: need 0 < first_s <= max_s, growth >= 1 and "
+                f"unreached_s >= 0 (got {first_s}, {max_s}, {growth}, {unreached_s})"
             )
+        self._unreached_s = unreached_s
         self._first_s = first_s
         self._growth = growth
         self._max_s = max_s
@@ -84,6 +99,22 @@ class ReaskSchedule:
         else:
             item.interval = min(item.interval * self._growth, self._max_s)
             item.due = now + item.interval
+            item.unreached_since = None
+
+    def unreached(self, mm_hash: str, now: float) -> bool:
+        """A re-ask of ``mm_hash`` the broker did not answer. True: keep it CLAIMED
+        (invariant 3: within ``unreached_s`` of the first such re-ask); False: it
+        left the schedule (never held, or held long enough): encode it here."""
+        item = self._items.get(mm_hash)
+        if item is None:
+            return False
+        if item.unreached_since is None:
+            item.unreached_since = now
+        if now - item.unreached_since >= self._unreached_s:
+            del self._items[mm_hash]
+            return False
+        item.due = now + item.interval
+        return True
 
     def hold(self, hashes: list[str], req_id: str) -> None:
         """``req_id`` is held on ``hashes`` (CLAIMED this step)."""

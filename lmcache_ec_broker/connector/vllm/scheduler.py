@@ -71,6 +71,7 @@ class SchedulerSettings(msgspec.Struct, frozen=True):
     claims: bool  # this instance claims the items it misses (it stores what it encodes)
     claim_wait_s: float  # the longest wait for another encoder's claim
     stage_wait_s: float  # the hold bound of a staging (stage_book.py)
+    probe_interval_s: float  # how often the client probes a broker that did not answer
     reach: int  # how many tokens past its computed ones one step can take a request
 
 
@@ -137,7 +138,9 @@ class ECBrokerScheduler:
         self._waiting: dict[str, _Waiting] = {}
         self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
         self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
-        self._reask = ReaskSchedule()  # when a CLAIMED item is asked about again (reask.py)
+        # When a CLAIMED item is asked about again (reask.py); a broker that does not
+        # answer a re-ask keeps it held for one probe and one re-ask more at most.
+        self._reask = ReaskSchedule(unreached_s=2 * settings.probe_interval_s)
         self._pending_loads: list[LoadSpec] = []
         self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
@@ -441,6 +444,10 @@ class ECBrokerScheduler:
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
+        # An outage answers MISS without asking (BrokerClient.lookup): for an item a
+        # request is held on, that is "unknown", not "ours to encode" (reask.py, 3).
+        client = self._live_client()
+        unreached = claim_ms > 0 and (client is None or not client.connected or client.tripped)
         bad: list[tuple[str, str]] = []
         now = time.monotonic()
         for mm_hash, info in zip(hashes, infos, strict=True):
@@ -455,6 +462,9 @@ class ECBrokerScheduler:
                     state = LookupState.MISS
             elif state == LookupState.CLAIMED and claim_ms:
                 pass  # another encoder is on it: the request waits (_claim_hold)
+            elif unreached and req_id is not None and self._reask.unreached(mm_hash, now):
+                self._step_state[mm_hash] = LookupState.CLAIMED  # held a bounded time more
+                continue
             else:
                 if claim_ms and state == LookupState.MISS and req_id is not None:
                     self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
