@@ -11,6 +11,7 @@ All traffic stays on 127.0.0.1 or Unix sockets in private directories.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -707,17 +708,16 @@ def test_leased_lookup_promotes_then_ready(redis_server, node) -> None:
     assert b.lookup(["absent-key"], lease_ms=30_000)[0].state == LookupState.MISS
 
 
-def test_a_slow_store_does_not_stall_other_clients() -> None:
-    """While the store is frozen (DEBUG SLEEP), a get waiting on it does not hold up
-    other clients of the same broker: their local requests are answered meanwhile."""
-    import threading
+@contextlib.contextmanager
+def _two_brokers_on_a_freezable_store() -> Iterator[tuple[RedisServer, list]]:
+    """A redis-server that DEBUG SLEEP can freeze, and brokers "a" and "b" on it."""
     import uuid
 
     from conftest import BrokerProcess
 
     with RedisServer(extra=["--enable-debug-command", "yes"]) as srv:
         d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
-        brokers = []
+        brokers: list = []
         try:
             for name in ("a", "b"):
                 cfg = os.path.join(d, f"{name}.yaml")
@@ -727,39 +727,48 @@ def test_a_slow_store_does_not_stall_other_clients() -> None:
                 brokers.append(
                     BrokerProcess(sock, ["--shm-size", "64MiB", "--config", cfg]).start()
                 )
-            a = BrokerClient(brokers[0].socket_path, timeout_s=30)
-            b = BrokerClient(brokers[1].socket_path, timeout_s=30)
-            other = BrokerClient(brokers[1].socket_path, timeout_s=30)
-            t = tensor_of(torch.float32, (256, 256), seed=13)
-            a.put("slow", t)
-            wait_until(written(a, 1), what="write")
-            wait_until(knows(b, 1), what="announcement")
-            # 12 s asleep: time for a loaded host to start the get and serve the other
-            # client's three requests while it waits (was 6 s, from a 0.3 s pause)
-            sleeper = subprocess.Popen(
-                ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "12"], stdout=subprocess.DEVNULL
-            )
-            try:
-                wait_until(srv.sleeping, what="the store asleep", timeout=60)
-                got: list[object] = []
-                getter = threading.Thread(target=lambda: got.append(b.get("slow")))
-                getter.start()
-                local = tensor_of(torch.int32, (64,), seed=14)
-                assert other.put("local", local)
-                assert same(other.get("local"), local)
-                assert other.ping()
-                assert getter.is_alive(), "the remote get did not wait for the frozen store"
-                getter.join(60)
-                assert not getter.is_alive()
-                assert got and got[0] is not None and same(got[0], t)
-            finally:
-                sleeper.wait(60)
-            for c in (a, b, other):
-                c.close()
+            yield srv, brokers
         finally:
             for br in brokers:
                 br.stop()
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_slow_store_does_not_stall_other_clients() -> None:
+    """While the store is frozen (DEBUG SLEEP), a get waiting on it does not hold up
+    other clients of the same broker: their local requests are answered meanwhile."""
+    import threading
+
+    with _two_brokers_on_a_freezable_store() as (srv, brokers):
+        a = BrokerClient(brokers[0].socket_path, timeout_s=30)
+        b = BrokerClient(brokers[1].socket_path, timeout_s=30)
+        other = BrokerClient(brokers[1].socket_path, timeout_s=30)
+        t = tensor_of(torch.float32, (256, 256), seed=13)
+        a.put("slow", t)
+        wait_until(written(a, 1), what="write")
+        wait_until(knows(b, 1), what="announcement")
+        # 12 s asleep: time for a loaded host to start the get and serve the other
+        # client's three requests while it waits (was 6 s, from a 0.3 s pause)
+        sleeper = subprocess.Popen(
+            ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "12"], stdout=subprocess.DEVNULL
+        )
+        try:
+            wait_until(srv.sleeping, what="the store asleep", timeout=60)
+            got: list[object] = []
+            getter = threading.Thread(target=lambda: got.append(b.get("slow")))
+            getter.start()
+            local = tensor_of(torch.int32, (64,), seed=14)
+            assert other.put("local", local)
+            assert same(other.get("local"), local)
+            assert other.ping()
+            assert getter.is_alive(), "the remote get did not wait for the frozen store"
+            getter.join(60)
+            assert not getter.is_alive()
+            assert got and got[0] is not None and same(got[0], t)
+        finally:
+            sleeper.wait(60)
+        for c in (a, b, other):
+            c.close()
 
 
 def test_gets_waiting_on_one_promotion_share_it_and_a_dead_waiter_spoils_nothing() -> None:
@@ -769,76 +778,58 @@ def test_gets_waiting_on_one_promotion_share_it_and_a_dead_waiter_spoils_nothing
     exact value; nothing fails and nothing stays in flight."""
     import sys
     import threading
-    import uuid
 
-    from conftest import BrokerProcess
-
-    with RedisServer(extra=["--enable-debug-command", "yes"]) as srv:
-        d = tempfile.mkdtemp(prefix="ecb-", dir="/tmp")
-        brokers = []
+    with _two_brokers_on_a_freezable_store() as (srv, brokers):
+        a = BrokerClient(brokers[0].socket_path, timeout_s=30)
+        b = BrokerClient(brokers[1].socket_path, timeout_s=30)
+        t = tensor_of(torch.float16, (512, 512), seed=21)
+        a.put("shared", t)
+        wait_until(written(a, 1), what="write")
+        wait_until(knows(b, 1), what="announcement")
+        # the first getter is a process of its own (killed below), connected before
+        # the store freezes and told to get once it has
+        doomed = subprocess.Popen(
+            [
+                sys.executable, "-c",
+                "import sys; from lmcache_ec_broker import BrokerClient; "
+                "c = BrokerClient(sys.argv[1], timeout_s=60); print('ready', flush=True); "
+                "sys.stdin.readline(); c.get('shared')",
+                brokers[1].socket_path,
+            ],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )  # fmt: skip
+        assert doomed.stdout is not None and doomed.stdin is not None
+        assert doomed.stdout.readline().strip() == b"ready"
+        sleeper = subprocess.Popen(
+            ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "8"],
+            stdout=subprocess.DEVNULL,
+        )
         try:
-            for name in ("a", "b"):
-                cfg = os.path.join(d, f"{name}.yaml")
-                with open(cfg, "w") as f:
-                    f.write(f"remote_url: '{srv.url('unix')}'\nremote_timeout_s: 20\n")
-                sock = os.path.join(d, f"{name}-{uuid.uuid4().hex[:6]}.sock")
-                brokers.append(
-                    BrokerProcess(sock, ["--shm-size", "64MiB", "--config", cfg]).start()
-                )
-            a = BrokerClient(brokers[0].socket_path, timeout_s=30)
-            b = BrokerClient(brokers[1].socket_path, timeout_s=30)
-            t = tensor_of(torch.float16, (512, 512), seed=21)
-            a.put("shared", t)
-            wait_until(written(a, 1), what="write")
-            wait_until(knows(b, 1), what="announcement")
-            # the first getter is a process of its own (killed below), connected before
-            # the store freezes and told to get once it has
-            doomed = subprocess.Popen(
-                [
-                    sys.executable, "-c",
-                    "import sys; from lmcache_ec_broker import BrokerClient; "
-                    "c = BrokerClient(sys.argv[1], timeout_s=60); print('ready', flush=True); "
-                    "sys.stdin.readline(); c.get('shared')",
-                    brokers[1].socket_path,
-                ],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-            )  # fmt: skip
-            assert doomed.stdout is not None and doomed.stdin is not None
-            assert doomed.stdout.readline().strip() == b"ready"
-            sleeper = subprocess.Popen(
-                ["redis-cli", "-s", srv.unix_path, "debug", "sleep", "8"],
-                stdout=subprocess.DEVNULL,
-            )
-            try:
-                wait_until(srv.sleeping, what="the store asleep", timeout=60)
-                doomed.stdin.write(b"get\n")
-                doomed.stdin.flush()
-                got: list[object] = []
-                getter = threading.Thread(target=lambda: got.append(b.get("shared")))
-                time.sleep(1.0)  # the first get reaches B and waits on the store
-                getter.start()
-                time.sleep(0.5)
-                assert doomed.poll() is None, "the first get did not wait for the frozen store"
-                doomed.kill()
-                doomed.wait(30)
-                getter.join(60)
-                assert not getter.is_alive()
-                assert got and got[0] is not None and same(got[0], t)
-            finally:
-                sleeper.wait(60)
-            wait_until(lambda: b.stats()["promotions_in_flight"] == 0, what="the promotion's end")
-            st = b.stats()
-            assert (st["promotions"], st["promotion_failures"], st["promotions_in_flight"]) == (
-                1, 0, 0,
-            ), st  # fmt: skip
-            assert same(b.get("shared"), t)
-            for c in (a, b):
-                c.close()
+            wait_until(srv.sleeping, what="the store asleep", timeout=60)
+            doomed.stdin.write(b"get\n")
+            doomed.stdin.flush()
+            got: list[object] = []
+            getter = threading.Thread(target=lambda: got.append(b.get("shared")))
+            time.sleep(1.0)  # the first get reaches B and waits on the store
+            getter.start()
+            time.sleep(0.5)
+            assert doomed.poll() is None, "the first get did not wait for the frozen store"
+            doomed.kill()
+            doomed.wait(30)
+            getter.join(60)
+            assert not getter.is_alive()
+            assert got and got[0] is not None and same(got[0], t)
         finally:
-            for br in brokers:
-                br.stop()
-            shutil.rmtree(d, ignore_errors=True)
+            sleeper.wait(60)
+        wait_until(lambda: b.stats()["promotions_in_flight"] == 0, what="the promotion's end")
+        st = b.stats()
+        assert (st["promotions"], st["promotion_failures"], st["promotions_in_flight"]) == (
+            1, 0, 0,
+        ), st  # fmt: skip
+        assert same(b.get("shared"), t)
+        for c in (a, b):
+            c.close()
 
 
 # ---------------------------------------------------------------- the knobs
