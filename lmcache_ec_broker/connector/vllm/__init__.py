@@ -5,7 +5,8 @@ plugin). Its parts, one concern each (docs/design.md, "The vLLM connector's part
 - ``connector.py``: the class vLLM instantiates per role: the configuration, the
   broker client of its process, and one part per role, to which it forwards;
 - ``scheduler.py``: the scheduler side (lookups, holds, leases, claims, the step's
-  loads), a part the connector holds;
+  loads), a part the connector holds; ``reask.py``: when an item another encoder
+  claimed is asked about again, a part it holds;
 - ``worker.py``: the worker side (staging, loads, puts), a part the connector holds;
 - ``stage_book.py`` / ``stage_link.py``: the scheduler's stage orders, and the link
   that carries them to every encoder rank and their reports back;
