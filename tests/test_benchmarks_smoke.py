@@ -277,12 +277,16 @@ def test_batch_start_probe_smoke() -> None:
 
 @pytest.mark.vllm
 def test_tp_step_cost_smoke(tmp_path: Path) -> None:
-    """benchmarks/tp_step_cost.py: one real vllm serve at TP 2, one image as a miss then
-    a hit: both ranks log steps with and without loads, and the hit loaded."""
+    """benchmarks/tp_step_cost.py: one real vllm serve at TP 2, two images each as a miss
+    then a hit: both ranks log steps with and without loads, and a hit loaded. Budgets
+    of 10 s: on a loaded 2-vCPU host a TP 2 worker's fetch reply can arrive seconds
+    late (docs/performance.md, "Per-step cost at TP=2"); at the benchmark's 2 s the
+    staging then fails and the hit is encoded, which this smoke is not about."""
     out = tmp_path / "tp_step_cost.json"
+    budgets = {"scheduler_budget_ms": 10_000, "worker_budget_ms": 10_000}
     r = _run(
-        "tp_step_cost.py", "--images", "1", "--max-tokens", "2", "--side", "112",
-        "--json", str(out), timeout=540,
+        "tp_step_cost.py", "--images", "2", "--max-tokens", "2", "--side", "112",
+        "--connector-extra", json.dumps(budgets), "--json", str(out), timeout=540,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     for needle in ("p50 with/without", "hit (looked up, loaded)"):
