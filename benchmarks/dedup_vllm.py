@@ -418,18 +418,10 @@ def main() -> int:
     if any(n < 2 for n in counts) or ("fleet" in setups and any(n % 2 for n in counts)):
         p.error("--instances: at least 2 each, and even for the fleet setup (2 nodes)")
 
-    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
+    from lmcache_ec_broker.testing.tiny_qwen2vl import build_bench_qwen2vl
 
     work = Path(tempfile.mkdtemp(prefix="ecbench-dedupvllm-", dir="/tmp"))
-    # benchmarks/epd.py's model: an encoder that is a real share of the prefill.
-    spec = TinyQwen2VLSpec(
-        hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4, vision_depth=4,
-        vision_embed_dim=256, vision_heads=4, vision_mlp_ratio=4, min_pixels=56 * 56,
-        max_pixels=args.side * args.side,
-    )  # fmt: skip
-    model = str(
-        build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or work / "models", spec)
-    )
+    model = build_bench_qwen2vl(work, args.side)  # an encoder a real share of prefill
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()
     runs: list[Run] = []

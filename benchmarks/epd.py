@@ -443,25 +443,11 @@ def main() -> int:
         p.error(f"--workloads: choose from {','.join(WORKLOADS)}")
     rates = [float(r) for r in args.rates.split(",") if r]
 
-    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
+    from lmcache_ec_broker.testing.tiny_qwen2vl import build_bench_qwen2vl
     from lmcache_ec_broker.testing.vllm_server import png_data_url
 
     work = Path(tempfile.mkdtemp(prefix="ecbench-epd-", dir="/tmp"))
-    spec = TinyQwen2VLSpec(
-        hidden_size=256,
-        intermediate_size=512,
-        num_heads=4,
-        num_kv_heads=4,
-        vision_depth=4,
-        vision_embed_dim=256,
-        vision_heads=4,
-        vision_mlp_ratio=4,
-        min_pixels=56 * 56,
-        max_pixels=args.side * args.side,
-    )
-    model = str(
-        build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or work / "models", spec)
-    )
+    model = build_bench_qwen2vl(work, args.side)  # an encoder a real share of prefill
     images: dict[int, str] = {}
 
     def image(i: int) -> str:

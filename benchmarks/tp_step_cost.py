@@ -73,20 +73,13 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args()
 
-    from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
+    from lmcache_ec_broker.testing.tiny_qwen2vl import build_bench_qwen2vl
     from lmcache_ec_broker.testing.vllm_server import VllmServer, ec_transfer_config
 
     tree = Path(args.tree).resolve()
     label = args.label or tree.name
     work = Path(tempfile.mkdtemp(prefix="ecbench-tpstep-", dir="/tmp"))
-    spec = TinyQwen2VLSpec(
-        hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4, vision_depth=4,
-        vision_embed_dim=256, vision_heads=4, vision_mlp_ratio=4, min_pixels=56 * 56,
-        max_pixels=args.side * args.side,
-    )  # fmt: skip
-    model = str(
-        build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or work / "models", spec)
-    )
+    model = build_bench_qwen2vl(work, args.side)  # an encoder a real share of prefill
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()
     broker = Broker(256 * MiB)

@@ -279,3 +279,22 @@ def _main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def build_bench_qwen2vl(work: Path, side: int) -> str:
+    """The benchmarks' model (epd.py, dedup_vllm.py, tp_step_cost.py): an encoder that is
+    a real share of the prefill, for images up to ``side`` px; built into the shared
+    test-model cache ($LMCACHE_EC_TEST_MODELS) when set, else under ``work``."""
+    spec = TinyQwen2VLSpec(
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=4,
+        vision_depth=4,
+        vision_embed_dim=256,
+        vision_heads=4,
+        vision_mlp_ratio=4,
+        min_pixels=56 * 56,
+        max_pixels=side * side,
+    )
+    return str(build_tiny_qwen2vl(os.environ.get("LMCACHE_EC_TEST_MODELS") or work / "models", spec))
