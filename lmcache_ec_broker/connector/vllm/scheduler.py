@@ -153,8 +153,10 @@ class ECBrokerScheduler:
 
     # ------------------------------------------------------------------ keys, field
 
-    def key(self, mm_hash: str) -> str:
-        return make_key(self.field, self._item_key(mm_hash) or mm_hash, self._dtype)
+    def key(self, mm_hash: str, field: str | None = None) -> str:
+        """The broker key of ``mm_hash`` under ``field`` (default: the field now)."""
+        field = self.field if field is None else field
+        return make_key(field, self._item_key(mm_hash) or mm_hash, self._dtype)
 
     def _width(self, modality: str) -> int | None:
         return self._widths.get(modality)
@@ -178,7 +180,7 @@ class ECBrokerScheduler:
         client = self._live_client()
         if old and held and client is not None:
             try:
-                client.unlease([make_key(old, self._item_key(h) or h, self._dtype) for h in held])
+                client.unlease([self.key(h, old) for h in held])
             except Exception as exc:  # leases also end on their own (lease_ms)
                 logger.warning("EC broker unlease failed: %s", exc)
 
