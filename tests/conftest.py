@@ -212,3 +212,28 @@ def make_broker(sock_dir: str) -> Iterator:
 @pytest.fixture
 def broker(make_broker) -> BrokerProcess:
     return make_broker("--shm-size", "64MiB")
+
+
+# A failing test that started `vllm serve` processes shows what their connectors said
+# (the logs live in the test's tmp_path and are gone with the CI machine): the lines
+# that explain a load that did not happen (timeouts, stage bounds, field changes).
+_EC_LOG_MARKERS = ("EC ", "lmcache-ec-broker", "Traceback", "Error")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or item.get_closest_marker("vllm") is None:
+        return
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if not isinstance(tmp, Path):
+        return
+    for log in sorted(tmp.rglob("*.log"))[:8]:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        ec = [line for line in lines if any(m in line for m in _EC_LOG_MARKERS)]
+        if ec:
+            report.sections.append((f"connector lines of {log.name}", "\n".join(ec[-60:])))

@@ -38,6 +38,7 @@ from lmcache_ec_broker.connector.vllm import (  # noqa: E402
     ECBrokerConnectorMetadata,
     make_key,
 )
+from lmcache_ec_broker.connector.vllm.weights_identity import EngineWatch  # noqa: E402
 from lmcache_ec_broker.protocol import LookupState  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import build_tiny_qwen2vl  # noqa: E402
 
@@ -494,6 +495,26 @@ def test_a_stale_mirror_after_reset_encoder_cache_still_loads(pairs, broker):
     p.step({}, [(make_request("r1", x), 0)])
     cache: dict[str, torch.Tensor] = {}  # the worker's cache after the reset
     p.step(cache, [(make_request("r2", x), 0)])
+    assert torch.equal(cache[x], tensor) and p.worker.loads == 2
+
+
+def test_reset_encoder_cache_through_the_engine_stages_like_any_hit(pairs, broker):
+    """EngineCore.reset_encoder_cache (wrapped: weights_identity.EngineWatch) empties
+    the mirror: the next request's item is ordered in ensure_cache_available and the
+    request held while it stages, as any hit -- has_cache_item never waits."""
+    p = pairs()
+    x = "c7" * 32
+    tensor = embedding(34)
+    p.worker.save_caches({x: tensor}, x)
+    p.step({}, [(make_request("r1", x), 0)])
+    sched = p.sched.connector_scheduler
+    watch = EngineWatch("m", lambda field: None, on_encoder_cache_reset=sched.encoder_cache_reset)
+    watch.after_call(object(), "reset_encoder_cache")  # an engine without an executor
+    request = make_request("r2", x)
+    assert not p.sched.ensure_cache_available(request, 0), "not held while staging"
+    assert sched.book is not None and sched.book.staging() == {x}
+    cache: dict[str, torch.Tensor] = {}
+    p.step(cache, [(request, 0)])
     assert torch.equal(cache[x], tensor) and p.worker.loads == 2
 
 

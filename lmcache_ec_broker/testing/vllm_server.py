@@ -141,8 +141,14 @@ def _session_socket_inodes(sid: int) -> set[str]:
 # For tests that assert a load or a remote hit (not the budgets themselves): on a loaded
 # 2-core CI host a healthy broker's reply can take longer than the production budgets
 # (50 ms scheduler, 200 ms worker), which opens the client's circuit and turns the
-# expected load into a (correct) re-encode. The budgets are tested in tests/e2e.
-SLOW_HOST_BUDGETS = {"scheduler_budget_ms": 2000, "worker_budget_ms": 2000}
+# expected load into a (correct) re-encode. The budgets are tested in tests/e2e. The
+# hold bound of a staging likewise: the staging thread of a worker process niced beside
+# CPU-bound neighbours can wait seconds for a core (CI's vllm half runs at nice 10).
+SLOW_HOST_BUDGETS = {
+    "scheduler_budget_ms": 2000,
+    "worker_budget_ms": 2000,
+    "stage_wait_ms": 10000,
+}
 
 
 def ec_transfer_config(

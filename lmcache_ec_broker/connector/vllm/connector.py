@@ -388,7 +388,10 @@ class ECBrokerConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER and self._model is not None:
             assert self.connector_scheduler is not None
             self.weights_watch = EngineWatch(
-                self._model, self.connector_scheduler.set_field, vllm_config
+                self._model,
+                self.connector_scheduler.set_field,
+                vllm_config,
+                on_encoder_cache_reset=self.connector_scheduler.encoder_cache_reset,
             )
             if not watch_engine_calls():
                 logger.warning(

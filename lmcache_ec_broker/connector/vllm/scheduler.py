@@ -139,14 +139,16 @@ class ECBrokerScheduler:
         self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
         self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
         # When a CLAIMED item is asked about again (reask.py); a broker that does not
-        # answer a re-ask keeps it held for one probe and one re-ask more at most.
+        # answer holds the items met in the outage's first two probe intervals, once.
         self._reask = ReaskSchedule(unreached_s=2 * settings.probe_interval_s)
         self._pending_loads: list[LoadSpec] = []
         self._publish: list[str] = []  # this step's items an encoder-only producer skipped
         # A mirror of the mm_hashes vLLM's own encoder cache holds (allocated, not yet
-        # reported freed): they are never looked up. It can only be stale towards
-        # "held" after vLLM's reset_encoder_cache; has_cache_item then sees a held
-        # hash (vLLM asks only about items it lacks) and drops the mirror.
+        # reported freed): they are never looked up. vLLM's reset_encoder_cache empties
+        # it (encoder_cache_reset, through the engine's wrapped call); should a reset
+        # reach vLLM's cache another way, the mirror is stale towards "held" and
+        # has_cache_item sees a held hash (vLLM asks only about items it lacks),
+        # drops the mirror and stages that item while the scheduler waits (_stage_now).
         self._held: set[str] = set()
         # This step's items _ahead skipped as held: mm_hash -> (embeddings, width)
         self._held_skipped: dict[str, tuple[int, int | None]] = {}
@@ -183,6 +185,13 @@ class ECBrokerScheduler:
                 client.unlease([self.key(h, old) for h in held])
             except Exception as exc:  # leases also end on their own (lease_ms)
                 logger.warning("EC broker unlease failed: %s", exc)
+
+    def encoder_cache_reset(self) -> None:
+        """vLLM's encoder cache was emptied (``EngineCore.reset_encoder_cache``): what
+        it held is looked up again and staged like any hit, the request held in
+        ``ensure_cache_available`` -- not staged while the whole engine waits."""
+        self._held.clear()
+        self._held_skipped.clear()
 
     @property
     def claim_reasks(self) -> int:
@@ -446,8 +455,10 @@ class ECBrokerScheduler:
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
-        # An outage answers MISS without asking (BrokerClient.lookup): for an item a
-        # request is held on, that is "unknown", not "ours to encode" (reask.py, 3).
+        # An outage answers MISS without asking (BrokerClient.lookup): for a request's
+        # item that is "unknown", not "ours to encode": early in the outage it is held
+        # like a CLAIMED one -- a lookup past the budget is most often a busy broker,
+        # and another instance may be encoding the item (reask.py, 3).
         client = self._live_client()
         unreached = claim_ms > 0 and (client is None or not client.connected or client.tripped)
         bad: list[tuple[str, str]] = []
@@ -610,4 +621,3 @@ def num_embeds(request: Request, index: int) -> int:
         if method is not None:
             return int(method(index))
     return int(request.mm_features[index].mm_position.length)
-

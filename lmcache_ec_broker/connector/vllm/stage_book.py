@@ -27,10 +27,13 @@ Invariants (what makes a shipped load find its tensor on every rank):
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
 from lmcache_ec_broker.connector.vllm.stage_link import Stage, StageHub, StageItem, StageRelease
+
+log = logging.getLogger("vllm.lmcache_ec_broker.connector")
 
 
 class StageState(enum.Enum):
@@ -102,6 +105,13 @@ class StageBook:
                 if self._hub.up:
                     self.timeouts += 1
                     self._late = True
+                    log.warning(
+                        "EC stage: mm_hash=%s not staged on every encoder rank within "
+                        "%.1f s (stage_wait_ms); encoded instead, no orders until the "
+                        "ranks answer again",
+                        h,
+                        self._hold_s,
+                    )
         return settled
 
     def state(self, mm_hash: str) -> StageState | None:

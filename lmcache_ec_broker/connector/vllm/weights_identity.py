@@ -259,15 +259,23 @@ class EngineWatch:
     methods (:func:`watch_engine_calls`), which pass the engine itself.
 
     ``set_field(field_or_empty)`` is the scheduler connector's setter ("" = unknown:
-    misses, no loads, no stores). With ``vllm_config``, the watch also takes the
+    misses, no loads, no stores). ``on_encoder_cache_reset`` runs after the engine's
+    ``reset_encoder_cache`` (which tells connectors nothing): the scheduler connector
+    forgets its mirror of what vLLM's encoder cache holds. With ``vllm_config``, the
+    watch also takes the
     digest at load: the engine built on that configuration asks its workers as soon
     as its scheduler exists (:func:`watch_engine_calls`, ``at_load``)."""
 
     def __init__(
-        self, base: str, set_field: Callable[[str], None], vllm_config: Any = None
+        self,
+        base: str,
+        set_field: Callable[[str], None],
+        vllm_config: Any = None,
+        on_encoder_cache_reset: Callable[[], None] | None = None,
     ) -> None:
         self._base = base
         self._set_field = set_field
+        self._on_encoder_cache_reset = on_encoder_cache_reset
         self._in_session = False
         self._config = vllm_config
         if vllm_config is not None:
@@ -288,6 +296,8 @@ class EngineWatch:
         return self._in_session
 
     def after_call(self, engine: Any, name: str, method: Any = None) -> None:
+        if name == "reset_encoder_cache" and self._on_encoder_cache_reset is not None:
+            self._on_encoder_cache_reset()  # vLLM's own encoder cache is empty now
         if name != "collective_rpc":
             self.refresh(engine)
             return
