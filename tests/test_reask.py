@@ -59,7 +59,6 @@ def test_bad_bounds_refused(args):
 
 def test_an_unanswered_re_ask_keeps_it_a_bounded_time_only():
     s = ReaskSchedule(unreached_s=1.0)
-    assert not s.unreached("x", 0.0), "an item not held is encoded: nothing to keep"
     s.answered("x", True, 0.0)
     s.hold(["x"], "r")
     assert s.unreached("x", 0.1), "the first unanswered re-ask keeps it CLAIMED"
@@ -67,6 +66,24 @@ def test_an_unanswered_re_ask_keeps_it_a_bounded_time_only():
     assert s.unreached("x", 1.0), "still within 1 s of the first unanswered re-ask"
     assert not s.unreached("x", 1.1), "past the bound: it leaves, encoded here"
     assert len(s) == 0
+
+
+def test_an_outage_holds_the_items_met_early_in_it_once():
+    """Invariant 3: a first lookup the broker did not answer holds its item too (the
+    broker is most likely busy and another encoder may be on it), within the
+    outage's first unreached_s only; later in the same outage items are encoded at
+    once, so a dead broker costs one bounded wait per outage, not one per request."""
+    s = ReaskSchedule(unreached_s=1.0)
+    assert s.unreached("x", 0.0), "met as the outage starts: held"
+    s.hold(["x"], "r1")
+    assert s.kept("x", 0.001) and not s.kept("x", 0.006), "re-asked on the schedule"
+    assert s.unreached("x", 0.5) and s.unreached("y", 0.9), "within the outage's first 1 s"
+    s.hold(["y"], "r2")
+    assert not s.unreached("x", 1.0) and not s.unreached("y", 1.0), "the outage is 1 s old"
+    assert not s.unreached("z", 5.0), "later in the same outage: encoded at once"
+    assert len(s) == 0
+    s.answered("z", False, 6.0)  # the broker answers: the outage is over
+    assert s.unreached("w", 7.0), "a new outage holds again"
 
 
 def test_an_answer_between_unanswered_re_asks_restarts_the_bound():

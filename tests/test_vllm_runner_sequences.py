@@ -538,6 +538,42 @@ def test_a_held_request_outlives_a_hung_broker_a_bounded_time(engines, broker):
     assert b.sched_connector.broker_timeouts >= 1
 
 
+def test_a_first_lookup_past_the_budget_is_held_once_per_outage(engines, broker):
+    """A request's first claiming lookup the broker does not answer (SIGSTOPped: it
+    times out, the circuit opens) holds the request -- on a busy host another
+    instance may be encoding the item -- for at most two probe intervals from the
+    outage's start, then it is encoded here; a request arriving later in the same
+    outage is encoded at once (one bounded wait per outage, reask.py invariant 3)."""
+    a = engines(
+        claim_wait_ms=60_000, scheduler_budget_ms=50, worker_budget_ms=200, probe_interval_ms=300
+    )
+    first, later = make_request("first", ["9f" * 32]), make_request("later", ["a0" * 32])
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        a.add(first)
+        held_for = None
+        while not a.outputs.get("first"):
+            before_step = time.monotonic() - t0
+            if a.step().num_scheduled_tokens and held_for is None:
+                held_for = before_step
+            time.sleep(0.002)
+            assert time.monotonic() - t0 < 20, "the request hung on a hung broker"
+        a.add(later)
+        out = a.step()
+        assert out.num_scheduled_tokens, "a request later in the outage was held too"
+        while not a.outputs.get("later"):
+            a.step()
+            assert time.monotonic() - t0 < 30, "the later request hung"
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    assert held_for is not None
+    assert 0.5 <= held_for < 5, held_for  # 0.6 s: two 300 ms probe intervals
+    assert_answers_unchanged(a, [first, later])
+    assert a.worker.loads == 0 and a.sched_connector.claim_timeouts == 0
+    assert a.sched_connector.broker_timeouts >= 1
+
+
 def test_a_request_aborted_while_held_asks_no_more(engines, broker):
     """Aborted while held on a claim: the request lets go of everything; the item is
     not asked about again for it."""

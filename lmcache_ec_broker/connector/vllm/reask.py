@@ -16,18 +16,25 @@ re-asks.
 Invariants:
 
 1. **Only CLAIMED is kept.** An item is in the schedule only after a lookup
-   answered CLAIMED; any other answer (READY, MISS: ours to encode, PENDING) drops it.
+   answered CLAIMED or went unanswered early in an outage (3); any other answer
+   (READY, MISS: ours to encode, PENDING) drops it.
    A kept answer can only hold a request, never promise a load or skip an encode,
    so it cannot make an answer wrong.
 2. **Bounded.** A kept answer is at most ``max_s`` old; the request's own
    ``claim_wait_ms`` bound is the connector's and is checked on every step.
-3. **An unreachable broker holds an item a bounded time only.** A re-ask the broker
-   did not answer (it timed out, or its circuit is open: a hung or busy broker) keeps
-   the item CLAIMED -- the other encoder is most likely still on it, and the broker
-   is most likely busy, not gone -- but only for ``unreached_s`` from the first such
-   re-ask (the connector passes twice its probe interval: one probe, then one
-   re-ask); then it leaves the schedule and the item is encoded here. A dead broker
-   thus costs a request already held at most ``unreached_s`` more, never a hang.
+3. **An outage holds items a bounded time, once.** A claiming lookup the broker
+   did not answer (it timed out, or the circuit a timeout opened is still open)
+   starts an *outage*, which the next answered lookup ends. (A broker that is gone
+   -- connection refused or reset -- holds no claim anyone could wait for: its
+   MISS is this instance's to encode, at once.) In the outage's
+   first ``unreached_s`` (the connector passes twice its probe interval: one probe,
+   then one re-ask) an item met unanswered is kept CLAIMED -- a re-ask of a held item
+   as much as a first lookup: the broker is most likely busy, not gone, and another
+   encoder may be on the item -- and re-asked on the schedule; once the outage is
+   ``unreached_s`` old every item it holds leaves the schedule at its next re-ask
+   and every item met until the broker answers again is encoded here at once. A dead or hung broker
+   thus costs requests at most ``unreached_s`` of waiting per outage (those that
+   meet its first ``unreached_s``), never a hang, never one wait per request.
 4. **Released with its requests.** An item no held request waits for any more (the
    request finished, was aborted, stopped waiting) leaves the schedule.
 """
@@ -49,7 +56,6 @@ MAX_S = 0.040
 class _Item:
     due: float  # when to ask the broker again
     interval: float  # the wait before the next re-ask after this one
-    unreached_since: float | None = None  # the first re-ask the broker did not answer
     requests: set[str] = field(default_factory=set)  # held on it
 
 
@@ -73,6 +79,7 @@ class ReaskSchedule:
         self._growth = growth
         self._max_s = max_s
         self._items: dict[str, _Item] = {}
+        self._outage_since: float | None = None  # the first unanswered lookup (invariant 3)
         self.reasks = 0  # lookups of an item the schedule kept (a counter, for stats)
 
     def __len__(self) -> int:
@@ -90,7 +97,8 @@ class ReaskSchedule:
         return False
 
     def answered(self, mm_hash: str, claimed: bool, now: float) -> None:
-        """The broker's answer to a claiming lookup of ``mm_hash``."""
+        """The broker's answer to a claiming lookup of ``mm_hash`` (an outage ends)."""
+        self._outage_since = None
         item = self._items.get(mm_hash)
         if not claimed:
             self._items.pop(mm_hash, None)
@@ -99,21 +107,21 @@ class ReaskSchedule:
         else:
             item.interval = min(item.interval * self._growth, self._max_s)
             item.due = now + item.interval
-            item.unreached_since = None
 
     def unreached(self, mm_hash: str, now: float) -> bool:
-        """A re-ask of ``mm_hash`` the broker did not answer. True: keep it CLAIMED
-        (invariant 3: within ``unreached_s`` of the first such re-ask); False: it
-        left the schedule (never held, or held long enough): encode it here."""
+        """A claiming lookup of ``mm_hash`` the broker did not answer. True: keep it
+        CLAIMED, re-asked on the schedule (within the outage's first ``unreached_s``,
+        invariant 3); False: it is not in the schedule (any more): encode it here."""
+        if self._outage_since is None:
+            self._outage_since = now
+        if now - self._outage_since >= self._unreached_s:
+            self._items.pop(mm_hash, None)
+            return False
         item = self._items.get(mm_hash)
         if item is None:
-            return False
-        if item.unreached_since is None:
-            item.unreached_since = now
-        if now - item.unreached_since >= self._unreached_s:
-            del self._items[mm_hash]
-            return False
-        item.due = now + item.interval
+            self._items[mm_hash] = _Item(now + self._first_s, self._first_s)
+        else:
+            item.due = now + item.interval
         return True
 
     def hold(self, hashes: list[str], req_id: str) -> None:

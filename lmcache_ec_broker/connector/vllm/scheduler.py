@@ -455,12 +455,14 @@ class ECBrokerScheduler:
         except Exception as exc:  # never take the scheduler down
             logger.warning("EC broker lookup failed: %s", exc)
             infos = [_MISS] * len(hashes)
-        # An outage answers MISS without asking (BrokerClient.lookup): for a request's
-        # item that is "unknown", not "ours to encode": early in the outage it is held
-        # like a CLAIMED one -- a lookup past the budget is most often a busy broker,
-        # and another instance may be encoding the item (reask.py, 3).
+        # A broker that did not answer within the budget (the circuit is open) answers
+        # MISS without asking (BrokerClient.lookup): for a request's item that is
+        # "unknown", not "ours to encode": early in the outage it is held like a
+        # CLAIMED one -- a lookup past the budget is most often a busy broker, and
+        # another instance may be encoding the item (reask.py, 3). A broker that is
+        # gone (refused, reset) holds no claim anyone waits for: MISS is ours.
         client = self._live_client()
-        unreached = claim_ms > 0 and (client is None or not client.connected or client.tripped)
+        unreached = claim_ms > 0 and client is not None and client.tripped
         bad: list[tuple[str, str]] = []
         now = time.monotonic()
         for mm_hash, info in zip(hashes, infos, strict=True):
@@ -483,7 +485,7 @@ class ECBrokerScheduler:
                     self._claimed_by.setdefault(req_id, set()).add(mm_hash)  # ours now
                 state = LookupState.MISS  # including states a newer broker may invent
             self._step_state[mm_hash] = state
-            if claim_ms and req_id is not None:
+            if claim_ms and req_id is not None and not unreached:
                 self._reask.answered(mm_hash, state == LookupState.CLAIMED, now)
         if bad:
             self._delete_invalid(bad)
