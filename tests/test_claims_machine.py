@@ -30,9 +30,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmcache_ec_broker.broker.claims import MAX_CLAIM_MS
 from lmcache_ec_broker.broker.coordinator import Coordinator
-from lmcache_ec_broker.broker.dedup import FLEET_RECHECK_S
+from lmcache_ec_broker.broker.dedup import FLEET_RECHECK_S, Dedup
 from lmcache_ec_broker.broker.store import State, Store
-from lmcache_ec_broker.protocol import LookupState, ReserveReply, ReserveStatus
+from lmcache_ec_broker.protocol import EntryInfo, LookupState, ReserveReply, ReserveStatus
 
 BS = 4096
 CONNS = (1, 2, 3, 4)
@@ -374,3 +374,36 @@ FleetClaimsMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 TestFleetClaimsMachine = FleetClaimsMachine.TestCase
+
+
+def test_a_put_that_lands_while_a_claiming_lookup_waits_for_the_store_answers_ready():
+    """A claiming lookup waiting for a remote tier (with fleet claims every miss is
+    asked of the store) while another connection's put lands: the answer is READY,
+    leased like any hit -- not MISS, which means "encode it" while nothing could be
+    claimed any more (two instances on one node each encoded an item:
+    benchmarks/dedup_vllm.py, fleet of 4, 2026-12-06)."""
+    store = Store(64 * BS, BS, clock=Clock())
+    tiers = Coordinator(store, [])
+    for conn in (1, 2):
+        tiers.open_connection(conn)
+    loop = asyncio.new_event_loop()
+    remote: asyncio.Future[list[EntryInfo]] = loop.create_future()
+    asked: list[list[str]] = []
+
+    def lookup(conn, keys, lease_ms, wait_ms=0, fresh=False):
+        asked.append(keys)  # the first: still asking the store; later: the coordinator
+        return remote if len(asked) == 1 else tiers.lookup(conn, keys, lease_ms, wait_ms, fresh)
+
+    dedup = Dedup(store, lookup)
+    try:
+        pending = dedup.lookup(1, 100, ["k"], 5000, 25, True, 5000)
+        assert not isinstance(pending, list)
+        r = tiers.reserve(2, "k", BS, "uint8", [BS])  # another encoder's put ...
+        assert isinstance(r, ReserveReply) and tiers.commit(2, r.token) is None  # ... lands
+        remote.set_result([EntryInfo(LookupState.MISS)])  # the store had nothing
+        (info,) = loop.run_until_complete(pending)
+    finally:
+        loop.close()
+    assert info.state == LookupState.READY and info.shape == [BS]
+    assert "k" not in dedup.book.claims
+    assert store.entries["k"].pins == 1, "a READY answer is leased like any hit"

@@ -23,11 +23,15 @@ Rules (the promises; tests/test_claims_machine.py and tests/test_dedup.py):
   every ``FLEET_RECHECK_S`` (no event crosses brokers except the store's
   announcement that the value arrived, which wakes it at once).
 - **Never wrong**: claims only turn MISS into CLAIMED (claims.py invariant 4).
+- **MISS means "encode it"**: a key that landed in the slab while the lookup waited
+  for a remote tier (another encoder's put) is answered READY, leased like any hit,
+  not MISS (``_landed_since``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -159,8 +163,8 @@ class Dedup:
         fresh = fresh or self.fleet is not None
         got = self._lookup(conn, keys, lease_ms, wait_ms, fresh)
         if isinstance(got, list):
-            return self._claim(conn, uid, keys, got, claim_ms, started, wait_ms)
-        return self._claim_after(conn, uid, keys, got, claim_ms, started, wait_ms)
+            return self._claim(conn, uid, keys, got, claim_ms, lease_ms, started, wait_ms)
+        return self._claim_after(conn, uid, keys, got, claim_ms, lease_ms, started, wait_ms)
 
     async def _claim_after(
         self,
@@ -169,10 +173,12 @@ class Dedup:
         keys: list[str],
         pending: Awaitable[list[EntryInfo]],
         claim_ms: int,
+        lease_ms: int,
         started: float,
         wait_ms: int,
     ) -> list[EntryInfo]:
-        got = self._claim(conn, uid, keys, await pending, claim_ms, started, wait_ms)
+        items = await pending
+        got = self._claim(conn, uid, keys, items, claim_ms, lease_ms, started, wait_ms)
         return await got if not isinstance(got, list) else got
 
     def _claim(
@@ -182,12 +188,16 @@ class Dedup:
         keys: list[str],
         items: list[EntryInfo],
         claim_ms: int,
+        lease_ms: int = 0,
         started: float = 0.0,
         wait_ms: int = 0,
     ) -> list[EntryInfo] | Awaitable[list[EntryInfo]]:
         out = list(items)
-        misses = [i for i, info in enumerate(items) if info.state == LookupState.MISS]
-        if not misses or conn not in self.store.conns:
+        if conn not in self.store.conns:
+            return out
+        self._landed_since(conn, keys, out, lease_ms)
+        misses = [i for i, info in enumerate(out) if info.state == LookupState.MISS]
+        if not misses:
             return out
         busy = [i for i in misses if self.elsewhere(conn, keys[i])]
         if busy:  # all or nothing: a caller that waits holds no new claims
@@ -202,13 +212,30 @@ class Dedup:
         granted: list[str] = []
         for i in misses:
             key = keys[i]
-            if self.store.ready(key) is not None:
-                continue  # landed since the lookup answered: nothing to claim
             if self.book.claim(conn, uid, key, claim_ms) is Grant.GRANTED:
                 granted.append(key)
         if not granted or self.fleet is None:
             return out
         return self._claim_fleet(conn, keys, out, misses, granted, claim_ms, started, wait_ms)
+
+    def _landed_since(self, conn: int, keys: list[str], out: list[EntryInfo], lease_ms: int) -> None:
+        """A MISS whose key is READY in the slab now landed while the lookup waited for
+        a remote tier (another encoder's put): answer READY, leased like any hit, not
+        MISS -- MISS means "encode it", and nothing would be claimed for it either."""
+        landed = [
+            i
+            for i, info in enumerate(out)
+            if info.state == LookupState.MISS and self.store.ready(keys[i]) is not None
+        ]
+        if not landed:
+            return
+        again = self._lookup(conn, [keys[i] for i in landed], lease_ms, 0, False)
+        # READY in the slab: the coordinator answers at once (no tier is asked)
+        if isinstance(again, list):
+            for i, info in zip(landed, again, strict=True):
+                out[i] = info
+        elif inspect.iscoroutine(again):  # evicted meanwhile: MISS stands (ours to encode)
+            again.close()
 
     async def _claim_fleet(
         self,
