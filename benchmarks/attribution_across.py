@@ -85,7 +85,7 @@ class Side:
         self.echo: socket.socket | None = None
 
     def setup(self, socket_path: str) -> dict[str, Any]:
-        from benchmarks.attribution import TimedSocket
+        from benchmarks.timed_socket import TimedSocket
         from lmcache_ec_broker import BrokerClient
 
         c = self.client = BrokerClient(socket_path, timeout_s=60)
