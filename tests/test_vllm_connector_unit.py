@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1342,3 +1343,41 @@ def test_timeout_s_is_refused_with_the_fix(model_config, broker):
     config = make_config(model_config, "ec_both", broker.socket_path, worker_budget_ms=0)
     with pytest.raises(ValueError, match="worker_budget_ms"):
         ECBrokerConnector(config, ECConnectorRole.WORKER)
+
+
+def test_an_empty_step_waits_for_the_stage_report_of_a_held_request(pairs, broker, monkeypatch):
+    """While a request is held for staging, vLLM's engine steps again at once with
+    nothing scheduled; each such step waits in build_connector_meta for the workers'
+    report (at most IDLE_STEP_WAIT_S), so the hold is not thousands of empty steps a
+    second that starve the broker on a loaded host. The report ends the wait at once;
+    a step that schedules tokens never waits."""
+    from lmcache_ec_broker.connector.vllm import scheduler as scheduler_module
+
+    p = pairs()
+    x = "d3" * 32
+    p.worker.save_caches({x: embedding(36)}, x)
+    link = p.worker.connector_worker.link
+    gate = threading.Event()
+    fetch = link._fetch
+    link._fetch = lambda items: (gate.wait(60), fetch(items))[1]  # a slow staging Get
+    request = make_request("held", x)
+    assert not p.sched.ensure_cache_available(request, 0)
+    assert p.sched.connector_scheduler.book.staging() == {x}
+
+    monkeypatch.setattr(scheduler_module, "IDLE_STEP_WAIT_S", 0.5)
+    started = time.monotonic()
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert time.monotonic() - started >= 0.45, "an empty step did not wait for the report"
+
+    monkeypatch.setattr(scheduler_module, "IDLE_STEP_WAIT_S", 30.0)
+    busy = SchedulerOutput.make_empty()
+    busy.total_num_scheduled_tokens = 4  # another request runs: never delayed
+    started = time.monotonic()
+    p.sched.build_connector_meta(busy)
+    assert time.monotonic() - started < 10
+
+    threading.Timer(0.1, gate.set).start()
+    started = time.monotonic()
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert time.monotonic() - started < 10, "the report did not end the wait"
+    assert p.sched.ensure_cache_available(request, 0), "staged, yet still held"

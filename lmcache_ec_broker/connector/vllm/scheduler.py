@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CLAIM_MS = 30_000  # how long this instance's encode claim holds at most (its put ends it)
+# The longest an empty step waits for a worker's stage report while this connector
+# holds requests (build_connector_meta says why).
+IDLE_STEP_WAIT_S = 0.01
 _MISS = EntryInfo(LookupState.MISS)
 _T = TypeVar("_T")
 
@@ -554,6 +557,7 @@ class ECBrokerScheduler:
         # out, even one whose request was preempted later in the step: its tensor
         # moves into the encoder cache (vLLM holds the item) and its order ends.
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
+        self._idle_step_wait(scheduler_output)
         meta = ECBrokerConnectorMetadata(
             loads=self._pending_loads,
             model=self.field,
@@ -576,6 +580,25 @@ class ECBrokerScheduler:
         # vLLM's own encoder cache, a wrong entry, staged already) protect nothing.
         self._unlease(leased)
         return meta
+
+    def _idle_step_wait(self, scheduler_output: SchedulerOutput) -> None:
+        """A step that schedules nothing while this connector holds requests (staging,
+        a promotion, another instance's encode) waits here for the first stage report,
+        at most IDLE_STEP_WAIT_S. Without it vLLM's engine core steps again at once, as
+        long as the hold lasts: thousands of empty steps a second, each broadcast to
+        every worker. On a loaded host that loop took the CPUs from every other process
+        -- the broker included, which then could not answer the very staging the
+        requests waited for (TP 2 beside CPU-bound processes: both ranks' Gets
+        unanswered for the whole worker budget, every hit encoded; 2026-12-06, kernel
+        6.18). A report ends the wait at once, so a staged hit is not delayed; new
+        requests reach an otherwise idle engine at most IDLE_STEP_WAIT_S later."""
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            return
+        book = self.book
+        if book is not None and len(book.staging()) > 0:
+            book.wait(IDLE_STEP_WAIT_S)
+        elif self._waiting or self._claim_waiting:
+            time.sleep(IDLE_STEP_WAIT_S)
 
     def _needed(self) -> set[str]:
         needed = set(self.book.staging()) if self.book is not None else set()
