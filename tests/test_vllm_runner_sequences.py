@@ -463,12 +463,17 @@ def test_a_claim_that_never_lands_costs_one_bounded_wait(engines, broker):
     assert b.sched_connector.claim_timeouts == 1 and b.sched_connector.ec_misses == 1
 
 
-def test_a_held_request_re_asks_at_intervals_not_every_step(engines, broker):
+def test_a_held_request_re_asks_at_intervals_not_every_step(engines, broker, monkeypatch):
     """A request held on another encoder's claim is not looked up again on every
-    engine step (vLLM steps an engine with a held request about every millisecond):
-    its CLAIMED answer is kept between re-asks spaced out by connector/vllm/reask.py. The
-    broker counts the claiming lookups it answered CLAIMED; before, one per step. When
-    the other encoder's put lands, the held request loads it (no encode here)."""
+    engine step (vLLM steps an engine with a held request at once; the connector's
+    empty-step wait, IDLE_STEP_WAIT_S, is off here so that steps come every
+    millisecond): its CLAIMED answer is kept between re-asks spaced out by
+    connector/vllm/reask.py. The broker counts the claiming lookups it answered CLAIMED;
+    before, one per step. When the other encoder's put lands, the held request loads
+    it (no encode here)."""
+    from lmcache_ec_broker.connector.vllm import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "IDLE_STEP_WAIT_S", 0.0)
     b = engines(claim_wait_ms=10_000)
     x = "9c" * 32
     with BrokerClient(broker.socket_path) as other:  # another instance's claim
