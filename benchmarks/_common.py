@@ -98,7 +98,8 @@ class Broker:
             "--socket", self.socket_path, "--shm-size", f"{-(-shm_size // MiB)}MiB", *extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+            start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
         )
         from lmcache_ec_broker.broker.server import probe_socket
 

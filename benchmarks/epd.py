@@ -94,6 +94,7 @@ class Helper:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 preexec_fn=die_with_parent,
+                start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
             )
 
     def stop(self) -> None:

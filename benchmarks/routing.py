@@ -122,7 +122,8 @@ class NodeBroker:
             cmd += ["--remote-url", remote_url]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
+                start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
             )
         from lmcache_ec_broker.broker.server import probe_socket
 

@@ -212,7 +212,9 @@ class Soak:
         cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.sock]
         cmd += ["--shm-size", self.args.shm_size, "--log-level", "WARNING"]
         log = open(os.path.join(self.dir, "broker.log"), "ab")  # noqa: SIM115
-        self.broker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.broker = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
         log.close()
         deadline = time.monotonic() + 30
         while not probe_socket(self.sock, 0.2):

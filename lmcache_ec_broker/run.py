@@ -19,6 +19,7 @@ import signal
 
 from .broker.server import AddOn, BrokerServer
 from .config import BrokerConfig
+from .cpu_group import shared_cpu_group
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,16 @@ def run_broker(config: BrokerConfig) -> int:
     """Start, serve until SIGTERM/SIGINT or a Shutdown request, clean up; the exit code."""
     if config.sched_batch:
         sched_batch()  # first: every thread started from here on inherits the policy
+    group = shared_cpu_group()
+    if group is not None:
+        log.info(
+            "the broker shares the CPU scheduling group of session %d (%s, Linux autogroup) "
+            "with the processes that started it: a CPU-bound process of that session delays "
+            "its answers, past the clients' budgets on a busy host; run it as a service "
+            "(systemd, a container) or under setsid (docs/operations.md)",
+            os.getsid(0),
+            group,
+        )
     server = BrokerServer(config, add_ons(config))
     prepared = False
 

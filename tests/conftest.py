@@ -91,7 +91,9 @@ class BrokerProcess:
         cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.socket_path]
         env = dict(os.environ, **(self.env or {}))
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
+            cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         if wait:
             self.wait_ready(timeout)
         return self

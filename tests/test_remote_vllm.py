@@ -56,6 +56,7 @@ class NodeBroker:
             ],  # fmt: skip
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
         )
         wait_until(lambda: os.path.exists(self.socket_path) and bool(broker_stats(self.socket_path)), name, timeout=60)
 

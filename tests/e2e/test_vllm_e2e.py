@@ -90,6 +90,7 @@ class Broker:
                 self._cli("start") + ["--shm-size", "256MiB", *extra],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
             )
         deadline = time.monotonic() + 30
         while subprocess.call(

@@ -84,7 +84,9 @@ class NodeBroker:
         )
         cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket"]
         cmd += [self.socket_path, "--shm-size", "256MiB", "--config", str(cfg)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         wait_until(
             lambda: os.path.exists(self.socket_path) and bool(broker_stats(self.socket_path)),
             f"broker {name}",
