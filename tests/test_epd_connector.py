@@ -254,7 +254,12 @@ def test_control_without_the_publish_wait_the_prefill_node_misses(
 ) -> None:
     """The same hand-off with E not waiting (publish_wait_ms 0: the old behaviour, E
     answers while its write is still on its way): PD's lookup right after misses, and
-    PD would encode the item again. What the test above would see on the old code."""
+    PD would encode the item again. What the test above would see on the old code.
+    E's writes are held 2 s here (not 50 ms): PD's lookup must come before the write
+    lands, and on a loaded host the test process itself may wait longer than 50 ms
+    for a CPU between E's step and PD's lookup (a CI run beside a CPU-bound process
+    found one item that way, 2026-12-06)."""
+    slow_proxy.hold_s["SET"] = 2.0
     url = slow_proxy.url(redis.password)
     node1, node2 = _node(make_broker, tmp_path, url, "n1"), _node(make_broker, tmp_path, url, "n2")
     e = instances("ec_producer", node1, encoder_only=True, publish_wait_ms=0)
