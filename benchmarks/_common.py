@@ -28,6 +28,13 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM ends the benchmark through its ``finally`` blocks (SystemExit), which stop
+    what it started: ``vllm serve`` runs in a session of its own, outside the reach of
+    ``die_with_parent``, and the default SIGTERM action would leave it running."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     """SIGTERM ``proc`` (a broker flushes and unlinks its segments), SIGKILL after ``grace_s``."""
     if proc.poll() is not None:

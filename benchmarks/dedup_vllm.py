@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from benchmarks._common import Broker, MiB, percentile, table  # noqa: E402
+from benchmarks._common import Broker, MiB, exit_on_sigterm, percentile, table  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"
 SETUPS = ("node", "fleet")
@@ -396,6 +396,7 @@ def tables(runs: list[Run]) -> str:
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--instances", default="2", help="instance counts to run, e.g. 2,4")
     p.add_argument("--setups", default=",".join(SETUPS))

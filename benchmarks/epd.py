@@ -48,7 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import die_with_parent, percentile, stop_process, table  # noqa: E402
+from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, stop_process, table  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"
@@ -417,6 +417,7 @@ HEADERS = [
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--workloads", default=",".join(WORKLOADS))

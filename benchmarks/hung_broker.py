@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import Broker, MiB, percentile, table  # noqa: E402
+from benchmarks._common import Broker, MiB, exit_on_sigterm, percentile, table  # noqa: E402
 
 
 def rtt(broker: Broker, n: int) -> dict[str, dict[str, float]]:
@@ -199,6 +199,7 @@ def serve(broker: Broker, models: Path, n: int) -> dict[str, Any]:
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -81,7 +81,7 @@ sys.path.insert(
 
 from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
-from benchmarks._common import die_with_parent, percentile, stop_process, table  # noqa: E402
+from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, stop_process, table  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports
 
 PROMPTS = [
@@ -618,6 +618,7 @@ def routing_spec(side: int) -> Any:
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from benchmarks._common import Broker, MiB, percentile, table  # noqa: E402
+from benchmarks._common import Broker, MiB, exit_on_sigterm, percentile, table  # noqa: E402
 from benchmarks.dedup_vllm import Sent, image_url, send_together  # noqa: E402
 
 LINE = re.compile(
@@ -60,6 +60,7 @@ def p90(xs: list[float]) -> float:
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", default=str(REPO), help="checkout whose connector is measured")
     p.add_argument("--label", default="", help="name of the tree in the output")

@@ -55,7 +55,7 @@ sys.path.insert(
 
 from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
-from benchmarks._common import Broker, MiB, fmt_size, median, table  # noqa: E402
+from benchmarks._common import Broker, MiB, exit_on_sigterm, fmt_size, median, table  # noqa: E402
 
 Item = tuple[dict[str, Any], dict[str, Any]]  # (chat content part, extra request fields)
 
@@ -262,6 +262,7 @@ SETUPS = {"image": image_setup, "video": video_setup, "audio": audio_setup}
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
