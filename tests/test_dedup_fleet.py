@@ -100,6 +100,54 @@ def test_a_client_of_another_node_waits_for_the_encode(node, kind) -> None:
         server.stop()
 
 
+def test_a_value_that_lands_while_a_waiter_reads_the_claim_is_not_a_miss(
+    node, make_broker, tmp_path
+) -> None:
+    """The race a CI run beside a CPU-bound process met (2026-12-06): b's broker, waiting
+    for an item a's broker claimed, reads the value (absent), then the claim -- and in
+    between a's write-behind stores the value and deletes a's claim. The claim read finds
+    nothing; answering MISS ("encode it") would encode the item twice. The proxy holds
+    b's claim read (GET) until a's value and claim are settled in the store, so the race
+    is taken every time: b's wait goes on and loads a's bytes."""
+    server = RedisServer()
+    proxy = DelayProxy(server.port)
+    try:
+        a, _ = node(server.url("unix"))
+        cfg = tmp_path / "slow-b.yaml"  # a timeout well above the hold below
+        cfg.write_text(f"remote_url: '{proxy.url(server.password)}'\nremote_timeout_s: 10.0\n")
+        b = BrokerClient(make_broker("--shm-size", "64MiB", "--config", str(cfg)).socket_path,
+                         timeout_s=60.0, connect_timeout_s=60.0)  # fmt: skip
+        key = "landing"
+        value_key, claim_key = f"{PREFIX}{key}", f"lmcache-ec-claim:{PREFIX}{key}"
+        assert states(a.lookup([key], claim_ms=30_000)) == [MISS]
+        assert server.cli("exists", claim_key) == "1"
+        proxy.hold_s["GET"] = 3.0  # b's claim read (values are looked up with GETRANGE)
+        got: dict[str, list] = {}
+        waiting = threading.Thread(
+            target=lambda: got.setdefault("b", b.wait_ready([key], 30_000, lease_ms=10_000))
+        )
+        waiting.start()
+        assert proxy.holding.wait(30), "b's broker never read the claim"
+        assert a.put(key, tensor(5)) and a.flush()
+        wait_until(
+            lambda: server.cli("exists", value_key) == "1" and server.cli("exists", claim_key) == "0",
+            "a's value stored and its claim deleted while b's claim read is held",
+        )
+        assert proxy.holding.is_set(), "the hold ended before a's write: the race was not taken"
+        proxy.hold_s.clear()
+        waiting.join(60)
+        assert not waiting.is_alive()
+        assert states(got["b"])[0] in (READY, PENDING), got  # MISS: b would encode it again
+        wait_until(lambda: b.lookup([key])[0].state == READY, "b's promotion of a's value")
+        t = b.get(key)
+        assert t is not None and torch.equal(t, tensor(5))
+        assert b.stats()["remote_writes"] == 0  # b encoded (and wrote) nothing
+        b.close()
+    finally:
+        proxy.close()
+        server.stop()
+
+
 def test_a_dead_brokers_claim_expires_and_a_waiter_takes_over(node) -> None:
     """Broker A is killed (-9) while it holds a fleet claim: the claim's lease (PX)
     ends it; b's wait on node B ends then, claimed for b, long before its deadline."""

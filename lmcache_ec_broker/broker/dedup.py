@@ -269,7 +269,9 @@ class Dedup:
     async def _fleet_busy(
         self, keys: list[str], out: list[EntryInfo], misses: list[int], started: float, wait_ms: int
     ) -> list[EntryInfo]:
-        """Without claiming: which MISS keys another broker claimed (CLAIMED)."""
+        """Without claiming: which MISS keys another broker claimed, or whose value
+        landed in the store since the lookup read it (CLAIMED: a wait asks again and
+        finds it; MISS would mean "encode it")."""
         assert self.fleet is not None
         asked = [keys[i] for i in misses]
         held = await self.fleet.claimed_fleet(asked, self._budget_s(started, wait_ms))

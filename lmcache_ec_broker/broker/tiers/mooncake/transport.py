@@ -361,8 +361,18 @@ class MooncakeTransport:
         return out
 
     def claimed_by_others(self, owner: bytes, keys: list[str]) -> list[bool]:
+        """Per key: another broker's claim, or the value itself in the store (its
+        encoder wrote it, then gave its claim back, since the caller's lookup: look
+        again instead of encoding it twice; as redis/claims.py held_by_others)."""
         store, io = self._client()
-        return [fleet_claims.held_by_others(store, io.mkey(k), owner) for k in keys]
+        out: list[bool] = []
+        for key in keys:
+            mkey = io.mkey(key)
+            out.append(
+                fleet_claims.held_by_others(store, mkey, owner)
+                or fleet_claims.value_exists(store, mkey)
+            )
+        return out
 
     def unclaim_keys(self, owner: bytes, keys: list[str]) -> None:
         store, io = self._client()

@@ -69,7 +69,11 @@ def _value_exists(link: Link, key: str) -> bool:
 
 
 def held_by_others(link: Link, owner: bytes, keys: Sequence[str]) -> list[bool]:
-    """Per key: does an owner other than ``owner`` hold its claim? Raises StoreDown."""
+    """Per key: does an owner other than ``owner`` hold its claim -- or, with no claim
+    on it, is the value itself in the store? The caller read the value as absent just
+    before; an encoder writes the value, then deletes its claim, so a claim gone
+    meanwhile may mean the value landed: True sends the caller to look again instead
+    of encoding it twice. Raises StoreDown."""
     out: list[bool] = []
     for key in keys:
         ck = claim_key(link, key)
@@ -77,7 +81,7 @@ def held_by_others(link: Link, owner: bytes, keys: Sequence[str]) -> list[bool]:
             held = link.routed(ck, lambda c, ck=ck: c.command("GET", ck))
         except RespError as exc:
             raise StoreDown([link.node_of(key)], str(exc)) from None
-        out.append(held is not None and held != owner)
+        out.append(held != owner if held is not None else _value_exists(link, key))
     return out
 
 

@@ -516,9 +516,11 @@ class RemoteTier(LowerTier):
         return hasattr(self.transport, "claim_keys")
 
     async def claimed_fleet(self, keys: Sequence[str], budget_s: float = 0.0) -> list[bool]:
-        """Per key: does another broker hold its claim in the store? Claims nothing; an
-        answer the store does not give in time (``budget_s``, the tier's timeout) or a
-        store that is down reads False (the caller encodes)."""
+        """Per key: does another broker hold its claim in the store -- or did the value
+        land there since the caller's lookup (its claim given back after the write: the
+        caller looks again)? Claims nothing; an answer the store does not give in time
+        (``budget_s``, the tier's timeout) or a store that is down reads False (the
+        caller encodes)."""
         got = await self._on_claims_thread(
             self.transport.claimed_by_others,  # type: ignore[attr-defined]
             (self._claim_owner, list(keys)),
