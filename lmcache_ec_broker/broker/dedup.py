@@ -25,7 +25,9 @@ Rules (the promises; tests/test_claims_machine.py and tests/test_dedup.py):
 - **Never wrong**: claims only turn MISS into CLAIMED (claims.py invariant 4).
 - **MISS means "encode it"**: a key that landed in the slab while the lookup waited
   for a remote tier (another encoder's put) is answered READY, leased like any hit,
-  not MISS (``_landed_since``).
+  not MISS (``_landed_since``); a key whose value reached the store between the
+  lookup's value read and its claim read is answered CLAIMED, so a wait asks again
+  (the tier's ``claimed_fleet``; a claiming lookup's ``claim_fleet`` checks the same).
 """
 
 from __future__ import annotations
