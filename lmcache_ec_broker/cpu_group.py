@@ -44,14 +44,19 @@ def _in_root_cpu_cgroup(cgroup: str) -> bool:
     return v2 == "/"
 
 
+def autogroup_applies() -> bool:
+    """Whether Linux autogroup schedules this process: on, and in the root CPU cgroup."""
+    if (_read("/proc/sys/kernel/sched_autogroup_enabled") or "").strip() != "1":
+        return False
+    cgroup = _read("/proc/self/cgroup")
+    return cgroup is not None and _in_root_cpu_cgroup(cgroup)
+
+
 def shared_cpu_group() -> str | None:
     """The autogroup this process shares with the rest of its session (as
     ``/proc/self/autogroup`` names it, e.g. ``/autogroup-12 nice 0``), or None: autogroup
     off or absent, a cgroup of its own, or a session of its own."""
-    if (_read("/proc/sys/kernel/sched_autogroup_enabled") or "").strip() != "1":
-        return None
-    cgroup = _read("/proc/self/cgroup")
-    if cgroup is None or not _in_root_cpu_cgroup(cgroup):
+    if not autogroup_applies():
         return None
     if os.getsid(0) == os.getpid():
         return None  # a session, and so an autogroup, of its own

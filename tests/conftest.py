@@ -80,10 +80,14 @@ def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
 class BrokerProcess:
     """A real ``lmcache-ec-broker start`` process on a private socket."""
 
-    def __init__(self, socket_path: str, args: list[str], env: dict[str, str] | None = None):
+    def __init__(
+        self, socket_path: str, args: list[str], env: dict[str, str] | None = None,
+        own_session: bool = True,
+    ):  # fmt: skip
         self.socket_path = socket_path
         self.args = args
         self.env = env
+        self.own_session = own_session  # its own session and CPU group, as a service's (cpu_group.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = socket_path + ".log"
 
@@ -91,9 +95,10 @@ class BrokerProcess:
         cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.socket_path]
         env = dict(os.environ, **(self.env or {}))
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
-            cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.proc = subprocess.Popen(
+            cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=self.own_session,
+        )  # fmt: skip
         if wait:
             self.wait_ready(timeout)
         return self

@@ -4,15 +4,11 @@ broker in a session of its own does not: real broker processes, started both way
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from conftest import BrokerProcess
 
-from lmcache_ec_broker.broker.server import probe_socket
-from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, _read
+from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, autogroup_applies
 
 LINE = "shares the CPU scheduling group of session"
 
@@ -31,40 +27,16 @@ def test_the_cpu_cgroup_is_read_from_the_cpu_controller_or_the_v2_path(text: str
     assert _in_root_cpu_cgroup(text) is root
 
 
-def _autogroup_applies() -> bool:
-    cgroup = _read("/proc/self/cgroup")
-    return (
-        (_read("/proc/sys/kernel/sched_autogroup_enabled") or "").strip() == "1"
-        and cgroup is not None
-        and _in_root_cpu_cgroup(cgroup)
-        and _read("/proc/self/autogroup") is not None
-    )
+def _start_log(sock_dir: str, name: str, own_session: bool) -> str:
+    b = BrokerProcess(os.path.join(sock_dir, f"{name}.sock"), ["--shm-size", "32MiB"],
+                      own_session=own_session).start(timeout=60)  # fmt: skip
+    assert b.stop(30) == 0, b.read_log()
+    return b.read_log()
 
 
-def _start_log(sock_dir: str, name: str, new_session: bool) -> str:
-    sock = os.path.join(sock_dir, f"{name}.sock")
-    log = Path(sock_dir, f"{name}.log")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", sock,
-             "--shm-size", "32MiB"],
-            stdout=fh, stderr=subprocess.STDOUT, start_new_session=new_session,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not probe_socket(sock, 0.2):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.02)
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0, log.read_text()
-    return log.read_text()
-
-
-@pytest.mark.skipif(not _autogroup_applies(), reason="Linux autogroup off, or not in the root CPU cgroup")
+@pytest.mark.skipif(not autogroup_applies(), reason="Linux autogroup off, or not in the root CPU cgroup")
 def test_a_broker_in_its_starters_session_says_so_and_one_in_its_own_does_not(sock_dir: str) -> None:
-    shared = _start_log(sock_dir, "shared", new_session=False)
+    shared = _start_log(sock_dir, "shared", own_session=False)
     assert LINE in shared and "setsid" in shared, shared
-    own = _start_log(sock_dir, "own", new_session=True)
+    own = _start_log(sock_dir, "own", own_session=True)
     assert LINE not in own, own
