@@ -52,13 +52,21 @@ def autogroup_applies() -> bool:
     return cgroup is not None and _in_root_cpu_cgroup(cgroup)
 
 
-def shared_cpu_group() -> str | None:
-    """The autogroup this process shares with the rest of its session (as
-    ``/proc/self/autogroup`` names it, e.g. ``/autogroup-12 nice 0``), or None: autogroup
-    off or absent, a cgroup of its own, or a session of its own."""
+def autogroup() -> str | None:
+    """The autogroup this process is scheduled in (as ``/proc/self/autogroup`` names it,
+    e.g. ``/autogroup-12 nice 0``), or None: autogroup off, a cgroup of its own, or the
+    root task group -- a process whose session began before autogroup existed (pid 1's,
+    as a container's init) or never left it prints nothing there, and competes with the
+    other tasks one by one, not as a group."""
     if not autogroup_applies():
         return None
+    group = (_read("/proc/self/autogroup") or "").strip()
+    return group or None
+
+
+def shared_cpu_group() -> str | None:
+    """The autogroup this process shares with the rest of its session, or None: no
+    autogroup (see ``autogroup``), or a session, and so an autogroup, of its own."""
     if os.getsid(0) == os.getpid():
-        return None  # a session, and so an autogroup, of its own
-    group = _read("/proc/self/autogroup")
-    return group.strip() if group else None
+        return None
+    return autogroup()

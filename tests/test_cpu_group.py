@@ -8,7 +8,7 @@ import os
 import pytest
 from conftest import BrokerProcess
 
-from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, autogroup_applies
+from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, autogroup
 
 LINE = "shares the CPU scheduling group of session"
 
@@ -34,7 +34,10 @@ def _start_log(sock_dir: str, name: str, own_session: bool) -> str:
     return b.read_log()
 
 
-@pytest.mark.skipif(not autogroup_applies(), reason="Linux autogroup off, or not in the root CPU cgroup")
+# The starter's own group decides: a harness run by pid 1 without a session of its own
+# (CI's runner) is in the root task group, where a broker beside it has no group to share
+# and rightly says nothing (CI, 2026-12-06).
+@pytest.mark.skipif(autogroup() is None, reason="this process is in no autogroup (off, a cgroup, or the root group)")
 def test_a_broker_in_its_starters_session_says_so_and_one_in_its_own_does_not(sock_dir: str) -> None:
     shared = _start_log(sock_dir, "shared", own_session=False)
     assert LINE in shared and "setsid" in shared, shared
