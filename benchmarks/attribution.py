@@ -528,8 +528,17 @@ def main() -> None:
         "--sched-compare", action="store_true",
         help="across: two brokers, one with its threads SCHED_BATCH, this checkout's client",
     )  # fmt: skip
+    p.add_argument(
+        "--pin", metavar="BROKER,WRITERS,READERS",
+        help="across: pin the broker, the writer and the reader processes to these CPUs "
+        "(taskset lists joined by '/', e.g. 0/0/1): where the kernel runs the broker "
+        "woken by a posted Place decides the put's send (docs/performance.md)",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
+    pin = tuple(args.pin.split("/")) if args.pin else None
+    if pin is not None and len(pin) != 3:
+        p.error("--pin takes three CPU lists joined by '/', e.g. 0/0/1")
     if args.iters < 1 or args.across_iters < 1:
         p.error("--iters and --across-iters must be >= 1")
     res: dict[str, Any] = {}
@@ -539,7 +548,7 @@ def main() -> None:
     if args.only != "inproc":
         res["across"] = across.run(
             parse_sizes(args.across_sizes), args.across_iters, busy=args.busy,
-            before_tree=args.before_tree, sched=args.sched_compare,
+            before_tree=args.before_tree, sched=args.sched_compare, pin=pin,  # type: ignore[arg-type]
         )  # fmt: skip
         print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:

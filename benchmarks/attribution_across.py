@@ -263,9 +263,17 @@ def worker_main() -> None:
 # ====================================================================== orchestrator
 
 
+def _pin(pid: int, cpus: str | None) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (taskset's list form), or nothing."""
+    if cpus:
+        cmd = ["taskset", "-a", "-p", "-c", cpus, str(pid)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
 def _one(
-    sizes: list[int], iters: int, hog: bool, before_tree: str | None, sched: bool = False
-) -> dict[str, Any]:
+    sizes: list[int], iters: int, hog: bool, before_tree: str | None, sched: bool = False,
+    pin: tuple[str, str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
     shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
     spinner = None
@@ -274,11 +282,15 @@ def _one(
     res: dict[str, Any] = {"busy": hog, "sizes": sizes, "iters": iters, "modes": list(modes)}
     if before_tree:
         res["before_tree"] = before_tree
+    on_broker, on_writers, on_readers = pin or (None, None, None)
+    res["pin"] = list(pin) if pin else None
     with Broker(shm) as broker, contextlib.ExitStack() as stack:
+        _pin(broker.proc.pid, on_broker)
         socket_of = {m: broker.socket_path for m in modes}
         if sched:  # a second broker, its threads SCHED_BATCH (chrt: no privilege needed)
             batch = stack.enter_context(Broker(shm))
             subprocess.run(["chrt", "-a", "-b", "-p", "0", str(batch.proc.pid)], check=True)
+            _pin(batch.proc.pid, on_broker)
             socket_of["sched_batch"] = batch.socket_path
         try:
             if hog:  # a CPU-bound process beside the benchmark, for the run's length
@@ -297,6 +309,9 @@ def _one(
                 pairs = {modes[0]: (w0, r0, "after"), modes[1]: (writer, reader, "after")}
             else:
                 pairs = {m: (writer, reader, m) for m in MODES}
+            for w, r, _ in pairs.values():
+                _pin(w.proc.pid, on_writers)
+                _pin(r.proc.pid, on_readers)
             ready: list[Worker] = []
             for m, (w, r, _) in pairs.items():
                 for x in (w, r):
@@ -364,11 +379,11 @@ def _one(
 
 def run(
     sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None,
-    sched: bool = False,
+    sched: bool = False, pin: tuple[str, str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    runs = [_one(sizes, iters, False, before_tree, sched)]
+    runs = [_one(sizes, iters, False, before_tree, sched, pin)]
     if busy:
-        runs.append(_one(sizes, iters, True, before_tree, sched))
+        runs.append(_one(sizes, iters, True, before_tree, sched, pin))
     return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
 
 
@@ -420,7 +435,9 @@ def report(res: dict[str, Any]) -> str:
             f" load (1 min) {r['load_start']:.1f} at start, {r['load_end']:.1f} at end on "
             f"{res['cpus']} CPUs; torch threads {r['torch_threads']}; medians of "
             f"{r['iters']} interleaved calls per path, µs (faults: a count)"
-        )
+            + (f"; pinned: broker on CPUs {r['pin'][0]}, writers {r['pin'][1]}, readers "
+               f"{r['pin'][2]}" if r.get("pin") else "")
+        )  # fmt: skip
         body = []
         for size in r["sizes"]:
             sm = r["samples"][str(size)]
