@@ -189,6 +189,30 @@ def test_attribution_compares_two_client_trees(tmp_path: Path) -> None:
     assert all(per[m]["vs_floor"] > 0 and per[m]["memcpy_reader_us"] > 0 for m in run["modes"])
 
 
+def test_attribution_pins_the_processes_where_asked(tmp_path: Path) -> None:
+    # --pin: the broker, the writer and the reader run on the CPUs named (CPU 0 exists
+    # on every machine); a malformed value is refused by name.
+    out = tmp_path / "attribution.json"
+    r = _run(
+        "attribution.py", "--only", "across", "--across-iters", "1", "--across-sizes", "64KiB",
+        "--pin", "0/0/0", "--json", str(out), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "pinned: broker on CPUs 0, writers 0, readers 0" in r.stdout, r.stdout
+    assert json.loads(out.read_text())["across"]["runs"][0]["pin"] == ["0", "0", "0"]
+    bad = _run("attribution.py", "--only", "across", "--pin", "0/1", timeout=60)
+    assert bad.returncode == 2 and "--pin takes three CPU lists" in bad.stderr, bad.stderr
+
+
+def test_sched_batch_probe_smoke() -> None:
+    r = _run(
+        "sched_batch_probe.py", "--sizes", "64KiB", "--rounds", "1", "--iters", "20",
+        "--hogs", "1", timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "1 CPU-bound processes beside it" in r.stdout and "has p99 batch" in r.stdout, r.stdout
+
+
 def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
     """benchmarks/ttft.py's video and audio setups (no servers: the end-to-end checks
     its smoke runs made for these modalities are in tests/e2e/test_vllm_modalities.py):
