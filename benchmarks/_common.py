@@ -11,21 +11,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcache_ec_broker.testing.broker_process import CLI, BrokerProcess, die_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-
-
-def die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the benchmark process dies (even by SIGKILL),
-    so a killed run leaves no broker, redis-server or worker behind."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def exit_on_sigterm() -> None:
@@ -93,37 +86,33 @@ class Broker:
         self,
         shm_size: int,
         extra: Sequence[str] = (),
-        launcher: Sequence[str] = ("-m", "lmcache_ec_broker.cli"),
+        launcher: Sequence[str] = CLI,
     ) -> None:
         """``launcher``: what runs the CLI after the interpreter (a wrapper script that
         calls ``cli.main`` may stand in for ``-m lmcache_ec_broker.cli``)."""
         self.dir = tempfile.mkdtemp(prefix="ecb-bench-", dir="/tmp")
         self.socket_path = os.path.join(self.dir, "b.sock")
-        self.log = open(os.path.join(self.dir, "broker.log"), "wb")  # noqa: SIM115
-        cmd = [
-            sys.executable, *launcher, "start",
-            "--socket", self.socket_path, "--shm-size", f"{-(-shm_size // MiB)}MiB", *extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-            start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
-        )
-        from lmcache_ec_broker.broker.server import probe_socket
+        self.process = BrokerProcess(
+            self.socket_path, ["--shm-size", f"{-(-shm_size // MiB)}MiB", *extra],
+            log_path=os.path.join(self.dir, "broker.log"), die_with_parent=True,
+            launcher=launcher,
+        )  # fmt: skip
+        try:
+            self.process.start(timeout=60)
+        except BaseException:
+            self.stop()
+            raise
 
-        deadline = time.monotonic() + 60
-        while not probe_socket(self.socket_path, 0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = self.read_log()
-                self.stop()
-                raise RuntimeError("broker did not start: " + log)
-            time.sleep(0.02)
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.proc is not None
+        return self.process.proc
 
     def read_log(self) -> str:
-        return Path(self.dir, "broker.log").read_text(errors="replace")
+        return self.process.read_log()
 
     def stop(self) -> None:
-        stop_process(self.proc)
-        self.log.close()
+        self.process.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Broker:

@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, stop_process, table  # noqa: E402
+from lmcache_ec_broker.testing.broker_process import BrokerProcess  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"
@@ -83,7 +84,7 @@ def post(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> b
 
 
 class Helper:
-    """A process of ours (broker, aggregator, proxy), its output in a log file."""
+    """A process of ours (aggregator, proxy), its output in a log file."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
@@ -101,23 +102,17 @@ class Helper:
         stop_process(self.proc)
 
 
-def start_broker(work: Path, events_port: int) -> tuple[Helper, str]:
+def start_broker(work: Path, events_port: int) -> tuple[BrokerProcess, str]:
     sock = str(work / "broker.sock")
     env = {
         "LMCACHE_EC_EVENTS_PORT": str(events_port),
         "LMCACHE_EC_EVENTS_NODE": "node-1",
         "LMCACHE_EC_EVENTS_HEARTBEAT_S": "0.5",
     }
-    cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", sock]
-    b = Helper(cmd + ["--shm-size", "512MiB"], work / "broker.log", env)
-    from lmcache_ec_broker.broker.server import probe_socket
-
-    deadline = time.monotonic() + 60
-    while not probe_socket(sock, 0.2):
-        if b.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"broker did not start:\n{b.log.read_text()}")
-        time.sleep(0.05)
-    return b, sock
+    b = BrokerProcess(
+        sock, ["--shm-size", "512MiB"], env, log_path=work / "broker.log", die_with_parent=True
+    )
+    return b.start(timeout=60), sock
 
 
 # ---------------------------------------------------------------- workload
@@ -215,7 +210,7 @@ class Deployment:
 
         self.name, self.work, self.model = name, work / name, model
         self.work.mkdir()
-        self.helpers: list[Helper] = []
+        self.helpers: list[Helper | BrokerProcess] = []
         self.broker_sock: str | None = None
         self.shared_dir: Path | None = None
         self.proxies: dict[str, str] = {}

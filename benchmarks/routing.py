@@ -81,7 +81,8 @@ sys.path.insert(
 
 from redis_servers import REDIS_SERVER, RedisServer  # noqa: E402
 
-from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, stop_process, table  # noqa: E402
+from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, table  # noqa: E402
+from lmcache_ec_broker.testing.broker_process import BrokerProcess  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports
 
 PROMPTS = [
@@ -107,38 +108,25 @@ class NodeBroker:
         self.port = free_ports(3)
         self.shm_mib = shm_mib
         self.log_path = work / f"broker-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: BrokerProcess | None = None
 
     def start(self, remote_url: str | None) -> None:
-        env = dict(
-            os.environ,
-            LMCACHE_EC_EVENTS_PORT=str(self.port),
-            LMCACHE_EC_EVENTS_NODE=self.name,
-            LMCACHE_EC_EVENTS_HEARTBEAT_S="0.5",
-        )
-        cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket"]
-        cmd += [self.socket_path, "--shm-size", f"{self.shm_mib}MiB"]
+        env = {
+            "LMCACHE_EC_EVENTS_PORT": str(self.port),
+            "LMCACHE_EC_EVENTS_NODE": self.name,
+            "LMCACHE_EC_EVENTS_HEARTBEAT_S": "0.5",
+        }
+        args = ["--shm-size", f"{self.shm_mib}MiB"]
         if remote_url:
-            cmd += ["--remote-url", remote_url]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
-                start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
-            )
-        from lmcache_ec_broker.broker.server import probe_socket
-
-        deadline = time.monotonic() + 60
-        while not probe_socket(self.socket_path, 0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"broker {self.name} did not start:\n{self.log_path.read_text()}"
-                )
-            time.sleep(0.05)
+            args += ["--remote-url", remote_url]
+        self.process = BrokerProcess(
+            self.socket_path, args, env, log_path=self.log_path, die_with_parent=True
+        ).start(timeout=60)
 
     def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-        self.proc = None
+        if self.process is not None:
+            self.process.stop()
+        self.process = None
 
 
 class Aggregator:

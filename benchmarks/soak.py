@@ -207,20 +207,17 @@ class Soak:
     # ------------------------------------------------------------ processes
 
     def start_broker(self) -> None:
-        from lmcache_ec_broker.broker.server import probe_socket
+        from lmcache_ec_broker.testing.broker_process import BrokerProcess
 
-        cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.sock]
-        cmd += ["--shm-size", self.args.shm_size, "--log-level", "WARNING"]
-        log = open(os.path.join(self.dir, "broker.log"), "ab")  # noqa: SIM115
-        self.broker = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-        )
-        log.close()
-        deadline = time.monotonic() + 30
-        while not probe_socket(self.sock, 0.2):
-            if self.broker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the broker did not start:\n" + self.broker_log())
-            time.sleep(0.02)
+        args = ["--shm-size", self.args.shm_size, "--log-level", "WARNING"]
+        log = os.path.join(self.dir, "broker.log")
+        process = BrokerProcess(self.sock, args, log_path=log, cwd=REPO)
+        try:
+            process.start(timeout=30)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"the broker did not start:\n{self.broker_log()}") from exc
+        finally:
+            self.broker = process.proc
 
     def broker_log(self) -> str:
         return Path(self.dir, "broker.log").read_text(errors="replace")[-4000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from typing import TypeVar
 import pytest
 
 from lmcache_ec_broker.broker.server import segment_prefix
+from lmcache_ec_broker.testing.broker_process import BrokerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -75,75 +75,6 @@ def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
         for n in os.listdir("/dev/shm")
         if n.startswith(prefix) and (include_filter or not n.endswith(("-f", "-j", "-r")))
     ]
-
-
-class BrokerProcess:
-    """A real ``lmcache-ec-broker start`` process on a private socket."""
-
-    def __init__(
-        self, socket_path: str, args: list[str], env: dict[str, str] | None = None,
-        own_session: bool = True,
-    ):  # fmt: skip
-        self.socket_path = socket_path
-        self.args = args
-        self.env = env
-        self.own_session = own_session  # its own session and CPU group, as a service's (cpu_group.py)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = socket_path + ".log"
-
-    def start(self, wait: bool = True, timeout: float = 20.0) -> BrokerProcess:
-        cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", self.socket_path]
-        env = dict(os.environ, **(self.env or {}))
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd + self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=self.own_session,
-        )  # fmt: skip
-        if wait:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        from lmcache_ec_broker.broker.server import probe_socket
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.read_log()}")
-            if probe_socket(self.socket_path, timeout=0.2):
-                return
-            time.sleep(0.02)
-        raise TimeoutError(f"broker not ready after {timeout}s:\n{self.read_log()}")
-
-    def read_log(self) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise
-        finally:
-            self.log.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

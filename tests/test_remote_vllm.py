@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from redis_servers import REDIS_SERVER, RedisServer
 
 pytest.importorskip("vllm")
 
+from lmcache_ec_broker.testing.broker_process import BrokerProcess  # noqa: E402
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
 from lmcache_ec_broker.testing.vllm_server import (  # noqa: E402
     SLOW_HOST_BUDGETS,
@@ -38,33 +37,15 @@ pytestmark = [
 class NodeBroker:
     def __init__(self, workdir: Path, name: str, url: str) -> None:
         self.socket_path = str(workdir / f"{name}.sock")
-        self.log = open(workdir / f"broker-{name}.log", "ab")  # noqa: SIM115 - closed in stop
         cfg = workdir / f"{name}.yaml"
         cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 5.0\n")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lmcache_ec_broker.cli",
-                "start",
-                "--socket",
-                self.socket_path,
-                "--shm-size",
-                "256MiB",
-                "--config",
-                str(cfg),
-            ],  # fmt: skip
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
-        )
-        wait_until(lambda: os.path.exists(self.socket_path) and bool(broker_stats(self.socket_path)), name, timeout=60)
+        args = ["--shm-size", "256MiB", "--config", str(cfg)]
+        log = workdir / f"broker-{name}.log"
+        self.process = BrokerProcess(self.socket_path, args, log_path=log).start(timeout=60)
+        wait_until(lambda: bool(broker_stats(self.socket_path)), name, timeout=60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
-        self.log.close()
+        self.process.stop(60)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from conftest import PATIENT
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.vllm import make_key
+from lmcache_ec_broker.testing.broker_process import BrokerProcess
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl
 from lmcache_ec_broker.testing.vllm_server import (
     SLOW_HOST_BUDGETS,
@@ -79,31 +80,29 @@ class Broker:
     def __init__(self, workdir: Path, name: str = "broker") -> None:
         self.socket_path = str(workdir / f"{name}.sock")
         self.log_path = workdir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: BrokerProcess | None = None
 
-    def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "lmcache_ec_broker.cli", *args, "--socket", self.socket_path]
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.process.proc if self.process is not None else None
 
     def start(self, *extra: str) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self._cli("start") + ["--shm-size", "256MiB", *extra],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own session and CPU group, as a service's (cpu_group.py)
-            )
+        args = ["--shm-size", "256MiB", *extra]
+        self.process = BrokerProcess(self.socket_path, args, log_path=self.log_path)
+        self.process.start(timeout=30)
+        # Answering, not only accepting: what the engines' first lookups meet.
+        ping = [sys.executable, "-m", "lmcache_ec_broker.cli", "ping", "--socket", self.socket_path]
         deadline = time.monotonic() + 30
-        while subprocess.call(
-            self._cli("ping"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        ):
-            assert self.proc.poll() is None, self.log_path.read_text()
+        while subprocess.call(ping, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+            assert self.process.proc is not None and self.process.proc.poll() is None, (
+                self.process.read_log()
+            )
             assert time.monotonic() < deadline, "broker did not start"
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+        if self.process is not None:
+            self.process.stop(30)
 
     def stats(self) -> dict:
         with BrokerClient(self.socket_path, **PATIENT) as c:

@@ -34,6 +34,7 @@ pytest.importorskip("vllm")
 
 from counting_ec_connector import ENCODER_RAN  # noqa: E402
 
+from lmcache_ec_broker.testing.broker_process import BrokerProcess  # noqa: E402
 from lmcache_ec_broker.testing.media import image_part, mp4_data_url, video_part  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports
 from lmcache_ec_broker.testing.tiny_qwen2vl import TinyQwen2VLSpec, build_tiny_qwen2vl  # noqa: E402
@@ -76,31 +77,21 @@ class NodeBroker:
         self.name = name
         self.socket_path = str(workdir / f"{name}.sock")
         self.events_port = free_ports(2)
-        self.log = open(workdir / f"broker-{name}.log", "ab")  # noqa: SIM115 - closed in stop
         cfg = workdir / f"{name}.yaml"
         cfg.write_text(
             f"remote_url: '{remote_url}'\nremote_timeout_s: 5.0\n"
             f"events_port: {self.events_port}\nevents_node: {name}\nevents_heartbeat_s: 0.5\n"
         )
-        cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket"]
-        cmd += [self.socket_path, "--shm-size", "256MiB", "--config", str(cfg)]
-        self.proc = subprocess.Popen(  # its own session and CPU group, as a service's (cpu_group.py)
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        wait_until(
-            lambda: os.path.exists(self.socket_path) and bool(broker_stats(self.socket_path)),
-            f"broker {name}",
-            timeout=60,
-        )
+        args = ["--shm-size", "256MiB", "--config", str(cfg)]
+        log = workdir / f"broker-{name}.log"
+        self.process = BrokerProcess(self.socket_path, args, log_path=log).start(timeout=60)
+        wait_until(lambda: bool(broker_stats(self.socket_path)), f"broker {name}", timeout=60)
 
     def stats(self) -> dict:
         return broker_stats(self.socket_path)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
-        self.log.close()
+        self.process.stop(60)
 
 
 class Process:

@@ -1,0 +1,119 @@
+"""A real broker process started through the CLI: the one launcher of the tests and
+benchmarks.
+
+It starts the broker in a session -- and so a CPU scheduling group -- of its own, as
+a service manager does (systemd, a container runtime): a broker that shares the
+starter's group waits for that group's turn behind any CPU-bound process of the same
+session, and its clients' lookups time out on a busy host (cpu_group.py,
+docs/performance.md "The broker's CPU group"). ``own_session=False`` keeps it in the
+starter's session, for the test of exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+CLI = ("-m", "lmcache_ec_broker.cli")
+
+
+def die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when its starter dies, even by SIGKILL, so a killed
+    benchmark leaves no broker (and no slab in /dev/shm), redis-server or worker behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class BrokerProcess:
+    """``lmcache-ec-broker start --socket SOCKET ARGS`` in a process of its own, its
+    output appended to ``log_path`` (``SOCKET.log`` unless given)."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        own_session: bool = True,
+        die_with_parent: bool = False,
+        launcher: Sequence[str] = CLI,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``env``: added to this process's environment. ``launcher``: what runs the CLI
+        after the interpreter (a wrapper script calling ``cli.main`` may stand in)."""
+        self.socket_path = socket_path
+        self.args = list(args)
+        self.env = env
+        self.log_path = str(log_path) if log_path is not None else socket_path + ".log"
+        self.own_session = own_session
+        self.die_with_parent = die_with_parent
+        self.launcher = tuple(launcher)
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True, timeout: float = 60.0) -> BrokerProcess:
+        cmd = [sys.executable, *self.launcher, "start", "--socket", self.socket_path, *self.args]
+        with open(self.log_path, "ab") as log:  # the broker keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, **(self.env or {})),
+                cwd=self.cwd,
+                start_new_session=self.own_session,
+                preexec_fn=die_with_parent if self.die_with_parent else None,
+            )
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the broker accepts connections (it listens only once it serves);
+        raises with its log if it exits or takes longer than ``timeout``."""
+        from lmcache_ec_broker.broker.server import probe_socket
+
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while not probe_socket(self.socket_path, timeout=0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.read_log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"broker not ready after {timeout}s:\n{self.read_log()}")
+            time.sleep(0.02)
+
+    def read_log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the broker flushes and unlinks its segments), SIGKILL after
+        ``timeout``; the exit code (negative: the signal that ended it)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
