@@ -1,0 +1,262 @@
+"""Probe: the least a put+get_into across processes can cost in Python on this machine,
+beside the broker's client, in the same processes and the same run (issue 42).
+
+Issue 42 asks put+get_into across processes for >= 0.8x of two memcpys at 2 MiB. This
+probe measures what any Python client moving the bytes through shared memory pays at
+the least, with nothing of ours in the way:
+
+- **bare put**: one ``memmove`` of the tensor into a shared mapping (its slots rotate,
+  as slab blocks do), an offset and a sequence number written into the mapping's
+  header, and a 64-byte ``send`` to a sink process (someone must be told: the sink
+  stands for the broker, reads, and does ``--sink-work-us`` of work per message).
+- **bare get_into**: the header read, one ``memmove`` out of the mapping into the
+  reader's tensor.
+- **client**: ``BrokerClient.put`` and ``get_into`` of the same tensor through a real
+  broker (``--sched-batch``: the broker's threads SCHED_BATCH).
+- **memcpy**: the issue's baseline, one copy between two touched buffers in the same
+  process, right before its calls.
+
+A writer and a reader worker process; each iteration runs the bare pair and the client
+pair in alternating order, every call a request to a just-woken worker, as
+``attribution.py --only across`` does. Medians of ``--iters`` iterations, µs.
+
+    .venv/bin/python benchmarks/shm_floor_probe.py
+    .venv/bin/python benchmarks/shm_floor_probe.py --sched-batch --sizes 64KiB,2MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    Broker,
+    MiB,
+    Worker,
+    fmt_size,
+    median,
+    parse_sizes,
+    serve_worker,
+    table,
+)
+
+HEADER = struct.Struct("<QQ")  # offset of the latest bare put's bytes, its sequence number
+HIDDEN = 1024
+
+
+class Side:
+    """A writer or a reader: a BrokerClient, the shared mapping, a socket to the sink."""
+
+    def setup(self, socket_path: str, mapping: str, sink: str, size: int, slots: int) -> dict:
+        import torch
+
+        from lmcache_ec_broker import BrokerClient
+
+        self.torch = torch
+        self.client = BrokerClient(socket_path, timeout_s=60)
+        fd = os.open(mapping, os.O_RDWR)
+        self.mm = mmap.mmap(fd, 4096 + slots * size)
+        os.close(fd)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.size, self.slots, self.seq = size, slots, 0
+        g = torch.Generator().manual_seed(size)
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+        self.tensor = raw.view(torch.bfloat16).reshape(-1, HIDDEN)
+        self.out = torch.zeros_like(self.tensor)  # touched: a reused tensor
+        self.scratch = torch.zeros_like(self.tensor)
+        self.sink = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sink.connect(sink)
+        return {}
+
+    def memcpy(self) -> dict:
+        src, dst = self.tensor.data_ptr(), self.scratch.data_ptr()
+        t0 = time.perf_counter_ns()
+        ctypes.memmove(dst, src, self.size)
+        return {"us": (time.perf_counter_ns() - t0) / 1e3}
+
+    def bare_put(self) -> dict:
+        t0 = time.perf_counter_ns()
+        self.seq += 1
+        off = 4096 + (self.seq % self.slots) * self.size
+        ctypes.memmove(self.base + off, self.tensor.data_ptr(), self.size)
+        HEADER.pack_into(self.mm, 0, off, self.seq)
+        self.sink.send(b"P" * 64)
+        return {"us": (time.perf_counter_ns() - t0) / 1e3}
+
+    def bare_get_into(self) -> dict:
+        self.out.zero_()  # a stale copy cannot pass the check below
+        t0 = time.perf_counter_ns()
+        off, _seq = HEADER.unpack_from(self.mm, 0)
+        ctypes.memmove(self.out.data_ptr(), self.base + off, self.size)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        assert self._same(), "the bare copy moved other bytes"
+        return {"us": us}
+
+    def put(self, key: str) -> dict:
+        t0 = time.perf_counter_ns()
+        ok = self.client.put(key, self.tensor)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        assert ok, f"put of {key} refused"
+        return {"us": us}
+
+    def get_into(self, key: str) -> dict:
+        self.out.zero_()
+        t0 = time.perf_counter_ns()
+        ok = self.client.get_into(key, self.out)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        assert ok and self._same(), key
+        return {"us": us}
+
+    def _same(self) -> bool:
+        # as bytes: random bf16 bits hold NaNs, which never compare equal as numbers
+        u8 = self.torch.uint8
+        return self.torch.equal(self.out.view(-1).view(u8), self.tensor.view(-1).view(u8))
+
+    def delete(self, key: str) -> dict:
+        self.client.delete(key)
+        return {}
+
+
+def _sink(srv: socket.socket, work_us: float, stop: threading.Event) -> None:
+    """Reads what the writers send; ``work_us`` of work per read (a thread of this
+    orchestrating process, which otherwise sleeps on its workers' replies)."""
+    import select
+
+    conns: list[socket.socket] = []
+    while not stop.is_set():
+        ready, _, _ = select.select([srv, *conns], [], [], 0.2)
+        for s in ready:
+            if s is srv:
+                conns.append(srv.accept()[0])
+                continue
+            if not s.recv(65536):
+                conns.remove(s)
+                continue
+            end = time.perf_counter() + work_us / 1e6
+            while time.perf_counter() < end:
+                pass
+
+
+def run(size: int, iters: int, slots: int, sched_batch: bool, work_us: float) -> dict[str, Any]:
+    script = os.path.abspath(__file__)
+    extra = ["--sched-batch"] if sched_batch else []
+    tmp = tempfile.mkdtemp(prefix="ecb-floor-", dir="/tmp")
+    mapping = f"/dev/shm/ecb-floor-{os.getpid()}"
+    with open(mapping, "wb") as f:
+        f.truncate(4096 + slots * size)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sink_path = os.path.join(tmp, "sink.sock")
+    srv.bind(sink_path)
+    srv.listen(4)
+    stop = threading.Event()
+    sink = threading.Thread(target=_sink, args=(srv, work_us, stop), daemon=True)
+    sink.start()
+    workers: list[Worker] = []
+    try:
+        with Broker(max(256 * MiB, 8 * size + 64 * MiB), extra) as broker:
+            writer, reader = Worker(script), Worker(script)
+            workers += [writer, reader]
+            for w in workers:
+                w.call(op="setup", socket_path=broker.socket_path, mapping=mapping,
+                       sink=sink_path, size=size, slots=slots)  # fmt: skip
+            load = [os.getloadavg()[0]]
+            rows: list[dict[str, float]] = []
+            for i in range(3 + iters):
+                row: dict[str, float] = {}
+                for path in ("bare", "client") if i % 2 == 0 else ("client", "bare"):
+                    row[f"memcpy w {path}"] = writer.call(op="memcpy")["us"]
+                    if path == "bare":
+                        row["bare put"] = writer.call(op="bare_put")["us"]
+                    else:
+                        row["put"] = writer.call(op="put", key=f"k{i}")["us"]
+                    row[f"memcpy r {path}"] = reader.call(op="memcpy")["us"]
+                    if path == "bare":
+                        row["bare get_into"] = reader.call(op="bare_get_into")["us"]
+                    else:
+                        row["get_into"] = reader.call(op="get_into", key=f"k{i}")["us"]
+                        writer.call(op="delete", key=f"k{i}")
+                if i >= 3:
+                    rows.append(row)
+            load.append(os.getloadavg()[0])
+    finally:
+        for w in workers:
+            w.close()
+        stop.set()
+        sink.join(5)
+        srv.close()
+        os.unlink(mapping)
+        os.unlink(sink_path)
+        os.rmdir(tmp)
+
+    def med(k: str) -> float:
+        return median(r[k] for r in rows)
+
+    def ratio(pair: tuple[str, str], path: str) -> float:
+        # per iteration: the two memcpys of the same path's processes, as it ran
+        return median(
+            (r[f"memcpy w {path}"] + r[f"memcpy r {path}"]) / (r[pair[0]] + r[pair[1]])
+            for r in rows
+        )
+
+    return {
+        "size": size, "iters": iters, "load": load, "sched_batch": sched_batch,
+        "medians": {k: med(k) for k in rows[0]},
+        "bare": ratio(("bare put", "bare get_into"), "bare"),
+        "client": ratio(("put", "get_into"), "client"),
+        "client_over_bare": median(
+            (r["put"] + r["get_into"]) / (r["bare put"] + r["bare get_into"]) for r in rows
+        ),
+    }  # fmt: skip
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        side = Side()
+        serve_worker({n: getattr(side, n) for n in dir(side) if not n.startswith("_")})
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="64KiB,2MiB")
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3, help="whole runs per size, one after another")
+    p.add_argument("--slots", type=int, default=8, help="slots the bare puts rotate through")
+    p.add_argument("--sched-batch", action="store_true", help="the broker's threads SCHED_BATCH")
+    p.add_argument("--sink-work-us", type=float, default=0.0, help="the sink's work per message")
+    args = p.parse_args()
+    if args.iters < 1 or args.rounds < 1 or args.slots < 1:
+        p.error("--iters, --rounds and --slots must be >= 1")
+    out = []
+    for size in parse_sizes(args.sizes):
+        for rnd in range(args.rounds):
+            r = run(size, args.iters, args.slots, args.sched_batch, args.sink_work_us)
+            m = r["medians"]
+            out.append([
+                fmt_size(size), rnd, f"{min(r['load']):.1f}-{max(r['load']):.1f}",
+                f"{m['memcpy w bare']:.1f} / {m['memcpy r bare']:.1f}",
+                f"{m['bare put']:.1f} / {m['bare get_into']:.1f}",
+                f"{m['put']:.1f} / {m['get_into']:.1f}",
+                f"{r['bare']:.2f}x", f"{r['client']:.2f}x", f"{r['client_over_bare']:.2f}x",
+            ])  # fmt: skip
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; broker "
+        f"{'SCHED_BATCH' if args.sched_batch else 'normal'}; sink work {args.sink_work_us:g} "
+        f"us; medians of {args.iters} iterations, µs\n"
+    )
+    print(table(["size", "round", "load", "memcpy w / r", "bare put / get_into",
+                 "client put / get_into", "2 memcpys / bare", "2 memcpys / client",
+                 "client / bare"], out))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
