@@ -4,11 +4,17 @@ broker in a session of its own does not: real broker processes, started both way
 from __future__ import annotations
 
 import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, wait_until
 
-from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, autogroup
+from lmcache_ec_broker.broker.server import probe_socket
+from lmcache_ec_broker.cpu_group import _in_root_cpu_cgroup, autogroup_applies
 
 LINE = "shares the CPU scheduling group of session"
 
@@ -27,19 +33,37 @@ def test_the_cpu_cgroup_is_read_from_the_cpu_controller_or_the_v2_path(text: str
     assert _in_root_cpu_cgroup(text) is root
 
 
-def _start_log(sock_dir: str, name: str, own_session: bool) -> str:
-    b = BrokerProcess(os.path.join(sock_dir, f"{name}.sock"), ["--shm-size", "32MiB"],
-                      own_session=own_session).start(timeout=60)  # fmt: skip
+def _own_session_log(sock_dir: str) -> str:
+    b = BrokerProcess(os.path.join(sock_dir, "own.sock"), ["--shm-size", "32MiB"])
+    b.start(timeout=60)
     assert b.stop(30) == 0, b.read_log()
     return b.read_log()
 
 
-# The starter's own group decides: a harness run by pid 1 without a session of its own
-# (CI's runner) is in the root task group, where a broker beside it has no group to share
-# and rightly says nothing (CI, 2026-12-06).
-@pytest.mark.skipif(autogroup() is None, reason="this process is in no autogroup (off, a cgroup, or the root group)")
+def _started_inside_a_session_log(sock_dir: str) -> str:
+    """A broker started the way a shell starts one: by a process that leads a session of
+    its own (here ``sh``, which keeps running as the broker's parent), without a session
+    for the broker. A new session has an autogroup of its own whatever group the test
+    itself runs in (CI's runner: the root task group, which has none)."""
+    sock = os.path.join(sock_dir, "shared.sock")
+    log = sock + ".log"
+    cli = f"{shlex.quote(sys.executable)} -m lmcache_ec_broker.cli start --socket {sock}"
+    starter = subprocess.Popen(
+        ["sh", "-c", f"{cli} --shm-size 32MiB >{log} 2>&1; exit $?"], start_new_session=True
+    )
+    try:
+        wait_until(lambda: probe_socket(sock, 0.2) or starter.poll() is not None, "the broker")
+        assert starter.poll() is None, Path(log).read_text()
+    finally:
+        os.killpg(starter.pid, signal.SIGTERM)  # its own group: sh and the broker
+        starter.wait(30)
+    wait_until(lambda: not os.path.exists(sock), "the broker to stop", timeout=30)
+    return Path(log).read_text()
+
+
+@pytest.mark.skipif(not autogroup_applies(), reason="Linux autogroup off, or not in the root CPU cgroup")
 def test_a_broker_in_its_starters_session_says_so_and_one_in_its_own_does_not(sock_dir: str) -> None:
-    shared = _start_log(sock_dir, "shared", own_session=False)
+    shared = _started_inside_a_session_log(sock_dir)
     assert LINE in shared and "setsid" in shared, shared
-    own = _start_log(sock_dir, "own", own_session=True)
+    own = _own_session_log(sock_dir)
     assert LINE not in own, own
