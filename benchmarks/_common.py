@@ -28,18 +28,6 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
-    """SIGTERM ``proc`` (a broker flushes and unlinks its segments), SIGKILL after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
 def parse_sizes(text: str) -> list[int]:
     from lmcache_ec_broker.sizes import parse_size
 

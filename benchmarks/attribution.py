@@ -536,9 +536,12 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
-    pin = tuple(args.pin.split("/")) if args.pin else None
-    if pin is not None and len(pin) != 3:
-        p.error("--pin takes three CPU lists joined by '/', e.g. 0/0/1")
+    pin: tuple[str, str, str] | None = None
+    if args.pin:
+        cpus = args.pin.split("/")
+        if len(cpus) != 3:
+            p.error("--pin takes three CPU lists joined by '/', e.g. 0/0/1")
+        pin = (cpus[0], cpus[1], cpus[2])
     if args.iters < 1 or args.across_iters < 1:
         p.error("--iters and --across-iters must be >= 1")
     res: dict[str, Any] = {}
@@ -548,7 +551,7 @@ def main() -> None:
     if args.only != "inproc":
         res["across"] = across.run(
             parse_sizes(args.across_sizes), args.across_iters, busy=args.busy,
-            before_tree=args.before_tree, sched=args.sched_compare, pin=pin,  # type: ignore[arg-type]
+            before_tree=args.before_tree, sched=args.sched_compare, pin=pin,
         )  # fmt: skip
         print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:

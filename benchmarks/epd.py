@@ -48,8 +48,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, stop_process, table  # noqa: E402
-from lmcache_ec_broker.testing.broker_process import BrokerProcess  # noqa: E402
+from benchmarks._common import die_with_parent, exit_on_sigterm, percentile, table  # noqa: E402
+from lmcache_ec_broker.testing.broker_process import BrokerProcess, stop_process  # noqa: E402
 from lmcache_ec_broker.testing.ports import free_ports  # noqa: E402
 
 E2E = REPO / "tests" / "e2e"

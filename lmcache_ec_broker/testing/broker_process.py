@@ -5,8 +5,7 @@ It starts the broker in a session -- and so a CPU scheduling group -- of its own
 a service manager does (systemd, a container runtime): a broker that shares the
 starter's group waits for that group's turn behind any CPU-bound process of the same
 session, and its clients' lookups time out on a busy host (cpu_group.py,
-docs/performance.md "The broker's CPU group"). ``own_session=False`` keeps it in the
-starter's session, for the test of exactly that.
+docs/performance.md "The broker's CPU group").
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CLI = ("-m", "lmcache_ec_broker.cli")
 
@@ -28,6 +28,18 @@ def die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` (a broker flushes and unlinks its segments), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 class BrokerProcess:
@@ -41,7 +53,6 @@ class BrokerProcess:
         env: dict[str, str] | None = None,
         *,
         log_path: str | os.PathLike[str] | None = None,
-        own_session: bool = True,
         die_with_parent: bool = False,
         launcher: Sequence[str] = CLI,
         cwd: str | os.PathLike[str] | None = None,
@@ -52,7 +63,6 @@ class BrokerProcess:
         self.args = list(args)
         self.env = env
         self.log_path = str(log_path) if log_path is not None else socket_path + ".log"
-        self.own_session = own_session
         self.die_with_parent = die_with_parent
         self.launcher = tuple(launcher)
         self.cwd = cwd
@@ -67,7 +77,7 @@ class BrokerProcess:
                 stderr=subprocess.STDOUT,
                 env=dict(os.environ, **(self.env or {})),
                 cwd=self.cwd,
-                start_new_session=self.own_session,
+                start_new_session=True,  # its own session and CPU group (above)
                 preexec_fn=die_with_parent if self.die_with_parent else None,
             )
         if wait:
@@ -75,8 +85,9 @@ class BrokerProcess:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the broker accepts connections (it listens only once it serves);
-        raises with its log if it exits or takes longer than ``timeout``."""
+        """Until the broker accepts connections (it listens once its start-up checks
+        passed; what is sent before its loop runs is answered then); raises with its log
+        if it exits or takes longer than ``timeout``."""
         from lmcache_ec_broker.broker.server import probe_socket
 
         assert self.proc is not None, "start() first"
@@ -109,11 +120,5 @@ class BrokerProcess:
         ``timeout``; the exit code (negative: the signal that ended it)."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, timeout)
         return self.proc.returncode
