@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 from conftest import run_cli, wait_until
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lmcache_ec_broker import BrokerClient
@@ -137,6 +137,16 @@ class Raw:
     def close(self) -> None:
         self.sock.close()
 
+    # A test ends its connections however it ends: a failed example's open Raw, kept
+    # alive by the traceback Hypothesis holds while it shrinks, would count as a client
+    # in every later example's healthy() -- each then waiting ANSWER_S, one wrong reply
+    # cascading into a long stall and the failure of the module's later tests.
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def healthy(path: str, timeout: float = ANSWER_S) -> dict:
     """The broker answers a fresh client and holds nothing for closed connections."""
@@ -195,10 +205,10 @@ def _settle(raw: Raw, path: str) -> None:
 @FUZZ
 @given(data=st.binary(max_size=4096), greet=st.booleans())
 def test_random_bytes(fuzz_broker, data: bytes, greet: bool) -> None:
-    raw = Raw(fuzz_broker.socket_path, hello=greet)
-    raw.send_bytes(data)
-    raw.replies(wait=0.05)  # whatever comes back must decode as a reply
-    _settle(raw, fuzz_broker.socket_path)
+    with Raw(fuzz_broker.socket_path, hello=greet) as raw:
+        raw.send_bytes(data)
+        raw.replies(wait=0.05)  # whatever comes back must decode as a reply
+        _settle(raw, fuzz_broker.socket_path)
 
 
 @FUZZ
@@ -206,14 +216,14 @@ def test_random_bytes(fuzz_broker, data: bytes, greet: bool) -> None:
 def test_oversized_length_prefix_is_refused_and_closed(
     fuzz_broker, length: int, tail: bytes
 ) -> None:
-    raw = Raw(fuzz_broker.socket_path)
-    raw.send_bytes(FRAME_HEADER.pack(length) + tail)
-    got = raw.replies(wait=ANSWER_S)  # ends at the broker's close, as it should
-    assert len(got) == 1 and isinstance(got[0], ErrorReply), got
-    assert got[0].code == "bad_request"
-    assert f"frame of {length} bytes exceeds the maximum of {MAX_FRAME} bytes" in got[0].message
-    assert raw.eof, "the connection stayed open after an unframeable prefix"
-    _settle(raw, fuzz_broker.socket_path)
+    with Raw(fuzz_broker.socket_path) as raw:
+        raw.send_bytes(FRAME_HEADER.pack(length) + tail)
+        got = raw.replies(wait=ANSWER_S)  # ends at the broker's close, as it should
+        assert len(got) == 1 and isinstance(got[0], ErrorReply), got
+        assert got[0].code == "bad_request"
+        assert f"frame of {length} bytes exceeds the maximum of {MAX_FRAME} bytes" in got[0].message
+        assert raw.eof, "the connection stayed open after an unframeable prefix"
+        _settle(raw, fuzz_broker.socket_path)
 
 
 @settings(FUZZ, max_examples=40)
@@ -226,10 +236,10 @@ def test_oversized_length_prefix_is_refused_and_closed(
 def test_truncated_frames_then_close(fuzz_broker, msg, cut: int) -> None:
     body = _enc.encode(msg)
     frame = FRAME_HEADER.pack(len(body)) + body
-    raw = Raw(fuzz_broker.socket_path)
-    raw.send_bytes(frame[: min(cut, len(frame) - 1)])
-    assert raw.replies(wait=0.05) == []  # waits for the rest; no reply to half a frame
-    _settle(raw, fuzz_broker.socket_path)
+    with Raw(fuzz_broker.socket_path) as raw:
+        raw.send_bytes(frame[: min(cut, len(frame) - 1)])
+        assert raw.replies(wait=0.05) == []  # waits for the rest; no reply to half a frame
+        _settle(raw, fuzz_broker.socket_path)
 
 
 # ---------------------------------------------------------------- msgpack of the wrong shape
@@ -286,16 +296,16 @@ _FIELDS = [
     )
 )
 def test_valid_msgpack_of_the_wrong_shape(fuzz_broker, value) -> None:
-    raw = Raw(fuzz_broker.socket_path)
-    raw.send(value)
-    first = raw.call_sent()
-    got = ([first] if first is not None else []) + raw.replies(wait=0.01)
-    # Either a typed reply (some random dicts are valid requests) or a clear error.
-    assert got or raw.eof, "no reply and no close"
-    for r in got:
-        if isinstance(r, ErrorReply):
-            assert r.code and r.message
-    _settle(raw, fuzz_broker.socket_path)
+    with Raw(fuzz_broker.socket_path) as raw:
+        raw.send(value)
+        first = raw.call_sent()
+        got = ([first] if first is not None else []) + raw.replies(wait=0.01)
+        # Either a typed reply (some random dicts are valid requests) or a clear error.
+        assert got or raw.eof, "no reply and no close"
+        for r in got:
+            if isinstance(r, ErrorReply):
+                assert r.code and r.message
+        _settle(raw, fuzz_broker.socket_path)
 
 
 # ---------------------------------------------------------------- well-typed, absurd values
@@ -308,27 +318,31 @@ _keys = st.text(max_size=300) | st.sampled_from(["ready-0", "ready-1", "", "x" *
 
 @FUZZ
 @given(key=_keys, nbytes=_ints, dtype=_dtypes, shape=_shapes)
+# Consistent and within the slab, but more than one process may keep from eviction
+# (max_held_bytes_per_process, half the slab by default): a refusal, not a reservation.
+@example(key="whole-slab", nbytes=32 << 20, dtype="uint8", shape=[32 << 20])
 def test_reserve_with_absurd_numbers(fuzz_broker, key, nbytes, dtype, shape) -> None:
-    raw = Raw(fuzz_broker.socket_path)
-    r = raw.call(Reserve(key, nbytes, dtype, shape))
-    if isinstance(r, ReserveReply) and r.status == "reserved":
-        # Only a request that is consistent with itself may get blocks.
-        assert 0 <= nbytes <= 32 << 20 and dtype in DTYPE_ITEMSIZE and 0 < len(key) <= 256
-        assert sum(n for _, n in r.extents) == nbytes
-        assert all(0 <= off and off + n <= 32 << 20 for off, n in r.extents)
-    else:
-        assert isinstance(r, ErrorReply | ReserveReply), r
-        if isinstance(r, ErrorReply):
-            assert r.code in {
-                "key_invalid",
-                "dtype_invalid",
-                "shape_mismatch",
-                "too_large",
-                "no_space",
-                "bad_request",
-            }, r
-            assert len(r.message) > 10
-    _settle(raw, fuzz_broker.socket_path)  # an open reservation dies with the connection
+    with Raw(fuzz_broker.socket_path) as raw:
+        r = raw.call(Reserve(key, nbytes, dtype, shape))
+        if isinstance(r, ReserveReply) and r.status == "reserved":
+            # Only a request that is consistent with itself may get blocks.
+            assert 0 <= nbytes <= 32 << 20 and dtype in DTYPE_ITEMSIZE and 0 < len(key) <= 256
+            assert sum(n for _, n in r.extents) == nbytes
+            assert all(0 <= off and off + n <= 32 << 20 for off, n in r.extents)
+        else:
+            assert isinstance(r, ErrorReply | ReserveReply), r
+            if isinstance(r, ErrorReply):
+                assert r.code in {
+                    "key_invalid",
+                    "dtype_invalid",
+                    "shape_mismatch",
+                    "too_large",
+                    "no_space",
+                    "too_many_reservations",
+                    "bad_request",
+                }, r
+                assert len(r.message) > 10
+        _settle(raw, fuzz_broker.socket_path)  # an open reservation dies with the connection
 
 
 @FUZZ
@@ -349,22 +363,22 @@ def test_reserve_with_absurd_numbers(fuzz_broker, key, nbytes, dtype, shape) -> 
 )
 def test_typed_requests_with_random_tokens_and_keys(fuzz_broker, ops) -> None:
     _ensure_ready(fuzz_broker.socket_path)  # earlier fuzzing may have sent a valid clear
-    raw = Raw(fuzz_broker.socket_path)
-    for op in ops:
-        r = raw.call(op)
-        if isinstance(op, Commit | Abort):
-            # No token was ever issued to this connection.
-            assert isinstance(r, ErrorReply) and r.code == "unknown_token", r
-        elif isinstance(op, Release) and op.pins:
-            assert isinstance(r, ErrorReply) and r.code == "unknown_token", r
-        elif isinstance(op, Hello):
-            assert isinstance(r, ErrorReply) and "already" in r.message
-        else:
-            assert r is not None and not isinstance(r, ErrorReply), r
-    # Its gets and leases pinned real entries; closing must release every one.
-    _settle(raw, fuzz_broker.socket_path)
-    with BrokerClient(fuzz_broker.socket_path) as c:
-        assert c.has([f"ready-{i}" for i in range(4)]) == [True] * 4  # nobody deleted these
+    with Raw(fuzz_broker.socket_path) as raw:
+        for op in ops:
+            r = raw.call(op)
+            if isinstance(op, Commit | Abort):
+                # No token was ever issued to this connection.
+                assert isinstance(r, ErrorReply) and r.code == "unknown_token", r
+            elif isinstance(op, Release) and op.pins:
+                assert isinstance(r, ErrorReply) and r.code == "unknown_token", r
+            elif isinstance(op, Hello):
+                assert isinstance(r, ErrorReply) and "already" in r.message
+            else:
+                assert r is not None and not isinstance(r, ErrorReply), r
+        # Its gets and leases pinned real entries; closing must release every one.
+        _settle(raw, fuzz_broker.socket_path)
+        with BrokerClient(fuzz_broker.socket_path) as c:
+            assert c.has([f"ready-{i}" for i in range(4)]) == [True] * 4  # nobody deleted these
 
 
 # ---------------------------------------------------------------- tokens and pins that are not yours
@@ -372,49 +386,45 @@ def test_typed_requests_with_random_tokens_and_keys(fuzz_broker, ops) -> None:
 
 def test_tokens_and_pins_of_another_connection_or_already_spent(fuzz_broker) -> None:
     path = fuzz_broker.socket_path
-    a, b = Raw(path), Raw(path)
-    res = a.call(Reserve("mine", 16, "float32", [4]))
-    assert isinstance(res, ReserveReply) and res.status == "reserved"
-    for op in (Commit(res.token), Abort(res.token)):  # B may not finish A's reservation
-        r = b.call(op)
+    with Raw(path) as a, Raw(path) as b:
+        res = a.call(Reserve("mine", 16, "float32", [4]))
+        assert isinstance(res, ReserveReply) and res.status == "reserved"
+        for op in (Commit(res.token), Abort(res.token)):  # B may not finish A's reservation
+            r = b.call(op)
+            assert isinstance(r, ErrorReply) and r.code == "unknown_token"
+            assert "not an open reservation of this connection" in r.message
+        assert isinstance(a.call(Commit(res.token)), OkReply)
+        for op in (Commit(res.token), Abort(res.token)):  # double commit, abort after commit
+            r = a.call(op)
+            assert isinstance(r, ErrorReply) and r.code == "unknown_token"
+        got = a.call(Get(["mine"]))
+        assert isinstance(got, GetReply) and got.items[0] is not None
+        pin = got.items[0].pin
+        r = b.call(Release([pin]))  # B may not release A's pin
         assert isinstance(r, ErrorReply) and r.code == "unknown_token"
-        assert "not an open reservation of this connection" in r.message
-    assert isinstance(a.call(Commit(res.token)), OkReply)
-    for op in (Commit(res.token), Abort(res.token)):  # double commit, abort after commit
-        r = a.call(op)
+        assert isinstance(a.call(Release([pin])), OkReply)
+        r = a.call(Release([pin]))  # released twice
+        assert isinstance(r, ErrorReply) and "released twice" in r.message
+        got = a.call(Get(["mine"]))
+        pin2 = got.items[0].pin
+        a.close()  # release after close: the pin died with A, B cannot use it
+        time.sleep(0.1)
+        r = b.call(Release([pin2]))
         assert isinstance(r, ErrorReply) and r.code == "unknown_token"
-    got = a.call(Get(["mine"]))
-    assert isinstance(got, GetReply) and got.items[0] is not None
-    pin = got.items[0].pin
-    r = b.call(Release([pin]))  # B may not release A's pin
-    assert isinstance(r, ErrorReply) and r.code == "unknown_token"
-    assert isinstance(a.call(Release([pin])), OkReply)
-    r = a.call(Release([pin]))  # released twice
-    assert isinstance(r, ErrorReply) and "released twice" in r.message
-    got = a.call(Get(["mine"]))
-    pin2 = got.items[0].pin
-    a.close()  # release after close: the pin died with A, B cannot use it
-    time.sleep(0.1)
-    r = b.call(Release([pin2]))
-    assert isinstance(r, ErrorReply) and r.code == "unknown_token"
-    assert isinstance(b.call(Delete(["mine"])), msgspec.Struct)
-    b.close()
+        assert isinstance(b.call(Delete(["mine"])), msgspec.Struct)
     healthy(path)
 
 
 def test_clear_while_another_connection_holds_pins_and_reservations(fuzz_broker) -> None:
     path = fuzz_broker.socket_path
-    a = Raw(path)
-    res = a.call(Reserve("clr", 1 << 20, "uint8", [1 << 20]))
-    got = a.call(Get(["ready-2"]))
-    assert isinstance(got, GetReply) and got.items[0] is not None
-    b = Raw(path)
-    assert isinstance(b.call(Clear()), OkReply)
-    # A still owns its reservation and its pin; both end cleanly.
-    assert isinstance(a.call(Commit(res.token)), OkReply)
-    assert isinstance(a.call(Release([got.items[0].pin])), OkReply)
-    a.close()
-    b.close()
+    with Raw(path) as a, Raw(path) as b:
+        res = a.call(Reserve("clr", 1 << 20, "uint8", [1 << 20]))
+        got = a.call(Get(["ready-2"]))
+        assert isinstance(got, GetReply) and got.items[0] is not None
+        assert isinstance(b.call(Clear()), OkReply)
+        # A still owns its reservation and its pin; both end cleanly.
+        assert isinstance(a.call(Commit(res.token)), OkReply)
+        assert isinstance(a.call(Release([got.items[0].pin])), OkReply)
     st = healthy(path)
     assert st["entries"] == 1  # only "clr" (committed after the clear)
     with BrokerClient(path) as c:
