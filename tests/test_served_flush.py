@@ -331,3 +331,32 @@ def test_an_idle_flusher_is_woken_after_its_linger(broker, monkeypatch) -> None:
         assert c.get("b") is not None and c.index_hits == 2
         wait_until(lambda: w.stats()["hits"] - before == 2, "both hits at the broker", timeout=30)
         assert time.monotonic() - served_at < 10.0  # an unwoken thread would take 60 s
+
+
+def test_an_old_batch_is_the_flushers_to_send_not_the_callers(broker, monkeypatch) -> None:
+    # Issue 42: the caller sent its batch alone once it was 5 ms old, so every
+    # index-served get or has() more than 5 ms after the previous one woke the broker
+    # inside the call (40-50 us of a 2 MiB get_into in a just-woken process). With a
+    # flusher the age is the flusher's. Fails on the old code: the second hit's call
+    # sent both hits.
+    from lmcache_ec_broker.connector.client import index_path
+
+    monkeypatch.setattr(index_path, "SERVED_FLUSH_S", 30.0)  # the flusher waits meanwhile
+    with _wrote_two_read_one(broker.socket_path) as (w, c, before):
+        time.sleep(0.02)  # the batch is now older than _SERVED_AGE_S
+        assert c.get("b") is not None and c.index_hits == 2
+        time.sleep(0.2)  # what a send would have told the broker is handled by now
+        assert w.stats()["hits"] == before, "the caller sent the batch because it was old"
+        assert c.flush()  # sends it and waits for the broker
+        assert w.stats()["hits"] - before == 2
+
+
+def test_without_a_flusher_the_caller_sends_an_old_batch(broker, monkeypatch) -> None:
+    # The flusher off (benchmarks' switch): the age bound stays the caller's.
+    from lmcache_ec_broker.connector.client import index_path
+
+    monkeypatch.setattr(index_path, "SERVED_FLUSH_S", None)
+    with _wrote_two_read_one(broker.socket_path) as (w, c, before):
+        time.sleep(0.02)
+        assert c.get("b") is not None and c.index_hits == 2
+        wait_until(lambda: w.stats()["hits"] - before == 2, "both hits at the broker", timeout=30)

@@ -109,8 +109,9 @@ def read_known_into(
     return (found, True) if index.unchanged(found) else (None, True)
 
 
-# Index-served items (keys + has() hits) and age after which the Served frame is sent
-# alone by the caller rather than ahead of the next request (see ServedBatch.note).
+# Index-served items (keys + has() hits) after which the caller sends the Served frame
+# alone rather than ahead of the next request (see ServedBatch.note); without a flusher
+# (SERVED_FLUSH_S None) also once the batch is this old.
 _SERVED_MAX = 64
 _SERVED_AGE_S = 0.005
 # The longest a noted item waits for a request to carry it: then the client's flusher
@@ -152,8 +153,16 @@ class ServedBatch:
         self._per = max(1, (limit - 64) // (KEY_CAP + 24))
 
     def note(self, keys: list[str], nbytes: list[int], has_hits: int) -> bool:
-        """Note served items; True when the batch should be sent now (_SERVED_MAX
-        items or _SERVED_AGE_S old: a send per call would wake the broker per hit)."""
+        """Note served items; True when the caller should send the batch now: at
+        _SERVED_MAX items (a frame's worth), or -- only without a flusher -- once it is
+        _SERVED_AGE_S old (a send per call would wake the broker per hit).
+
+        With a flusher the age is its business (it sends the batch SERVED_FLUSH_S after
+        the first item unless a request carried it): a caller that sent by age would,
+        whenever its calls are more than _SERVED_AGE_S apart, wake the broker inside
+        every index-served get or has() -- a write whose wake-up the kernel may run on
+        the caller's CPU, in the caller's time (issue 42: 40-50 us of a 2 MiB get_into
+        in a just-woken process, docs/performance.md)."""
         now = time.monotonic()
         if not self.at:
             self.at = now
@@ -162,7 +171,9 @@ class ServedBatch:
         self._keys += keys
         self._nbytes += nbytes
         self._has += has_hits
-        return len(self._keys) + self._has >= _SERVED_MAX or now - self.at >= _SERVED_AGE_S
+        return len(self._keys) + self._has >= _SERVED_MAX or (
+            self._arm is None and now - self.at >= _SERVED_AGE_S
+        )
 
     def take(self) -> bytes:
         """The pending Served frames (b"" if none), taken: the caller sends them first."""
