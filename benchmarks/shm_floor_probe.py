@@ -19,9 +19,12 @@ the least, with nothing of ours in the way:
 A writer and a reader worker process; each iteration runs the bare pair and the client
 pair in alternating order, every call a request to a just-woken worker, as
 ``attribution.py --only across`` does. Medians of ``--iters`` iterations, µs.
+``--gap-ms`` sleeps that long before each get_into (both paths): how the client's cost
+in a just-woken process grows with the time it slept, against the bare path's.
 
     .venv/bin/python benchmarks/shm_floor_probe.py
     .venv/bin/python benchmarks/shm_floor_probe.py --sched-batch --sizes 64KiB,2MiB
+    .venv/bin/python benchmarks/shm_floor_probe.py --sched-batch --gap-ms 5
 """
 
 from __future__ import annotations
@@ -149,7 +152,9 @@ def _sink(srv: socket.socket, work_us: float, stop: threading.Event) -> None:
                 pass
 
 
-def run(size: int, iters: int, slots: int, sched_batch: bool, work_us: float) -> dict[str, Any]:
+def run(
+    size: int, iters: int, slots: int, sched_batch: bool, work_us: float, gap_s: float
+) -> dict[str, Any]:
     script = os.path.abspath(__file__)
     extra = ["--sched-batch"] if sched_batch else []
     tmp = tempfile.mkdtemp(prefix="ecb-floor-", dir="/tmp")
@@ -182,6 +187,8 @@ def run(size: int, iters: int, slots: int, sched_batch: bool, work_us: float) ->
                     else:
                         row["put"] = writer.call(op="put", key=f"k{i}")["us"]
                     row[f"memcpy r {path}"] = reader.call(op="memcpy")["us"]
+                    if gap_s:
+                        time.sleep(gap_s)
                     if path == "bare":
                         row["bare get_into"] = reader.call(op="bare_get_into")["us"]
                     else:
@@ -233,13 +240,19 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="slots the bare puts rotate through")
     p.add_argument("--sched-batch", action="store_true", help="the broker's threads SCHED_BATCH")
     p.add_argument("--sink-work-us", type=float, default=0.0, help="the sink's work per message")
+    p.add_argument("--gap-ms", type=float, default=0.0, help="sleep before each get_into")
     args = p.parse_args()
     if args.iters < 1 or args.rounds < 1 or args.slots < 1:
         p.error("--iters, --rounds and --slots must be >= 1")
+    if args.gap_ms < 0:
+        p.error("--gap-ms must be >= 0")
     out = []
     for size in parse_sizes(args.sizes):
         for rnd in range(args.rounds):
-            r = run(size, args.iters, args.slots, args.sched_batch, args.sink_work_us)
+            r = run(
+                size, args.iters, args.slots, args.sched_batch, args.sink_work_us,
+                args.gap_ms / 1e3,
+            )  # fmt: skip
             m = r["medians"]
             out.append([
                 fmt_size(size), rnd, f"{min(r['load']):.1f}-{max(r['load']):.1f}",
@@ -251,7 +264,8 @@ def main() -> None:
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; broker "
         f"{'SCHED_BATCH' if args.sched_batch else 'normal'}; sink work {args.sink_work_us:g} "
-        f"us; medians of {args.iters} iterations, µs\n"
+        f"us; {args.gap_ms:g} ms asleep before each get_into; medians of {args.iters} "
+        "iterations, µs\n"
     )
     print(table(["size", "round", "load", "memcpy w / r", "bare put / get_into",
                  "client put / get_into", "2 memcpys / bare", "2 memcpys / client",

@@ -216,9 +216,10 @@ def test_sched_batch_probe_smoke() -> None:
 def test_shm_floor_probe_smoke() -> None:
     # the bare pair checks its own bytes (a copy of other bytes fails the run)
     r = _run("shm_floor_probe.py", "--sizes", "64KiB", "--rounds", "1", "--iters", "3",
-             timeout=180)  # fmt: skip
+             "--gap-ms", "1", timeout=180)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     assert "2 memcpys / bare" in r.stdout and "64 KiB" in r.stdout, r.stdout
+    assert "1 ms asleep before each get_into" in r.stdout, r.stdout
 
 
 def test_ttft_video_and_audio_setups(tmp_path: Path) -> None:
