@@ -534,6 +534,11 @@ def main() -> None:
         "(taskset lists joined by '/', e.g. 0/0/1): where the kernel runs the broker "
         "woken by a posted Place decides the put's send (docs/performance.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--gap-ms", type=float, default=0.0,
+        help="across: the reader sleeps this long before each get_into (a worker between "
+        "steps; a client's batch of served hits is then older than 5 ms at every call)",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
     pin: tuple[str, str, str] | None = None
@@ -544,6 +549,8 @@ def main() -> None:
         pin = (cpus[0], cpus[1], cpus[2])
     if args.iters < 1 or args.across_iters < 1:
         p.error("--iters and --across-iters must be >= 1")
+    if args.gap_ms < 0:
+        p.error("--gap-ms must be >= 0")
     res: dict[str, Any] = {}
     if args.only != "across":
         res = run(args)
@@ -552,6 +559,7 @@ def main() -> None:
         res["across"] = across.run(
             parse_sizes(args.across_sizes), args.across_iters, busy=args.busy,
             before_tree=args.before_tree, sched=args.sched_compare, pin=pin,
+            gap_s=args.gap_ms / 1e3,
         )  # fmt: skip
         print(("\n\n" if args.only == "all" else "") + across.report(res["across"]))
     if args.json:

@@ -272,7 +272,7 @@ def _pin(pid: int, cpus: str | None) -> None:
 
 def _one(
     sizes: list[int], iters: int, hog: bool, before_tree: str | None, sched: bool = False,
-    pin: tuple[str, str, str] | None = None,
+    pin: tuple[str, str, str] | None = None, gap_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attribution.py")
     shm = max(256 * MiB, 4 * max(sizes) + 64 * MiB)
@@ -284,6 +284,7 @@ def _one(
         res["before_tree"] = before_tree
     on_broker, on_writers, on_readers = pin or (None, None, None)
     res["pin"] = list(pin) if pin else None
+    res["gap_ms"] = gap_s * 1e3
     with Broker(shm) as broker, contextlib.ExitStack() as stack:
         _pin(broker.proc.pid, on_broker)
         socket_of = {m: broker.socket_path for m in modes}
@@ -340,6 +341,8 @@ def _one(
                         row[f"memcpy (writer) {mode}"] = w.call(op="memcpy", size=size)["us"]
                         row[f"put {mode}"] = w.call(op="put", key=key, size=size, copy=copy)
                         row[f"memcpy (reader) {mode}"] = r.call(op="memcpy", size=size)["us"]
+                        if gap_s:  # the reader idles, as a vLLM worker between steps
+                            time.sleep(gap_s)
                         row[f"get_into {mode}"] = r.call(
                             op="get_into", key=key, size=size, copy=copy
                         )
@@ -379,11 +382,11 @@ def _one(
 
 def run(
     sizes: list[int], iters: int, busy: bool = False, before_tree: str | None = None,
-    sched: bool = False, pin: tuple[str, str, str] | None = None,
+    sched: bool = False, pin: tuple[str, str, str] | None = None, gap_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
-    runs = [_one(sizes, iters, False, before_tree, sched, pin)]
+    runs = [_one(sizes, iters, False, before_tree, sched, pin, gap_s)]
     if busy:
-        runs.append(_one(sizes, iters, True, before_tree, sched, pin))
+        runs.append(_one(sizes, iters, True, before_tree, sched, pin, gap_s))
     return {"cpus": os.cpu_count(), "runs": runs, "summary": [summarize(r) for r in runs]}
 
 
@@ -437,6 +440,8 @@ def report(res: dict[str, Any]) -> str:
             f"{r['iters']} interleaved calls per path, µs (faults: a count)"
             + (f"; pinned: broker on CPUs {r['pin'][0]}, writers {r['pin'][1]}, readers "
                f"{r['pin'][2]}" if r.get("pin") else "")
+            + (f"; the reader asleep {r['gap_ms']:g} ms before each get_into"
+               if r.get("gap_ms") else "")
         )  # fmt: skip
         body = []
         for size in r["sizes"]:

@@ -179,9 +179,10 @@ def test_attribution_compares_two_client_trees(tmp_path: Path) -> None:
     out = tmp_path / "attribution.json"
     r = _run(
         "attribution.py", "--only", "across", "--across-iters", "1", "--across-sizes", "64KiB",
-        "--before-tree", str(REPO), "--json", str(out), timeout=180,
+        "--before-tree", str(REPO), "--gap-ms", "2", "--json", str(out), timeout=180,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
+    assert "the reader asleep 2 ms before each get_into" in r.stdout, r.stdout
     run = json.loads(out.read_text())["across"]["runs"][0]
     assert run["modes"] == ["main", "branch"] and run["before_tree"] == str(REPO)
     assert set(run["has"]) == {"main", "branch"}

@@ -208,7 +208,8 @@ def test_the_benchmark_runs_and_reports_both_modes() -> None:
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "served_flush.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--iters", "50", "--rounds", "1", "--trials", "2", "--json"],
+        [sys.executable, str(script), "--iters", "50", "--rounds", "1", "--trials", "2",
+         "--gap-ms", "1", "--json"],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=300,
@@ -219,6 +220,9 @@ def test_the_benchmark_runs_and_reports_both_modes() -> None:
     assert set(got["per_call_us"]) == {"off", "on"}
     assert all(set(v) == ops for v in got["per_call_us"].values())
     assert len(got["idle_delay_ms"]) == 2 and all(0 < d < 10_000 for d in got["idle_delay_ms"])
+    assert got["gap_ms"] == 1.0
+    for mode in ("off", "on"):  # the broker did some work for each client's calls
+        assert got["broker_per_call"][mode]["wakeups"] > 0, got["broker_per_call"]
 
 
 def test_the_flusher_thread_ends_with_its_client(broker) -> None:
