@@ -38,9 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import Broker, MiB, percentile, table  # noqa: E402
 
+WARMUP = 200  # untimed calls before each op's timed ones
+
 
 def _time_calls(fn, iters: int, gap_s: float) -> list[float]:
-    for _ in range(200):
+    for _ in range(WARMUP):
         fn()
     out = []
     clock = time.perf_counter_ns
@@ -83,7 +85,8 @@ def main() -> None:
     t = torch.zeros(16384, dtype=torch.float32)  # 64 KiB
     out = torch.empty_like(t)
     results: dict[str, dict[str, list[list[float]]]] = {"off": {}, "on": {}}
-    usage: dict[str, list[tuple[int, float]]] = {"off": [], "on": []}  # per round
+    # per round: the broker's wake-ups and CPU us per call
+    usage: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     delays: list[float] = []
     with Broker(256 * MiB) as broker:
         with BrokerClient(broker.socket_path) as w:
@@ -107,10 +110,11 @@ def main() -> None:
                         xs = _time_calls(fn, args.iters, gap_s)
                         stats = [percentile(xs, 0.1), percentile(xs, 0.5), statistics.fmean(xs)]
                         results[mode].setdefault(name, []).append(stats)
-                    assert c.index_hits - before == 3 * (args.iters + 200), "not from the index"
+                    calls = len(ops) * (WARMUP + args.iters)
+                    assert c.index_hits - before == calls, "not from the index"
                     c.flush()
                     woke1, cpu1 = _broker_usage(broker.proc.pid)
-                    usage[mode].append((woke1 - woke0, cpu1 - cpu0))
+                    usage[mode].append(((woke1 - woke0) / calls, (cpu1 - cpu0) * 1e6 / calls))
             index_path.SERVED_FLUSH_S = flush_s
             with BrokerClient(broker.socket_path) as observer:
                 for _ in range(args.trials):
@@ -131,13 +135,11 @@ def main() -> None:
     def med(mode: str, name: str, i: int) -> float:
         return statistics.median(r[i] for r in results[mode][name])
 
-    calls = 3 * (args.iters + 200)
-
     def per_call(mode: str) -> tuple[float, float]:
         """The broker's wake-ups and CPU us per call, medians over rounds."""
         return (
-            statistics.median(w / calls for w, _ in usage[mode]),
-            statistics.median(c * 1e6 / calls for _, c in usage[mode]),
+            statistics.median(w for w, _ in usage[mode]),
+            statistics.median(c for _, c in usage[mode]),
         )
 
     names = list(results["off"])

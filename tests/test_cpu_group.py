@@ -47,9 +47,10 @@ def _started_inside_a_session_log(sock_dir: str) -> str:
     itself runs in (CI's runner: the root task group, which has none)."""
     sock = os.path.join(sock_dir, "shared.sock")
     log = sock + ".log"
-    cli = f"{shlex.quote(sys.executable)} -m lmcache_ec_broker.cli start --socket {sock}"
+    cli = shlex.join([sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", sock])
     starter = subprocess.Popen(
-        ["sh", "-c", f"{cli} --shm-size 32MiB >{log} 2>&1; exit $?"], start_new_session=True
+        ["sh", "-c", f"{cli} --shm-size 32MiB >{shlex.quote(log)} 2>&1; exit $?"],
+        start_new_session=True,
     )
     try:
         wait_until(lambda: probe_socket(sock, 0.2) or starter.poll() is not None, "the broker")
