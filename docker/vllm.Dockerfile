@@ -7,10 +7,10 @@
 # already has torch and numpy), so pip never replaces vLLM's CUDA build.
 FROM vllm/vllm-openai:v0.32.0
 
-COPY dist/lmcache_ec_broker-0.1.0-py3-none-any.whl /tmp/
+COPY dist/lmcache_ec_broker-0.1.0-cp310-abi3-linux_x86_64.whl /tmp/
 # uv is the installer the vLLM image ships and documents for adding packages.
-RUN uv pip install --system --no-cache /tmp/lmcache_ec_broker-0.1.0-py3-none-any.whl \
-    && rm /tmp/lmcache_ec_broker-0.1.0-py3-none-any.whl
+RUN uv pip install --system --no-cache /tmp/lmcache_ec_broker-0.1.0-cp310-abi3-linux_x86_64.whl \
+    && rm /tmp/lmcache_ec_broker-0.1.0-cp310-abi3-linux_x86_64.whl
 
 # The entry point stays vLLM's (vllm serve); the connector registers itself through the
 # vllm.general_plugins entry point, so --ec-transfer-config '{"ec_connector":

@@ -466,6 +466,6 @@ def expected_nbytes(dtype: str, shape: list[int]) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_ITEMSIZE))}")
     if len(shape) > 16:
         raise ValueError(f"shape has {len(shape)} dimensions; at most 16 are accepted")
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:  # min(): no generator frame per call (a put's hot path)
         raise ValueError(f"shape {shape} has a negative dimension")
     return math.prod(shape) * itemsize

@@ -6,6 +6,7 @@ installs into a clean venv and serves."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -339,7 +340,8 @@ def _version() -> str:
 
 
 def _wheel_name() -> str:
-    return f"lmcache_ec_broker-{_version()}-py3-none-any.whl"
+    # One compiled part (setup.py): a CPython >= 3.10 stable-ABI wheel for this platform.
+    return f"lmcache_ec_broker-{_version()}-cp310-abi3-linux_{platform.machine()}.whl"
 
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -442,7 +444,8 @@ def test_the_daemonsets_probes_pass_against_a_live_broker(broker) -> None:
 def _built_wheel(tmp_path: Path) -> Path:
     """dist/'s wheel when .ci/setup.sh built it from this tree, else a fresh one."""
     built = REPO / "dist" / _wheel_name()
-    sources = [REPO / "pyproject.toml", *(REPO / "lmcache_ec_broker").rglob("*.py")]
+    sources = [REPO / "pyproject.toml", REPO / "setup.py", *(REPO / "lmcache_ec_broker").rglob("*.py")]
+    sources += (REPO / "lmcache_ec_broker").rglob("*.c")
     if built.exists() and built.stat().st_mtime >= max(p.stat().st_mtime for p in sources):
         return built
     subprocess.run(
@@ -474,6 +477,8 @@ def test_the_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, sock_di
     assert "No module named 'torch'" in r.stderr  # the broker needs no torch
     r = run(py, "-c", "import lmcache_ec_broker as m; print(m.__file__)")
     assert r.stdout.startswith(str(venv)), r.stdout  # the wheel's copy, not this tree's
+    r = run(py, "-c", "from lmcache_ec_broker.shm import _residency_copy as m; print(m.__file__)")
+    assert r.stdout.startswith(str(venv)), r.stdout + r.stderr  # the compiled copy is in it
     r = run(
         py,
         "-c",
@@ -525,7 +530,7 @@ def test_the_broker_image_installs_from_binary_wheels_only(tmp_path: Path) -> No
     (run,) = [a for i, a in _instructions(DOCKERFILE) if i == "RUN"]
     (extras,) = re.findall(rf"{re.escape(_wheel_name())}(\[[a-z,]+\])", run)
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-    platforms += ["manylinux_2_5_x86_64", "manylinux1_x86_64"]
+    platforms += ["manylinux_2_5_x86_64", "manylinux1_x86_64", "linux_x86_64"]  # ours: linux_
     r = subprocess.run(
         [
             sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",

@@ -59,6 +59,17 @@ import xxhash
 from ..protocol import DTYPE_ITEMSIZE, Extent
 from .segment import Segment, ShmError, map_readonly
 
+try:  # the client side has numpy (torch needs it); the broker never copies from the index
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is in the torch extra
+    _np = None
+try:  # compiled when the package was built (an optional extension: see _residency_copy.c)
+    from ._residency_copy import ABSENT, CHANGED, COPIED
+    from ._residency_copy import copy_into as _copy_into
+except ImportError:  # built without a C compiler: ResidencyReader.copy_into says None
+    _copy_into = None
+    ABSENT, COPIED, CHANGED = 0, 1, 2
+
 MAGIC = b"LMECRES1"
 VERSION = 1
 HEADER = struct.Struct("<8sIIIIQQ")
@@ -278,6 +289,19 @@ class ResidencyReader:
         self.seed = seed
         self.mask = (1 << log2_slots) - 1
         self.slab_size = slab_size
+        # For the compiled copy: the mapping's address, through a numpy view that holds
+        # an export of it (the mapping cannot be closed while the view lives, and every
+        # call passes the view along, so not during a call either); close() drops it.
+        self._view = None
+        self._addr = 0
+        if _copy_into is not None and _np is not None:
+            self._view = _np.frombuffer(self.mm, dtype=_np.uint8)
+            self._addr = self._view.ctypes.data
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``copy_into`` runs the compiled copy (else the caller takes ``find``)."""
+        return self._view is not None
 
     @property
     def live(self) -> bool:
@@ -367,5 +391,28 @@ class ResidencyReader:
             self.mm[_FLAGS_OFFSET] & FLAG_LIVE
         )
 
+    def copy_into(
+        self, key: str, dst: int, nbytes: int, dtype: str, shape: tuple[int, ...],
+        slab_base: int, slab_size: int,
+    ) -> int:  # fmt: skip
+        """``find`` + the copy + ``unchanged`` in one compiled call (``compiled`` must be
+        True): copy ``key``'s entry into the ``nbytes`` bytes at ``dst`` (a contiguous CPU
+        tensor's, of the same dtype and shape) from the slab mapped at ``slab_base``.
+        ABSENT: ``dst`` untouched (not indexed, or not this dtype and shape: ask the
+        broker); COPIED: ``dst`` holds the entry's bytes; CHANGED: ``dst`` was written but
+        the slot changed, its bytes must not be shown. Exactly the answers of the Python
+        path (tests/test_residency_copy.py compares them on corrupt slots too)."""
+        view = self._view
+        code = DTYPE_CODE.get(dtype, 0)
+        if view is None or not code:
+            return ABSENT
+        kb = encode_key(key)
+        mask = self.mask
+        return _copy_into(
+            view, self._addr, view.nbytes, mask, _xxh3(kb, self.seed) & mask, kb,
+            slab_base, slab_size, dst, nbytes, code, shape,
+        )  # fmt: skip
+
     def close(self) -> None:
+        self._view = None  # its export first: a mapping with exports cannot close
         self.mm.close()

@@ -331,12 +331,12 @@ class BrokerClient:
                         self.index_hits += 1
                         self._post_served(s, [key], [out.nbytes], 0)
                         return True
-                found, wrote_index = index_path.read_known_into(
+                nbytes, wrote_index = index_path.read_known_into(
                     index, slab, key, out, cp.dtype_name
                 )
-                if found is not None:
+                if nbytes is not None:
                     self.index_hits += 1
-                    self._post_served(s, [key], [found.nbytes], 0)
+                    self._post_served(s, [key], [nbytes], 0)
                     return True
                 self.index_retries += wrote or wrote_index
                 wrote = wrote or wrote_index

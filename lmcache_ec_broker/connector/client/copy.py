@@ -128,7 +128,7 @@ class SlabView:
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.size = size
         self.u8 = torch.frombuffer(mm, dtype=torch.uint8, count=size)
-        self._base = self.u8.data_ptr()  # the mapping's address (fixed while it lives)
+        self.base = self.u8.data_ptr()  # the mapping's address (fixed while it lives)
         self._runtime: pinning.CudaRuntime | None = None  # set while registered
         self._registered_by = 0  # the pid that registered
         self._cuda_tried = False
@@ -209,7 +209,7 @@ class SlabView:
             return
         # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
         src = tensor if tensor.is_contiguous() else tensor.contiguous()
-        base, ptr, off = self._base, src.data_ptr(), 0
+        base, ptr, off = self.base, src.data_ptr(), 0
         for start, n in extents:
             _memmove(base + start, ptr + off, n)
             off += n
@@ -253,7 +253,7 @@ class SlabView:
             stream.synchronize()
             return
         # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
-        base, ptr, off = self._base, out.data_ptr(), 0
+        base, ptr, off = self.base, out.data_ptr(), 0
         for start, n in extents:
             _memmove(ptr + off, base + start, n)
             off += n

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from ...protocol import HelloReply, Served
-from ...shm.residency import KEY_CAP, Found, ResidencyReader, usable_here
+from ...shm.residency import CHANGED, COPIED, KEY_CAP, ResidencyReader, usable_here
 from ...shm.segment import ShmError
 
 if TYPE_CHECKING:
@@ -97,16 +97,29 @@ def read_known(
 
 def read_known_into(
     index: ResidencyReader, slab: SlabView, key: str, out: torch.Tensor, dtype_name
-) -> tuple[Found | None, bool]:
+) -> tuple[int | None, bool]:
     """Copy ``key`` into ``out`` if the index holds it with ``out``'s dtype and shape.
-    Returns (the Found if the copy is the entry's -- the slot unchanged -- else None,
-    whether ``out`` was written): on (None, True) ``out`` holds bytes that must not be
-    shown (the caller overwrites them with the broker's copy or zeroes them)."""
+    Returns (the entry's nbytes if the copy is the entry's -- the slot unchanged -- else
+    None, whether ``out`` was written): on (None, True) ``out`` holds bytes that must
+    not be shown (the caller overwrites them with the broker's copy or zeroes them).
+
+    A contiguous CPU ``out`` takes the compiled copy when the package has it
+    (ResidencyReader.copy_into: the same answers in one call, issue 42); anything else
+    -- CUDA, a non-contiguous ``out`` (refused by read_into, as before) -- this path."""
+    if index.compiled and out.is_cpu and out.is_contiguous():
+        nbytes = out.nbytes
+        got = index.copy_into(
+            key, out.data_ptr(), nbytes, dtype_name(out.dtype), tuple(out.shape),
+            slab.base, slab.size,
+        )  # fmt: skip
+        if got == COPIED:
+            return nbytes, True
+        return None, got == CHANGED
     found = index.find(key)
     if found is None or found.dtype != dtype_name(out.dtype) or found.shape != list(out.shape):
         return None, False  # a mismatch is reported by the broker's path, as before
     slab.read_into(found.extents, out)
-    return (found, True) if index.unchanged(found) else (None, True)
+    return (found.nbytes, True) if index.unchanged(found) else (None, True)
 
 
 # Index-served items (keys + has() hits) after which the caller sends the Served frame
