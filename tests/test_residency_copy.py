@@ -67,7 +67,7 @@ class Index:
 
     def reference(self, key: str, dtype: str, shape: tuple[int, ...]) -> tuple[int, bytes | None]:
         """The Python client's answer (index_path.read_known_into without the extension)."""
-        found = self.r.find(key)
+        found = self.r._find_python(key)
         if found is None or found.dtype != dtype or found.shape != list(shape):
             return R.ABSENT, None
         u8 = self.slab
@@ -86,6 +86,8 @@ def test_a_published_entry_is_copied_and_a_mismatch_is_absent(index: Index) -> N
     assert index.w.publish("k", 64, "float32", [4, 4], [(4096, 32), (65536, 32)])
     want = bytes(index.slab[4096:4128].numpy()) + bytes(index.slab[65536:65568].numpy())
     assert index.compiled("k", "float32", (4, 4)) == (R.COPIED, want)
+    assert _fields(index.r.find("k")) == _fields(index.r._find_python("k"))
+    assert index.r.find("k").extents == [(4096, 32), (65536, 32)]
     assert index.compiled("k", "float32", (16,))[0] == R.ABSENT  # another shape
     assert index.compiled("k", "int32", (4, 4))[0] == R.ABSENT  # another dtype
     assert index.compiled("other", "float32", (4, 4))[0] == R.ABSENT  # not indexed
@@ -181,6 +183,13 @@ def test_a_corrupt_slot_is_absent_for_both_paths(index: Index, change: dict[int,
     _publish_scribbled(index, "float32", [4, 4], False, change, False)
     got = index.compiled("key", "float32", (4, 4))
     assert got == index.reference("key", "float32", (4, 4)) == (R.ABSENT, None)
+    assert index.r.find("key") is None and index.r._find_python("key") is None
+
+
+def _fields(found: R.Found | None) -> tuple | None:
+    if found is None:
+        return None
+    return (found.at, found.seq, found.gen, found.nbytes, found.dtype, found.shape, found.extents)
 
 
 _DTYPES = ["float32", "bfloat16", "uint8", "int64"]
@@ -217,9 +226,10 @@ _WIDTH = {2: 0xFFFF, 3: 0xFF, 4: 0xFF, 5: 0xFF}  # the narrow fields' largest va
 def test_the_compiled_copy_answers_as_the_python_reader_on_any_slot(
     index: Index, shape, dtype, ask_dtype, ask_shape, split, positions, odd, data
 ) -> None:  # fmt: skip
-    """Every answer of the compiled copy -- ABSENT, COPIED with which bytes, CHANGED -- is
-    the Python reader's, for a sound slot and for one scribbled anywhere in its fixed
-    fields (a corrupt or hostile index: out-of-slab extents, wrong sizes, bad codes)."""
+    """Every answer of the compiled copy -- ABSENT, COPIED with which bytes, CHANGED -- and
+    of the compiled find is the Python reader's, for a sound slot and for one scribbled
+    anywhere in its fixed fields (a corrupt or hostile index: out-of-slab extents, wrong
+    sizes, bad codes)."""
     change = {
         i: data.draw(_NEAR[i] | st.integers(0, _WIDTH.get(i, (1 << 64) - 1)), label=f"_FIXED[{i}]")
         for i in positions
@@ -227,6 +237,7 @@ def test_the_compiled_copy_answers_as_the_python_reader_on_any_slot(
     _publish_scribbled(index, dtype, shape, split, change, odd)
     want_shape = tuple(shape if ask_shape is None else ask_shape)
     want_dtype = dtype if ask_dtype is None else ask_dtype
+    assert _fields(index.r.find("key")) == _fields(index.r._find_python("key"))
     assert index.compiled("key", want_dtype, want_shape) == index.reference(
         "key", want_dtype, want_shape
     )
@@ -296,3 +307,9 @@ def test_the_extension_checks_its_arguments() -> None:
         R._copy_into(None, ctypes.addressof(buf), 4096, 7, 0, "str", 0, 0, 0, 0, 1, ())
     with pytest.raises(OverflowError):
         R._copy_into(None, -1, 4096, 7, 0, b"k", 0, 0, 0, 0, 1, ())
+    with pytest.raises(TypeError, match="8 arguments"):
+        R._find_compiled(1)
+    with pytest.raises(TypeError):
+        R._find_compiled(None, ctypes.addressof(buf), 4096, 7, 0, b"k", 0, "not bytes")
+    # A mask the mapping does not hold is never probed: absent, nothing read past it.
+    assert R._find_compiled(None, ctypes.addressof(buf), 4096, 1 << 20, 0, b"k", 0, b"") is None

@@ -73,30 +73,59 @@ static inline uint64_t u64_at(const unsigned char *p) {
     return v;
 }
 
-/* The slot's entry checked against the destination; the extents copied out into
- * `ext` (pairs), their count returned, 0 when anything does not match. Reads only
- * the slot (a snapshot; its seq is confirmed by the caller afterwards). */
-static unsigned checked_extents(const unsigned char *at, uint64_t slab_size, uint64_t nbytes,
-                                unsigned dtype, const uint64_t *shape, Py_ssize_t ndim,
-                                uint64_t *ext) {
-    unsigned next = at[NEXTENTS_AT];
-    if (at[DTYPE_AT] != dtype || at[NDIM_AT] != ndim || next < 1 || next > MAX_EXTENTS)
+/* One slot's fixed fields, read between two loads of its seq that saw the same even
+ * value (so they are one publish's, untorn). */
+typedef struct {
+    uint64_t gen, nbytes, shape[MAX_DIMS], ext[2 * MAX_EXTENTS];
+    unsigned dtype, ndim, next;
+} Entry;
+
+/* The slot holding `key` (its offset in the index), its seq and a snapshot of its
+ * fields in *e; -1 when no slot holds it or the slot changed while it was read (both:
+ * ask the broker). As ResidencyReader._find_python: odd slots are skipped, a slot whose
+ * key matches ends the probe. The caller checked that every probed slot is mapped. */
+static int64_t probe(const unsigned char *index, uint64_t mask, uint64_t home, const char *key,
+                     Py_ssize_t klen, Entry *e, uint64_t *seq_out) {
+    for (uint64_t i = 0; i < PROBES; i++) {
+        uint64_t off = HEADER_SIZE + ((home + i) & mask) * SLOT_BYTES;
+        const unsigned char *at = index + off;
+        uint64_t seq = load_seq(at);
+        if (seq & 1)
+            continue;
+        BARRIER();
+        uint16_t keylen;
+        memcpy(&keylen, at + KEYLEN_AT, 2);
+        if (keylen != klen || memcmp(at + KEY_AT, key, (size_t)klen) != 0)
+            continue;
+        e->gen = u64_at(at + 8);
+        e->nbytes = u64_at(at + NBYTES_AT);
+        e->dtype = at[DTYPE_AT];
+        e->ndim = at[NDIM_AT];
+        e->next = at[NEXTENTS_AT];
+        memcpy(e->shape, at + SHAPE_AT, sizeof e->shape);
+        memcpy(e->ext, at + EXTENTS_AT, sizeof e->ext);
+        BARRIER();
+        if (load_seq(at) != seq)
+            return -1;
+        *seq_out = seq;
+        return (int64_t)off;
+    }
+    return -1;
+}
+
+/* Whether the entry's extents lie in a slab of `slab_size` bytes and cover exactly its
+ * nbytes (ResidencyReader._checked's extent rule). */
+static int extents_ok(const Entry *e, uint64_t slab_size) {
+    if (e->next < 1 || e->next > MAX_EXTENTS)
         return 0;
-    if (u64_at(at + NBYTES_AT) != nbytes)
-        return 0;
-    for (Py_ssize_t d = 0; d < ndim; d++)
-        if (u64_at(at + SHAPE_AT + 8 * d) != shape[d])
-            return 0;
     uint64_t total = 0;
-    for (unsigned j = 0; j < next; j++) {
-        uint64_t off = u64_at(at + EXTENTS_AT + 16 * j), n = u64_at(at + EXTENTS_AT + 16 * j + 8);
-        if (n == 0 || off > slab_size || n > slab_size - off || n > nbytes - total)
-            return 0;
-        ext[2 * j] = off;
-        ext[2 * j + 1] = n;
+    for (unsigned j = 0; j < e->next; j++) {
+        uint64_t off = e->ext[2 * j], n = e->ext[2 * j + 1];
+        if (n == 0 || off > slab_size || n > slab_size - off || n > e->nbytes - total)
+            return 0; /* past the slab, or more than nbytes (total <= nbytes holds) */
         total += n;
     }
-    return total == nbytes ? next : 0;
+    return total == e->nbytes;
 }
 
 static int as_u64(PyObject *o, uint64_t *out) {
@@ -107,84 +136,139 @@ static int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
+/* The arguments both functions start with: view, index, index_size, mask, home, key.
+ *   view: the object holding an export of the index mapping (ResidencyReader._view),
+ *   unused here but held as an argument, so the mapping cannot be closed during the
+ *   call; index, index_size: the mapping's address and length; mask: the index's slot
+ *   count - 1; home: the key's home slot (xxh3 of the key with the index's seed,
+ *   masked); key: the key's UTF-8 bytes. 1: go on; 0: the answer is "absent"; -1: an
+ *   exception is set. */
+static int index_args(PyObject *const *args, const unsigned char **index, uint64_t *mask,
+                      uint64_t *home, char **key, Py_ssize_t *klen) {
+    uint64_t addr, size;
+    if (as_u64(args[1], &addr) || as_u64(args[2], &size) || as_u64(args[3], mask) ||
+        as_u64(args[4], home) || PyBytes_AsStringAndSize(args[5], key, klen) < 0)
+        return -1;
+    /* every slot the probe can reach is mapped; the key fits a slot */
+    if (!addr || size < HEADER_SIZE || *mask >= (size - HEADER_SIZE) / SLOT_BYTES ||
+        *klen <= 0 || *klen > KEY_CAP)
+        return 0;
+    *index = (const unsigned char *)(uintptr_t)addr;
+    return live(*index);
+}
+
+/* find(view, index, index_size, mask, home, key, slab_size, itemsizes)
+ *   itemsizes: bytes, the item size of each dtype code (0: no such code).
+ *   -> None, or (at, seq, gen, nbytes, dtype code, shape, extents): the slot's entry,
+ *   checked as ResidencyReader._checked checks it (a known dtype, at most MAX_DIMS dims,
+ *   1..MAX_EXTENTS extents inside the slab covering nbytes, nbytes = the shape's
+ *   elements times the item size). */
+static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "find takes 8 arguments");
+        return NULL;
+    }
+    const unsigned char *index;
+    uint64_t mask, home, slab_size, seq;
+    char *key, *itemsizes;
+    Py_ssize_t klen, ncodes;
+    int go = index_args(args, &index, &mask, &home, &key, &klen);
+    if (go < 0 || as_u64(args[6], &slab_size) ||
+        PyBytes_AsStringAndSize(args[7], &itemsizes, &ncodes) < 0)
+        return NULL;
+    Entry e;
+    int64_t at = go ? probe(index, mask, home, key, klen, &e, &seq) : -1;
+    if (at < 0 || e.dtype == 0 || e.dtype >= (uint64_t)ncodes || !itemsizes[e.dtype] ||
+        e.ndim > MAX_DIMS || !extents_ok(&e, slab_size))
+        Py_RETURN_NONE;
+    uint64_t count = (unsigned char)itemsizes[e.dtype];
+    for (unsigned d = 0; d < e.ndim; d++)
+        if (__builtin_mul_overflow(count, e.shape[d], &count))
+            Py_RETURN_NONE; /* more than 2**64 bytes: not nbytes */
+    if (count != e.nbytes)
+        Py_RETURN_NONE;
+    PyObject *shape = PyTuple_New(e.ndim), *extents = PyTuple_New(e.next);
+    if (!shape || !extents)
+        goto fail;
+    for (unsigned d = 0; d < e.ndim; d++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(e.shape[d]);
+        if (!v || PyTuple_SetItem(shape, d, v) < 0)
+            goto fail;
+    }
+    for (unsigned j = 0; j < e.next; j++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)e.ext[2 * j],
+                                       (unsigned long long)e.ext[2 * j + 1]);
+        if (!pair || PyTuple_SetItem(extents, j, pair) < 0)
+            goto fail;
+    }
+    return Py_BuildValue("(LKKKINN)", (long long)at, (unsigned long long)seq,
+                         (unsigned long long)e.gen, (unsigned long long)e.nbytes, e.dtype, shape,
+                         extents);
+fail:
+    Py_XDECREF(shape);
+    Py_XDECREF(extents);
+    return NULL;
+}
+
 /* copy_into(view, index, index_size, mask, home, key, slab, slab_size, dst, nbytes, dtype,
  *           shape)
- *   view: the object holding an export of the index mapping (ResidencyReader._view);
- *   unused here but held as an argument, so the mapping cannot be closed during the
- *   call; index, index_size: the index mapping's address and length;
- *   mask: the index's slot count - 1; home: the key's home slot (xxh3 of the key
- *   with the index's seed, masked);
- *   key: the key's UTF-8 bytes; slab, slab_size: the slab mapping's address and size;
- *   dst, nbytes: the destination's address and byte count; dtype: the destination's
- *   dtype code (residency.DTYPE_CODE); shape: the destination's shape (a tuple of ints).
- *   -> ABSENT, COPIED or CHANGED. */
+ *   slab, slab_size: the slab mapping's address and size; dst, nbytes: the destination's
+ *   address and byte count; dtype: the destination's dtype code (residency.DTYPE_CODE);
+ *   shape: the destination's shape (a tuple of ints). -> ABSENT, COPIED or CHANGED. */
 static PyObject *copy_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError, "copy_into takes 12 arguments");
         return NULL;
     }
-    uint64_t index_addr, index_size, mask, home, slab_base, slab_size, dst, nbytes, dtype;
-    if (as_u64(args[1], &index_addr) || as_u64(args[2], &index_size) || as_u64(args[3], &mask) ||
-        as_u64(args[4], &home) || as_u64(args[6], &slab_base) || as_u64(args[7], &slab_size) ||
-        as_u64(args[8], &dst) || as_u64(args[9], &nbytes) || as_u64(args[10], &dtype))
-        return NULL;
+    const unsigned char *index;
+    uint64_t mask, home, slab_base, slab_size, dst, nbytes, dtype, shape[MAX_DIMS], seq;
     char *key;
     Py_ssize_t klen;
-    if (PyBytes_AsStringAndSize(args[5], &key, &klen) < 0)
+    int go = index_args(args, &index, &mask, &home, &key, &klen);
+    if (go < 0 || as_u64(args[6], &slab_base) || as_u64(args[7], &slab_size) ||
+        as_u64(args[8], &dst) || as_u64(args[9], &nbytes) || as_u64(args[10], &dtype))
         return NULL;
     Py_ssize_t ndim = PyTuple_Size(args[11]);
     if (ndim < 0)
         return NULL;
-    uint64_t shape[MAX_DIMS];
-    if (klen <= 0 || klen > KEY_CAP || ndim > MAX_DIMS || !dtype || dtype > 255 || !dst || !index_addr ||
-        index_size < HEADER_SIZE || mask >= (index_size - HEADER_SIZE) / SLOT_BYTES)
-        return PyLong_FromLong(ABSENT); /* every slot the probe can reach is mapped */
+    if (!go || ndim > MAX_DIMS || !dtype || dtype > 255 || !dst)
+        return PyLong_FromLong(ABSENT);
     for (Py_ssize_t d = 0; d < ndim; d++)
         if (as_u64(PyTuple_GetItem(args[11], d), &shape[d]))
             return NULL;
-
-    const unsigned char *index = (const unsigned char *)(uintptr_t)index_addr;
-    if (!live(index))
-        return PyLong_FromLong(ABSENT);
-    for (uint64_t i = 0; i < PROBES; i++) {
-        uint64_t slot = (home + i) & mask;
-        const unsigned char *at = index + HEADER_SIZE + slot * SLOT_BYTES;
-        uint64_t seq = load_seq(at);
-        if (seq & 1)
-            continue;
-        BARRIER();
-        uint16_t keylen;
-        memcpy(&keylen, at + KEYLEN_AT, 2);
-        if (keylen != klen || memcmp(at + KEY_AT, key, (size_t)klen) != 0)
-            continue;
-        uint64_t ext[2 * MAX_EXTENTS];
-        unsigned next = checked_extents(at, slab_size, nbytes, (unsigned)dtype, shape, ndim, ext);
-        BARRIER();
-        if (load_seq(at) != seq || !next)
-            return PyLong_FromLong(ABSENT); /* rewritten under us, or another entry: ask */
-        unsigned char *out = (unsigned char *)(uintptr_t)dst;
-        const unsigned char *slab = (const unsigned char *)(uintptr_t)slab_base;
-        if (nbytes >= RELEASE_GIL_FROM) {
-            Py_BEGIN_ALLOW_THREADS
-            for (unsigned j = 0; j < next; j++) {
-                memcpy(out, slab + ext[2 * j], ext[2 * j + 1]);
-                out += ext[2 * j + 1];
-            }
-            Py_END_ALLOW_THREADS
-        } else {
-            for (unsigned j = 0; j < next; j++) {
-                memcpy(out, slab + ext[2 * j], ext[2 * j + 1]);
-                out += ext[2 * j + 1];
-            }
+    Entry e;
+    int64_t off = probe(index, mask, home, key, klen, &e, &seq);
+    if (off < 0 || e.dtype != dtype || e.ndim != ndim || e.nbytes != nbytes ||
+        !extents_ok(&e, slab_size))
+        return PyLong_FromLong(ABSENT); /* not indexed, changed, or another entry: ask */
+    for (Py_ssize_t d = 0; d < ndim; d++)
+        if (e.shape[d] != shape[d])
+            return PyLong_FromLong(ABSENT);
+    const unsigned char *at = index + off;
+    unsigned char *out = (unsigned char *)(uintptr_t)dst;
+    const unsigned char *slab = (const unsigned char *)(uintptr_t)slab_base;
+    if (nbytes >= RELEASE_GIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        for (unsigned j = 0; j < e.next; j++) {
+            memcpy(out, slab + e.ext[2 * j], e.ext[2 * j + 1]);
+            out += e.ext[2 * j + 1];
         }
-        BARRIER();
-        return PyLong_FromLong(load_seq(at) == seq && live(index) ? COPIED : CHANGED);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (unsigned j = 0; j < e.next; j++) {
+            memcpy(out, slab + e.ext[2 * j], e.ext[2 * j + 1]);
+            out += e.ext[2 * j + 1];
+        }
     }
-    return PyLong_FromLong(ABSENT);
+    BARRIER();
+    return PyLong_FromLong(load_seq(at) == seq && live(index) ? COPIED : CHANGED);
 }
 
 static PyMethodDef methods[] = {
+    {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL,
+     "The checked entry of an indexed key, or None."},
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,
      "Copy an indexed entry into a destination buffer; ABSENT, COPIED or CHANGED."},
     {NULL, NULL, 0, NULL},

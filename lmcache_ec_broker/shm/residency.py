@@ -66,8 +66,9 @@ except ImportError:  # pragma: no cover - numpy is in the torch extra
 try:  # compiled when the package was built (an optional extension: see _residency_copy.c)
     from ._residency_copy import ABSENT, CHANGED, COPIED
     from ._residency_copy import copy_into as _copy_into
-except ImportError:  # built without a C compiler: ResidencyReader.copy_into says None
-    _copy_into = None
+    from ._residency_copy import find as _find_compiled
+except ImportError:  # built without a C compiler: the Python reader below
+    _copy_into = _find_compiled = None
     ABSENT, COPIED, CHANGED = 0, 1, 2
 
 MAGIC = b"LMECRES1"
@@ -95,6 +96,7 @@ MAX_LOG2_SLOTS = 18  # 64 MiB at most; more entries than that fall back to the b
 # sides: the version check refuses another layout); 0 = none.
 DTYPES: tuple[str, ...] = ("",) + tuple(DTYPE_ITEMSIZE)
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES) if name}
+_ITEMSIZES = bytes([0] + [DTYPE_ITEMSIZE[name] for name in DTYPES[1:]])  # the compiled find's
 _MADV_POPULATE_READ = 22
 
 
@@ -309,7 +311,25 @@ class ResidencyReader:
 
     def find(self, key: str) -> Found | None:
         """The entry ``key`` if the index holds it, consistent and inside the slab; None
-        otherwise (ask the broker). A corrupt slot is a None, never an exception."""
+        otherwise (ask the broker). A corrupt slot is a None, never an exception.
+        Compiled when the package has the extension (the same answers as
+        ``_find_python``: tests/test_residency_copy.py)."""
+        view = self._view
+        if view is None:
+            return self._find_python(key)
+        kb = encode_key(key)
+        mask = self.mask
+        got = _find_compiled(
+            view, self._addr, view.nbytes, mask, _xxh3(kb, self.seed) & mask, kb,
+            self.slab_size, _ITEMSIZES,
+        )  # fmt: skip
+        if got is None:
+            return None
+        at, seq, gen, nbytes, code, shape, extents = got
+        return Found(at, seq, gen, nbytes, DTYPES[code], list(shape), list(extents))
+
+    def _find_python(self, key: str) -> Found | None:
+        """``find`` without the extension (and the reference its tests compare with)."""
         mm = self.mm
         if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
             return None
