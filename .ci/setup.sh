@@ -17,6 +17,12 @@ mapfile -t TORCH <<<"$TORCH_ARGS"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# A C compiler for the package's one extension (lmcache_ec_broker/shm/_residency_copy.c;
+# without it the install succeeds and tests/test_residency_copy.py fails, saying so).
+if ! command -v cc >/dev/null && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev) >/dev/null \
+    || echo "setup: could not install a C compiler; the compiled index read will be missing" >&2
+fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
 # The torch install skips pip's byte-compiling (one file at a time: ~25 s here); compileall
