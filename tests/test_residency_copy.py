@@ -32,10 +32,11 @@ def test_the_package_was_built_with_the_compiled_copy() -> None:
     # .ci/setup.sh installs the package with a C compiler present: the client must take the
     # compiled path there (without a compiler the extension is optional and the client
     # copies in Python -- this test then fails, saying so).
-    assert R._copy_into is not None, (
-        "lmcache_ec_broker.shm._residency_copy is not built: reinstall the package with a C "
-        "compiler (pip install -e .) to get the compiled index copy"
+    assert R.LAYOUT == R._LAYOUT, (
+        f"lmcache_ec_broker.shm._residency_copy is missing or of another layout ({R.LAYOUT}): "
+        "reinstall the package with a C compiler (pip install -e .)"
     )
+    assert R._copy_into is not None and R._find_compiled is not None
 
 
 class Index:

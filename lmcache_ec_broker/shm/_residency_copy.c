@@ -1,11 +1,13 @@
-/* The residency index's get_into hot path, compiled (issue 42): find a key's slot,
- * check it, copy the entry into the caller's buffer, confirm the slot's seqlock.
+/* The residency index's read hot path, compiled (issue 42): `find` (a key's slot,
+ * checked) and `copy_into` (find, check against the destination, copy the entry into
+ * the caller's buffer, confirm the slot's seqlock).
  *
- * The Python reader (residency.py: ResidencyReader.find, ._checked, .unchanged, and
- * copy.py's SlabView.read_into) is the reference; this does exactly what they do, in
- * one call instead of ~20 Python-level steps, which in a process that just woke up
- * cost tens of microseconds (docs/performance.md, "A compiled index read"). Every
- * answer is one of:
+ * The Python reader (residency.py: ResidencyReader._find_python, ._checked, .unchanged,
+ * and copy.py's SlabView.read_into) is the reference; this does exactly what they do, in
+ * one call instead of ~20 Python-level steps, which in a process that just woke up cost
+ * tens of microseconds (docs/performance.md, "A compiled index read"). The layout
+ * constants below are residency.py's: LAYOUT exports them, and residency.py uses this
+ * module only when they match. copy_into's answer is one of:
  *   ABSENT  (0): nothing was written to the destination (no slot holds the key, the
  *                slot changed while read, a field is out of range, or the entry's
  *                dtype/shape/size differ from the destination's): ask the broker;
@@ -25,7 +27,7 @@
  *   the field reads and the copy between the two loads of `seq`. The CPU keeps loads in
  *   order on x86-64 (TSO); the reader is used only there (residency.usable_here).
  */
-/* The stable ABI of CPython 3.10 (pyproject.toml: one abi3 wheel per platform). */
+/* The stable ABI of CPython 3.10 (setup.py: one abi3 wheel per platform). */
 #define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -276,13 +278,24 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_residency_copy",
-    "The residency index's get_into hot path, compiled (see residency.py).", -1, methods,
+    "The residency index's read hot path, compiled (see residency.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__residency_copy(void) {
     PyObject *m = PyModule_Create(&module_def);
-    if (m && (PyModule_AddIntConstant(m, "ABSENT", ABSENT) || PyModule_AddIntConstant(m, "COPIED", COPIED) ||
+    if (!m)
+        return NULL;
+    PyObject *layout = Py_BuildValue(
+        "(iiiiiiiiiiiiiiii)", HEADER_SIZE, FLAGS_AT, (int)FLAG_LIVE, SLOT_BYTES, NBYTES_AT,
+        KEYLEN_AT, DTYPE_AT, NDIM_AT, NEXTENTS_AT, SHAPE_AT, EXTENTS_AT, KEY_AT, KEY_CAP,
+        MAX_DIMS, MAX_EXTENTS, PROBES);
+    if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) { /* steals on success */
+        Py_XDECREF(layout);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if ((PyModule_AddIntConstant(m, "ABSENT", ABSENT) || PyModule_AddIntConstant(m, "COPIED", COPIED) ||
               PyModule_AddIntConstant(m, "CHANGED", CHANGED))) {
         Py_DECREF(m);
         return NULL;

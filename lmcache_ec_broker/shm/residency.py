@@ -64,12 +64,13 @@ try:  # the client side has numpy (torch needs it); the broker never copies from
 except ImportError:  # pragma: no cover - numpy is in the torch extra
     _np = None
 try:  # compiled when the package was built (an optional extension: see _residency_copy.c)
-    from ._residency_copy import ABSENT, CHANGED, COPIED
+    from ._residency_copy import ABSENT, CHANGED, COPIED, LAYOUT
     from ._residency_copy import copy_into as _copy_into
     from ._residency_copy import find as _find_compiled
 except ImportError:  # built without a C compiler: the Python reader below
     _copy_into = _find_compiled = None
     ABSENT, COPIED, CHANGED = 0, 1, 2
+    LAYOUT = ()
 
 MAGIC = b"LMECRES1"
 VERSION = 1
@@ -97,6 +98,15 @@ MAX_LOG2_SLOTS = 18  # 64 MiB at most; more entries than that fall back to the b
 DTYPES: tuple[str, ...] = ("",) + tuple(DTYPE_ITEMSIZE)
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES) if name}
 _ITEMSIZES = bytes([0] + [DTYPE_ITEMSIZE[name] for name in DTYPES[1:]])  # the compiled find's
+# The layout as _residency_copy.c spells it (its LAYOUT): a stale build of another
+# layout is not used -- the Python reader is.
+_LAYOUT = (
+    HEADER_SIZE, _FLAGS_OFFSET, FLAG_LIVE, SLOT_BYTES, _FIXED_AT + 8, _KEYLEN_AT,
+    _KEYLEN_AT + 2, _KEYLEN_AT + 3, _KEYLEN_AT + 4, _FIXED_AT + 24, _FIXED_AT + 24 + 8 * MAX_DIMS,
+    KEY_AT, KEY_CAP, MAX_DIMS, MAX_EXTENTS, PROBES,
+)  # fmt: skip
+if LAYOUT != _LAYOUT:
+    _copy_into = _find_compiled = None
 _MADV_POPULATE_READ = 22
 
 
