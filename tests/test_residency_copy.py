@@ -36,7 +36,7 @@ def test_the_package_was_built_with_the_compiled_copy() -> None:
         f"lmcache_ec_broker.shm._residency_copy is missing or of another layout ({R.LAYOUT}): "
         "reinstall the package with a C compiler (pip install -e .)"
     )
-    assert R._copy_into is not None and R._find_compiled is not None
+    assert None not in (R._copy_into, R._find_compiled, R._contains_compiled)
 
 
 class Index:
@@ -185,6 +185,8 @@ def test_a_corrupt_slot_is_absent_for_both_paths(index: Index, change: dict[int,
     got = index.compiled("key", "float32", (4, 4))
     assert got == index.reference("key", "float32", (4, 4)) == (R.ABSENT, None)
     assert index.r.find("key") is None and index.r._find_python("key") is None
+    # has() does not decode the entry: a slot whose key and seq are sound is a hit
+    assert index.r.contains("key") == index.r._contains_python("key") == (2 not in change)
 
 
 def _fields(found: R.Found | None) -> tuple | None:
@@ -239,6 +241,7 @@ def test_the_compiled_copy_answers_as_the_python_reader_on_any_slot(
     want_shape = tuple(shape if ask_shape is None else ask_shape)
     want_dtype = dtype if ask_dtype is None else ask_dtype
     assert _fields(index.r.find("key")) == _fields(index.r._find_python("key"))
+    assert index.r.contains("key") == index.r._contains_python("key")
     assert index.compiled("key", want_dtype, want_shape) == index.reference(
         "key", want_dtype, want_shape
     )

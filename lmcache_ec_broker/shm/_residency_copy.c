@@ -1,5 +1,5 @@
-/* The residency index's read hot path, compiled (issue 42): `find` (a key's slot,
- * checked) and `copy_into` (find, check against the destination, copy the entry into
+/* The residency index's read hot path, compiled (issue 42): `contains` (has()), `find`
+ * (a key's slot, checked) and `copy_into` (find, check against the destination, copy the entry into
  * the caller's buffer, confirm the slot's seqlock).
  *
  * The Python reader (residency.py: ResidencyReader._find_python, ._checked, .unchanged,
@@ -159,6 +159,26 @@ static int index_args(PyObject *const *args, const unsigned char **index, uint64
     return live(*index);
 }
 
+/* contains(view, index, index_size, mask, home, key) -> bool: whether a slot held `key`
+ * with the same even seq before and after its fields were read (has() needs no more:
+ * a get checks every field it copies by). */
+static PyObject *contains(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "contains takes 6 arguments");
+        return NULL;
+    }
+    const unsigned char *index;
+    uint64_t mask, home, seq;
+    char *key;
+    Py_ssize_t klen;
+    int go = index_args(args, &index, &mask, &home, &key, &klen);
+    if (go < 0)
+        return NULL;
+    Entry e;
+    return PyBool_FromLong(go && probe(index, mask, home, key, klen, &e, &seq) >= 0);
+}
+
 /* find(view, index, index_size, mask, home, key, slab_size, itemsizes)
  *   itemsizes: bytes, the item size of each dtype code (0: no such code).
  *   -> None, or (at, seq, gen, nbytes, dtype code, shape, extents): the slot's entry,
@@ -269,6 +289,8 @@ static PyObject *copy_into(PyObject *module, PyObject *const *args, Py_ssize_t n
 }
 
 static PyMethodDef methods[] = {
+    {"contains", (PyCFunction)(void (*)(void))contains, METH_FASTCALL,
+     "Whether a slot holds the key, read consistently."},
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL,
      "The checked entry of an indexed key, or None."},
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,

@@ -65,10 +65,11 @@ except ImportError:  # pragma: no cover - numpy is in the torch extra
     _np = None
 try:  # compiled when the package was built (an optional extension: see _residency_copy.c)
     from ._residency_copy import ABSENT, CHANGED, COPIED, LAYOUT
+    from ._residency_copy import contains as _contains_compiled
     from ._residency_copy import copy_into as _copy_into
     from ._residency_copy import find as _find_compiled
 except ImportError:  # built without a C compiler: the Python reader below
-    _copy_into = _find_compiled = None
+    _copy_into = _find_compiled = _contains_compiled = None
     ABSENT, COPIED, CHANGED = 0, 1, 2
     LAYOUT = ()
 
@@ -106,7 +107,7 @@ _LAYOUT = (
     KEY_AT, KEY_CAP, MAX_DIMS, MAX_EXTENTS, PROBES,
 )  # fmt: skip
 if LAYOUT != _LAYOUT:
-    _copy_into = _find_compiled = None
+    _copy_into = _find_compiled = _contains_compiled = None
 _MADV_POPULATE_READ = 22
 
 
@@ -364,7 +365,17 @@ class ResidencyReader:
 
     def contains(self, key: str) -> bool:
         """``find(key) is not None`` without decoding the entry (has() needs no more;
-        a get checks every field it copies by)."""
+        a get checks every field it copies by). Compiled when the package has it."""
+        view = self._view
+        if view is None:
+            return self._contains_python(key)
+        kb = encode_key(key)
+        mask = self.mask
+        return _contains_compiled(
+            view, self._addr, view.nbytes, mask, _xxh3(kb, self.seed) & mask, kb
+        )
+
+    def _contains_python(self, key: str) -> bool:
         mm = self.mm
         if not mm[_FLAGS_OFFSET] & FLAG_LIVE:
             return False
