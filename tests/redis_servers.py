@@ -296,9 +296,16 @@ class RedisServer:
 
 class RedisCluster:
     """A Redis (or Valkey, ``kind="valkey"``) Cluster of ``masters`` nodes on 127.0.0.1,
-    no replicas, all 16384 slots covered."""
+    no replicas, all 16384 slots covered. ``extra``: more arguments for every node's
+    server (e.g. ``["--cluster-require-full-coverage", "no"]``)."""
 
-    def __init__(self, masters: int = 3, password: str | None = None, kind: str = "redis") -> None:
+    def __init__(
+        self,
+        masters: int = 3,
+        password: str | None = None,
+        kind: str = "redis",
+        extra: Sequence[str] = (),
+    ) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"ecb-{kind}-cluster-", dir="/tmp")
         self.kind = kind
         self.password = password
@@ -308,7 +315,14 @@ class RedisCluster:
                 d = os.path.join(self.dir, f"n{i}")
                 os.mkdir(d)
                 self.nodes.append(
-                    RedisServer(password=password, cluster=True, unix=False, directory=d, kind=kind)
+                    RedisServer(
+                        password=password,
+                        cluster=True,
+                        unix=False,
+                        directory=d,
+                        kind=kind,
+                        extra=extra,
+                    )
                 )
             self._create()
         except BaseException:
@@ -354,6 +368,23 @@ class RedisCluster:
                     port = int(fields[1].split(":")[1].split("@")[0])
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no master serves slot {slot}")
+
+    def marked_failed(self, dead: RedisServer) -> bool:
+        """Has every other node flagged ``dead`` as failed (FAIL, agreed by a majority of
+        the masters: not just PFAIL, its own suspicion)? From then on a Cluster that
+        requires full coverage (the default) answers -CLUSTERDOWN for every slot."""
+        for n in self.nodes:
+            if n is dead:
+                continue
+            for line in n.cli("cluster", "nodes").splitlines():
+                fields = line.split()
+                if fields[1].split("@")[0].endswith(f":{dead.port}"):
+                    if "fail" not in fields[2].split(","):
+                        return False
+                    break
+            else:
+                return False
+        return True
 
     def stop(self) -> None:
         for n in self.nodes:
