@@ -364,3 +364,39 @@ def test_without_a_flusher_the_caller_sends_an_old_batch(broker, monkeypatch) ->
         time.sleep(0.02)
         assert c.get("b") is not None and c.index_hits == 2
         wait_until(lambda: w.stats()["hits"] - before == 2, "both hits at the broker", timeout=30)
+
+
+def test_a_forked_child_starts_its_own_flusher() -> None:
+    # The flusher notices a fork by a counter os.register_at_fork bumps (no getpid() per
+    # arm): a child's first arm starts a thread of its own (the parent's is not there),
+    # and the child's due batches are still sent.
+    from lmcache_ec_broker.connector.client.served_flush import ServedFlusher
+
+    steps: list[int] = []
+    flusher = ServedFlusher(lambda: steps.append(os.getpid()) or None)
+    flusher.arm()
+    parent_thread = flusher._thread
+    wait_until(lambda: os.getpid() in steps, "the parent's flusher ran a step")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without pytest's teardown
+        code = b"0"
+        try:
+            flusher.arm()
+            child_thread = flusher._thread
+            deadline = time.monotonic() + 30
+            while os.getpid() not in steps and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if child_thread is not parent_thread and os.getpid() in steps:
+                code = b"1"
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1", "the forked child's arm started no flusher of its own"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+        flusher.stop()
+    assert parent_thread is flusher._thread  # the parent's own is untouched

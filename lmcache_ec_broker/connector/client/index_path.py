@@ -109,7 +109,7 @@ def read_known_into(
     if index.compiled and out.is_cpu and out.is_contiguous():
         nbytes = out.nbytes
         got = index.copy_into(
-            key, out.data_ptr(), nbytes, dtype_name(out.dtype), tuple(out.shape),
+            key, out.data_ptr(), nbytes, dtype_name(out.dtype), out.shape,  # a tuple
             slab.base, slab.size,
         )  # fmt: skip
         if got == COPIED:

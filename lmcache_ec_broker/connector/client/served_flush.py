@@ -47,6 +47,19 @@ log = logging.getLogger(__name__)
 
 # How often an idle flusher wakes to notice that its client was freed.
 _IDLE_WAKE_S = 1.0
+# Bumped in every forked child (os.register_at_fork): a flusher started before the fork
+# has no thread there. arm() compares this counter rather than calling os.getpid() --
+# a system call, which arm() would make in every index-served call that starts a batch,
+# in a process that often just woke up (issue 42).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 # How long the thread keeps waking every ``flush_s`` after its last batch, so that
 # the next batch's arm costs no wake-up (a busy client arms many times a second).
 _LINGER_S = 1.0
@@ -58,28 +71,28 @@ class ServedFlusher:
     bound) sends what is due and returns the seconds until it should run again, None
     when nothing is pending, or GONE."""
 
-    __slots__ = ("_step", "_armed", "_stopping", "_thread", "_pid", "_awake_until")
+    __slots__ = ("_step", "_armed", "_stopping", "_thread", "_forks", "_awake_until")
 
     def __init__(self, step: Callable[[], float | None]) -> None:
         self._step = step
         self._armed = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = -1
+        self._forks = -1  # _forks when the thread started; -1: not started
         # While monotonic() is before this, the thread wakes at least every flush_s by
         # itself (it lingers): arming needs no wake-up. 0.0: it may sleep _IDLE_WAKE_S.
         self._awake_until = 0.0
 
     def arm(self) -> None:
         """A batch became non-empty (ServedBatch.note, with the client's lock held)."""
-        if self._pid != os.getpid():  # first arm, or a forked child (no thread there)
+        if self._forks != _forks:  # first arm, or a forked child (no thread there)
             self._start()
         elif time.monotonic() < self._awake_until:
             return  # the lingering thread looks within flush_s (module docstring)
         self._armed.set()
 
     def _start(self) -> None:
-        self._pid = os.getpid()
+        self._forks = _forks
         self._awake_until = 0.0
         self._armed = threading.Event()
         self._stopping = threading.Event()
@@ -129,4 +142,4 @@ class ServedFlusher:
         """The client closes or is freed: the thread exits at its next wake-up. A
         client used again after close() arms (and so starts) it again."""
         self._stopping.set()
-        self._pid = -1
+        self._forks = -1
