@@ -1,6 +1,6 @@
 /* The residency index's read hot path, compiled (issue 42): `contains` (has()), `find`
- * (a key's slot, checked) and `copy_into` (find, check against the destination, copy the entry into
- * the caller's buffer, confirm the slot's seqlock).
+ * (a key's slot, checked) and `copy_into` (find, check against the destination, copy
+ * the entry into the caller's buffer, confirm the slot's seqlock).
  *
  * The Python reader (residency.py: ResidencyReader._find_python, ._checked, .unchanged,
  * and copy.py's SlabView.read_into) is the reference; this does exactly what they do, in
