@@ -317,3 +317,17 @@ def test_the_extension_checks_its_arguments() -> None:
         R._find_compiled(None, ctypes.addressof(buf), 4096, 7, 0, b"k", 0, "not bytes")
     # A mask the mapping does not hold is never probed: absent, nothing read past it.
     assert R._find_compiled(None, ctypes.addressof(buf), 4096, 1 << 20, 0, b"k", 0, b"") is None
+
+
+def test_closing_the_reader_while_a_compiled_read_holds_the_view_does_not_raise() -> None:
+    # A compiled call holds the reader's view (an export of the mapping) as an argument:
+    # close() in another thread meanwhile must not fail; the mapping goes with the view.
+    ix = Index()
+    try:
+        held = ix.r._view
+        assert held is not None
+        ix.r.close()  # would raise BufferError without the guard
+        assert not ix.r.compiled  # the reader no longer reads through the view
+        del held
+    finally:
+        ix.w.close()

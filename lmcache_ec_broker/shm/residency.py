@@ -456,4 +456,7 @@ class ResidencyReader:
 
     def close(self) -> None:
         self._view = None  # its export first: a mapping with exports cannot close
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:  # a compiled read in another thread holds the view still:
+            pass  # the mapping goes with the last export (as Segment.close leaves it)
