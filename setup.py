@@ -1,19 +1,21 @@
-"""The one compiled part (everything else is in pyproject.toml): the residency index's
-get_into hot path (lmcache_ec_broker/shm/_residency_copy.c, issue 42), built against
+"""The compiled parts (everything else is in pyproject.toml): the client's two hot reads of
+shared memory (issue 42) -- the residency index's read (lmcache_ec_broker/shm/
+_residency_copy.c) and the put arena's check (shm/_placement_check.c) -- built against
 CPython 3.10's stable ABI, so one wheel serves every CPython >= 3.10 on its platform.
-Optional: where no C compiler is found the package installs without it, and the client
-copies through the index in Python (the same answers, slower)."""
+Optional: where no C compiler is found the package installs without them, and the
+client reads those segments in Python (the same answers, slower)."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            "lmcache_ec_broker.shm._residency_copy",
-            ["lmcache_ec_broker/shm/_residency_copy.c"],
+            f"lmcache_ec_broker.shm.{name}",
+            [f"lmcache_ec_broker/shm/{name}.c"],
             py_limited_api=True,
             optional=True,
         )
+        for name in ("_residency_copy", "_placement_check")
     ],
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

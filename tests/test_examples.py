@@ -477,8 +477,9 @@ def test_the_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, sock_di
     assert "No module named 'torch'" in r.stderr  # the broker needs no torch
     r = run(py, "-c", "import lmcache_ec_broker as m; print(m.__file__)")
     assert r.stdout.startswith(str(venv)), r.stdout  # the wheel's copy, not this tree's
-    r = run(py, "-c", "from lmcache_ec_broker.shm import _residency_copy as m; print(m.__file__)")
-    assert r.stdout.startswith(str(venv)), r.stdout + r.stderr  # the compiled copy is in it
+    for module in ("_residency_copy", "_placement_check"):  # the compiled parts are in it
+        r = run(py, "-c", f"from lmcache_ec_broker.shm import {module} as m; print(m.__file__)")
+        assert r.stdout.startswith(str(venv)), r.stdout + r.stderr
     r = run(
         py,
         "-c",

@@ -218,6 +218,17 @@ class FilterReader:
             if _np is None
             else _np.frombuffer(self.mm, dtype=_np.uint8, offset=HEADER_SIZE, count=1 << log2_slots)
         )
+        # The whole mapping, for the put arena's compiled check (connector/client/
+        # mappings.py Mappings.proven_absent): its address, held by this export.
+        self.view = None if _np is None else _np.frombuffer(self.mm, dtype=_np.uint8)
+
+    @property
+    def seed(self) -> int:
+        return self._hasher.seed
+
+    @property
+    def mask(self) -> int:
+        return self._hasher.mask
 
     @property
     def live(self) -> bool:
@@ -257,5 +268,5 @@ class FilterReader:
         return _BOTH.take(both).tolist()
 
     def close(self) -> None:
-        self._counters = None  # a live numpy view would make mmap.close() raise BufferError
+        self._counters = self.view = None  # a live view would make mmap.close() raise
         self.mm.close()

@@ -315,6 +315,13 @@ class Journal:
             diff[own_slot] = False
         return bool(diff.any())
 
+    def views(self) -> tuple[object, object] | None:
+        """The numpy views of the placed words and the settled words (what the put
+        arena's compiled check reads, through their addresses), or None without numpy."""
+        if self._placed is None or self._words is None:
+            return None
+        return self._placed, self._words
+
     def close(self) -> None:
         self._placed = self._words = None
         self.segment.close()

@@ -32,7 +32,9 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from ...protocol import HelloReply
-from ...shm.filter import FilterReader
+from ...shm import filter as filter_layout
+from ...shm import journal as journal_layout
+from ...shm.filter import FilterReader, key_digest
 from ...shm.journal import Journal
 from ...shm.residency import ResidencyReader
 from ...shm.segment import Segment, ShmError
@@ -43,10 +45,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmcache_ec_broker.connector.client")  # one name for the whole client
 
+try:  # compiled when the package was built (optional: shm/_placement_check.c)
+    from ...shm._placement_check import LAYOUT as _CHECK_LAYOUT
+    from ...shm._placement_check import proven_absent as _proven_absent
+except ImportError:  # built without a C compiler: the Python readers
+    _CHECK_LAYOUT, _proven_absent = (), None
+# The layout the C file spells out: a build of another layout is not used.
+if _CHECK_LAYOUT != (
+    journal_layout.PLACED_BYTES, journal_layout.SETTLED_BYTES, journal_layout._SETTLED,
+    journal_layout._DISTRUSTED, journal_layout._HELD, filter_layout.HEADER_SIZE,
+    filter_layout._FLAGS_OFFSET, filter_layout.FLAG_LIVE,
+):  # fmt: skip
+    _proven_absent = None
+
 
 class Mappings:
     __slots__ = ("epoch", "filter", "journal", "index", "slab", "_segment", "_hello", "_arenas",
-                 "_owners", "_prefault", "_slab_error")  # fmt: skip
+                 "_owners", "_prefault", "_slab_error", "_check")  # fmt: skip
 
     def __init__(
         self,
@@ -106,6 +121,40 @@ class Mappings:
                 # Without it, arena puts are off and the filter is not trusted.
                 log.warning("not using the broker's put arena: %s", exc)
         self.index = index_path.map_index(hello, owners, fds.get("index"))
+        self._check = self._compiled_check()
+
+    def _compiled_check(self) -> tuple | None:
+        """proven_absent's fixed arguments for the compiled check (the objects whose
+        exports keep the mappings alive, addresses, sizes), or None: the Python path."""
+        flt, journal = self.filter, self.journal
+        if _proven_absent is None or flt is None or flt.view is None:
+            return None
+        fview = flt.view
+        if not self._arenas:
+            return (fview,), 0, 0, 0, fview.ctypes.data, fview.nbytes, flt.mask, flt.seed
+        views = journal.views() if journal is not None else None
+        if views is None:
+            return None  # arenas without a journal: nothing is ever proven (others_pending)
+        placed, words = views
+        keep = (fview, placed, words)
+        return (
+            keep, placed.ctypes.data, words.ctypes.data, journal.nslots,
+            fview.ctypes.data, fview.nbytes, flt.mask, flt.seed,
+        )  # fmt: skip
+
+    def proven_absent(self, key: str, own_slot: int) -> bool:
+        """Whether the membership filter's "absent" for ``key`` holds now: no other
+        connection's placement pending (the journal, read first), and the filter live
+        and saying absent -- one compiled call where the package has it (issue 42),
+        else ``others_pending`` and ``filter.maybe``, the same answers."""
+        check = self._check
+        if check is not None:
+            keep, placed, settled, nslots, faddr, fsize, mask, seed = check
+            return _proven_absent(
+                keep, placed, settled, nslots, own_slot, faddr, fsize, mask, key_digest(key, seed)
+            )
+        flt = self.filter
+        return flt is not None and not self.others_pending(own_slot) and not flt.maybe(key)
 
     def map_slab(self) -> SlabView:
         """The slab, mapped (and pre-faulted) now if it is not yet; ShmError if it
@@ -135,6 +184,7 @@ class Mappings:
 
     def close(self) -> None:
         """Unmap everything (the slab's CUDA registration goes first, in SlabView.close)."""
+        self._check = None  # its views hold exports of the filter and the journal
         if self.slab is not None:
             self.slab.close()
             self.slab = None

@@ -163,14 +163,12 @@ def _may_place(link: ClientLink, s: Session, trust_s: float, key: str, nbytes: i
     trusted filter says the key is absent (a present key would be copied for
     nothing)."""
     m = link.maps
-    flt = m.filter if m is not None else None
     return (
-        flt is not None
+        m is not None
         and s.arena.fits(key, nbytes)
         and key not in s.posted
         and time.monotonic() - s.wire.confirmed_at <= trust_s
-        and not m.others_pending(s.arena.slot)  # type: ignore[union-attr]
-        and not flt.maybe(key)
+        and m.proven_absent(key, s.arena.slot)
     )
 
 
