@@ -12,6 +12,7 @@ setup(
         Extension(
             f"lmcache_ec_broker.shm.{name}",
             [f"lmcache_ec_broker/shm/{name}.c"],
+            depends=["lmcache_ec_broker/shm/_shm_read.h"],
             py_limited_api=True,
             optional=True,
         )

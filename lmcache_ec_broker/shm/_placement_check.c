@@ -17,12 +17,7 @@
  *   passes (checked here: `bound` is clamped to nslots, as in Python), and the caller
  *   holds the objects that keep the mappings alive as an argument during the call.
  */
-/* The stable ABI of CPython 3.10 (setup.py: one abi3 wheel per platform). */
-#define Py_LIMITED_API 0x030A0000
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "_shm_read.h"
 
 /* journal.py's layout: PLACED_BYTES, SETTLED_BYTES and the word offsets in a slot */
 #define PLACED_BYTES 4
@@ -35,20 +30,10 @@
 #define FILTER_FLAGS_AT 20
 #define FILTER_LIVE 1
 
-#define BARRIER() __asm__ __volatile__("" ::: "memory")
-
 static inline uint32_t u32_at(const unsigned char *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v; /* little-endian words, read on a little-endian CPU */
-}
-
-static int as_u64(PyObject *o, uint64_t *out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = v;
-    return 0;
 }
 
 /* Journal.any_unsettled(own_slot): a held slot other than own_slot, not distrusted,
@@ -78,10 +63,8 @@ static int any_unsettled(const unsigned char *placed, const unsigned char *settl
  *   filter live, one of the key's counters zero. */
 static PyObject *proven_absent(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "proven_absent takes 9 arguments");
+    if (arity("proven_absent", nargs, 9) < 0)
         return NULL;
-    }
     uint64_t placed, settled, nslots, filter, filter_size, mask;
     long long own_slot = PyLong_AsLongLong(args[4]);
     if (own_slot == -1 && PyErr_Occurred())

@@ -27,12 +27,7 @@
  *   the field reads and the copy between the two loads of `seq`. The CPU keeps loads in
  *   order on x86-64 (TSO); the reader is used only there (residency.usable_here).
  */
-/* The stable ABI of CPython 3.10 (setup.py: one abi3 wheel per platform). */
-#define Py_LIMITED_API 0x030A0000
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "_shm_read.h"
 
 /* The layout (residency.py's HEADER_SIZE, SLOT_BYTES, _FIXED, KEY_AT, PROBES, ...). */
 #define HEADER_SIZE 64
@@ -56,8 +51,6 @@
 #define RELEASE_GIL_FROM (256 << 10)
 
 enum { ABSENT = 0, COPIED = 1, CHANGED = 2 };
-
-#define BARRIER() __asm__ __volatile__("" ::: "memory")
 
 static inline uint64_t load_seq(const unsigned char *at) {
     return *(volatile const uint64_t *)at;
@@ -130,14 +123,6 @@ static int extents_ok(const Entry *e, uint64_t slab_size) {
     return total == e->nbytes;
 }
 
-static int as_u64(PyObject *o, uint64_t *out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = v;
-    return 0;
-}
-
 /* The arguments both functions start with: view, index, index_size, mask, home, key.
  *   view: the object holding an export of the index mapping (ResidencyReader._view),
  *   unused here but held as an argument, so the mapping cannot be closed during the
@@ -164,10 +149,8 @@ static int index_args(PyObject *const *args, const unsigned char **index, uint64
  * a get checks every field it copies by). */
 static PyObject *contains(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "contains takes 6 arguments");
+    if (arity("contains", nargs, 6) < 0)
         return NULL;
-    }
     const unsigned char *index;
     uint64_t mask, home, seq;
     char *key;
@@ -187,10 +170,8 @@ static PyObject *contains(PyObject *module, PyObject *const *args, Py_ssize_t na
  *   elements times the item size). */
 static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "find takes 8 arguments");
+    if (arity("find", nargs, 8) < 0)
         return NULL;
-    }
     const unsigned char *index;
     uint64_t mask, home, slab_size, seq;
     char *key, *itemsizes;
@@ -240,10 +221,8 @@ fail:
  *   shape: the destination's shape (a tuple of ints). -> ABSENT, COPIED or CHANGED. */
 static PyObject *copy_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "copy_into takes 12 arguments");
+    if (arity("copy_into", nargs, 12) < 0)
         return NULL;
-    }
     const unsigned char *index;
     uint64_t mask, home, slab_base, slab_size, dst, nbytes, dtype, shape[MAX_DIMS], seq;
     char *key;

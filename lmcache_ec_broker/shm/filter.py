@@ -212,15 +212,13 @@ class FilterReader:
             self.mm.close()
             raise ShmError(f"filter segment {name} is shorter than its header says")
         self._hasher = _Hasher(seed, log2_slots)
-        # Kept for the batched reads; close() drops it before unmapping.
-        self._counters = (
-            None
-            if _np is None
-            else _np.frombuffer(self.mm, dtype=_np.uint8, offset=HEADER_SIZE, count=1 << log2_slots)
-        )
-        # The whole mapping, for the put arena's compiled check (connector/client/
-        # mappings.py Mappings.proven_absent): its address, held by this export.
+        # The whole mapping (for the put arena's compiled check, connector/client/
+        # mappings.py Mappings.proven_absent: its address, held by this export) and its
+        # counters (the batched reads); close() drops both before unmapping.
         self.view = None if _np is None else _np.frombuffer(self.mm, dtype=_np.uint8)
+        self._counters = (
+            None if self.view is None else self.view[HEADER_SIZE : HEADER_SIZE + (1 << log2_slots)]
+        )
 
     @property
     def seed(self) -> int:
