@@ -101,6 +101,20 @@ class Link:
         """The Cluster redirect ``err`` is, or None (any other error; standalone)."""
         return parse_redirect(str(err), ep) if self.cluster else None
 
+    @staticmethod
+    def not_an_answer(err: RespError, ep: Node) -> StoreDown | BadValue:
+        """What an error reply to a read of a key (``GETRANGE``/``STRLEN``/``GET``) that
+        is not a redirect means. Invariant: never "absent" -- only a nil (or empty)
+        reply says a key is absent. ``-WRONGTYPE`` is an answer about the key (something
+        other than a value is stored under it): BadValue, the key refused. Any other
+        (``-CLUSTERDOWN``, ``-LOADING``, ``-BUSY``, ``-MASTERDOWN``, ``-NOPERM``, an unknown
+        command...) is a failure of the call, as a lost connection is: StoreDown, so the
+        policy feeds ``ep``'s breaker and leaves the key's membership in the filter alone."""
+        why = str(err)
+        if why.startswith("WRONGTYPE"):
+            return BadValue(f"not a value (a key of another type): {why[:200]}")
+        return StoreDown([ep], f"{ep}: {why[:200]}")
+
     def note_redirect(self, redirect: Redirect) -> None:
         kind = "ask" if redirect.ask else "moved"
         self.meter.count(f"remote_{kind}_redirects")

@@ -89,17 +89,27 @@ class LoopCalls:
             pieces += pack(["STRLEN", rk])
         async with self._round_trip(lc), asyncio.timeout(self.timeout_s):
             replies = await lc.pipeline(pieces, 2 * len(keys))
+        link.meter.count("remote_loop_lookups")
         out: list[LookupAnswer] = []
+        failed: StoreDown | None = None
         for j, key in enumerate(keys):
             head, total = replies[2 * j], replies[2 * j + 1]
             err = head if isinstance(head, RespError) else total
             if isinstance(err, RespError):
                 if link.redirect_of(err, ep) is not None:
                     return None  # a slot moved: the threads follow redirects
-                out.append(None)  # any other error reply reads as a miss (as ``lookup``)
+                # Any other error reply is no answer, as in ``lookup``: the lookup fails
+                # (StoreDown: the node's breaker counts it, the key stays in the filter),
+                # never "absent" (``Link.not_an_answer``). WRONGTYPE refuses the key.
+                verdict = link.not_an_answer(err, ep)
+                if isinstance(verdict, StoreDown):
+                    failed = failed or verdict
+                    verdict = None
+                out.append(verdict)
                 continue
             out.append(self.rules.meta(key, head, total))
-        link.meter.count("remote_loop_lookups")
+        if failed is not None:
+            raise failed
         return out
 
     async def read(
@@ -176,7 +186,7 @@ class LoopCalls:
         except RespError as exc:
             if self.link.redirect_of(exc, ep) is not None:
                 return None
-            raise StoreDown([ep], str(exc)) from None
+            raise self.link.not_an_answer(exc, ep) from None  # never "absent"
         rules = self.rules
         total = rules.total(key, length)
         fixed = await lc.exact(rules.fixed_size(total))

@@ -184,6 +184,7 @@ class RedisTransport:
         out: list[LookupAnswer] = [None] * len(keys)
         for hop in range(MAX_REDIRECTS + 1):
             again: dict[tuple[Endpoint, bool], list[int]] = {}
+            failed: dict[Endpoint, str] = {}  # nodes whose error replies answered nothing
             for (ep, asking), idx in todo.items():
                 cmds: list[list[Any]] = []
                 for i in idx:
@@ -198,16 +199,27 @@ class RedisTransport:
                     head, total = replies[2 * j], replies[2 * j + 1]
                     err = head if isinstance(head, RespError) else total
                     if isinstance(err, RespError):
-                        # MOVED / ASK: ask again where the server says (a few hops at most);
-                        # any other error reply reads as a miss.
+                        # MOVED / ASK: ask again where the server says (a few hops at most).
+                        # Any other error reply (or one redirect too many) is no answer:
+                        # the lookup fails (StoreDown: the node's breaker counts it, the
+                        # filter is left alone) -- never "absent" (``Link.not_an_answer``;
+                        # ``loop.py`` reads it the same). WRONGTYPE refuses the key.
                         redirect = link.redirect_of(err, ep)
                         if redirect is not None and hop < MAX_REDIRECTS:
                             link.note_redirect(redirect)
                             if not redirect.ask:
                                 self.router.moved(redirect.slot, redirect.ep)
                             again.setdefault((redirect.ep, redirect.ask), []).append(i)
+                            continue
+                        verdict = link.not_an_answer(err, ep)
+                        if isinstance(verdict, StoreDown):
+                            failed.setdefault(ep, str(verdict))
+                        else:
+                            out[i] = verdict
                         continue
                     out[i] = self.rules.meta(keys[i], head, total)
+            if failed:
+                raise StoreDown(list(failed), "; ".join(failed.values()))
             if not again:
                 break
             if any(not asking for _, asking in again):
@@ -239,8 +251,8 @@ class RedisTransport:
 
         try:
             self.link.routed(rk, get)
-        except RespError as exc:
-            raise StoreDown([self.node_of(key)], str(exc)) from None
+        except RespError as exc:  # not a redirect (routed follows those): no answer
+            raise self.link.not_an_answer(exc, self.node_of(key)) from None
 
     # ------------------------------------------------------------ on the event loop
 
@@ -334,11 +346,21 @@ class RedisTransport:
         return scan(self.link, self.channel, limit)
 
     def probe(self, node: Node) -> None:
+        """Ask ``node`` what a lookup asks (``GETRANGE``/``STRLEN`` of a key of the
+        namespace): a server that answers PING but not lookups (-CLUSTERDOWN, -LOADING,
+        -NOPERM, ...) stays shed. A redirect is an answer: the key's slot is elsewhere."""
         ep = node if isinstance(node, Endpoint) else self.router.seeds[0]
+        rk = self.link.rk("")
+        cmds: list[list[Any]] = [["GETRANGE", rk, 0, 0], ["STRLEN", rk]]
         try:
-            self.link.call(ep, lambda c: c.command("PING"))
+            replies = self.link.call(ep, lambda c: c.pipeline(cmds))
         except RespError as exc:
             raise StoreDown([node], str(exc)) from None
+        for reply in replies:
+            if isinstance(reply, RespError) and self.link.redirect_of(reply, ep) is None:
+                verdict = self.link.not_an_answer(reply, node)
+                if isinstance(verdict, StoreDown):
+                    raise verdict
 
     # ------------------------------------------------------------ fleet claims
 
