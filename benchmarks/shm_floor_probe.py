@@ -15,9 +15,17 @@ the least, with nothing of ours in the way:
   broker (``--sched-batch``: the broker's threads SCHED_BATCH).
 - **memcpy**: the issue's baseline, one copy between two touched buffers in the same
   process, right before its calls.
+- **slab copies**: the two copies alone, nothing else -- the writer's ``memmove`` into
+  the next slot of a mapping as large as the run's broker slab, the reader's
+  ``memmove`` of the same slot out. What every cache that keeps entries in shared
+  memory pays however its client is written: the slab side of a put is memory no
+  cache line holds (a slab larger than the CPU's caches, its blocks rewritten long
+  after they were last touched), unlike the memcpy baseline's two warm buffers.
+  ``2 memcpys / slab copies`` is therefore the most any client can reach of the
+  issue's ratio on this machine.
 
-A writer and a reader worker process; each iteration runs the bare pair and the client
-pair in alternating order, every call a request to a just-woken worker, as
+A writer and a reader worker process; each iteration runs the bare pair, the client
+pair and the slab copies in rotating order, every call a request to a just-woken worker, as
 ``attribution.py --only across`` does. Medians of ``--iters`` iterations, µs.
 ``--gap-ms`` sleeps that long before each get_into (both paths): how the client's cost
 in a just-woken process grows with the time it slept, against the bare path's.
@@ -62,7 +70,9 @@ HIDDEN = 1024
 class Side:
     """A writer or a reader: a BrokerClient, the shared mapping, a socket to the sink."""
 
-    def setup(self, socket_path: str, mapping: str, sink: str, size: int, slots: int) -> dict:
+    def setup(
+        self, socket_path: str, mapping: str, slab: str, sink: str, size: int, slots: int
+    ) -> dict:
         import torch
 
         from lmcache_ec_broker import BrokerClient
@@ -73,6 +83,13 @@ class Side:
         self.mm = mmap.mmap(fd, 4096 + slots * size)
         os.close(fd)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        fd = os.open(slab, os.O_RDWR)
+        # populated (as the broker's slab and its clients' mappings are): no page faults
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.slab = mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
+        os.close(fd)
+        self.slab_base = ctypes.addressof(ctypes.c_char.from_buffer(self.slab))
+        self.slab_slots = self.slab.size() // size
         self.size, self.slots, self.seq = size, slots, 0
         g = torch.Generator().manual_seed(size)
         raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
@@ -105,6 +122,21 @@ class Side:
         ctypes.memmove(self.out.data_ptr(), self.base + off, self.size)
         us = (time.perf_counter_ns() - t0) / 1e3
         assert self._same(), "the bare copy moved other bytes"
+        return {"us": us}
+
+    def slab_put(self, i: int) -> dict:
+        dst = self.slab_base + (i % self.slab_slots) * self.size
+        t0 = time.perf_counter_ns()
+        ctypes.memmove(dst, self.tensor.data_ptr(), self.size)
+        return {"us": (time.perf_counter_ns() - t0) / 1e3}
+
+    def slab_get(self, i: int) -> dict:
+        self.out.zero_()
+        src = self.slab_base + (i % self.slab_slots) * self.size
+        t0 = time.perf_counter_ns()
+        ctypes.memmove(self.out.data_ptr(), src, self.size)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        assert self._same(), "the slab copy moved other bytes"
         return {"us": us}
 
     def put(self, key: str) -> dict:
@@ -161,6 +193,10 @@ def run(
     mapping = f"/dev/shm/ecb-floor-{os.getpid()}"
     with open(mapping, "wb") as f:
         f.truncate(4096 + slots * size)
+    slab_bytes = max(256 * MiB, 8 * size + 64 * MiB)  # the broker's slab below
+    slab = f"/dev/shm/ecb-floor-slab-{os.getpid()}"
+    with open(slab, "wb") as f:
+        f.truncate(slab_bytes)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sink_path = os.path.join(tmp, "sink.sock")
     srv.bind(sink_path)
@@ -170,20 +206,23 @@ def run(
     sink.start()
     workers: list[Worker] = []
     try:
-        with Broker(max(256 * MiB, 8 * size + 64 * MiB), extra) as broker:
+        with Broker(slab_bytes, extra) as broker:
             writer, reader = Worker(script), Worker(script)
             workers += [writer, reader]
             for w in workers:
                 w.call(op="setup", socket_path=broker.socket_path, mapping=mapping,
-                       sink=sink_path, size=size, slots=slots)  # fmt: skip
+                       slab=slab, sink=sink_path, size=size, slots=slots)  # fmt: skip
             load = [os.getloadavg()[0]]
             rows: list[dict[str, float]] = []
+            paths = ("bare", "client", "slab")
             for i in range(3 + iters):
                 row: dict[str, float] = {}
-                for path in ("bare", "client") if i % 2 == 0 else ("client", "bare"):
+                for path in paths[i % 3 :] + paths[: i % 3]:
                     row[f"memcpy w {path}"] = writer.call(op="memcpy")["us"]
                     if path == "bare":
                         row["bare put"] = writer.call(op="bare_put")["us"]
+                    elif path == "slab":
+                        row["slab put"] = writer.call(op="slab_put", i=i)["us"]
                     else:
                         row["put"] = writer.call(op="put", key=f"k{i}")["us"]
                     row[f"memcpy r {path}"] = reader.call(op="memcpy")["us"]
@@ -191,6 +230,8 @@ def run(
                         time.sleep(gap_s)
                     if path == "bare":
                         row["bare get_into"] = reader.call(op="bare_get_into")["us"]
+                    elif path == "slab":
+                        row["slab get"] = reader.call(op="slab_get", i=i)["us"]
                     else:
                         row["get_into"] = reader.call(op="get_into", key=f"k{i}")["us"]
                         writer.call(op="delete", key=f"k{i}")
@@ -204,6 +245,7 @@ def run(
         sink.join(5)
         srv.close()
         os.unlink(mapping)
+        os.unlink(slab)
         os.unlink(sink_path)
         os.rmdir(tmp)
 
@@ -222,6 +264,7 @@ def run(
         "medians": {k: med(k) for k in rows[0]},
         "bare": ratio(("bare put", "bare get_into"), "bare"),
         "client": ratio(("put", "get_into"), "client"),
+        "slab": ratio(("slab put", "slab get"), "slab"),
         "client_over_bare": median(
             (r["put"] + r["get_into"]) / (r["bare put"] + r["bare get_into"]) for r in rows
         ),
@@ -259,7 +302,9 @@ def main() -> None:
                 f"{m['memcpy w bare']:.1f} / {m['memcpy r bare']:.1f}",
                 f"{m['bare put']:.1f} / {m['bare get_into']:.1f}",
                 f"{m['put']:.1f} / {m['get_into']:.1f}",
-                f"{r['bare']:.2f}x", f"{r['client']:.2f}x", f"{r['client_over_bare']:.2f}x",
+                f"{m['slab put']:.1f} / {m['slab get']:.1f}",
+                f"{r['slab']:.2f}x", f"{r['bare']:.2f}x", f"{r['client']:.2f}x",
+                f"{r['client_over_bare']:.2f}x",
             ])  # fmt: skip
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; broker "
@@ -268,8 +313,8 @@ def main() -> None:
         "iterations, µs\n"
     )
     print(table(["size", "round", "load", "memcpy w / r", "bare put / get_into",
-                 "client put / get_into", "2 memcpys / bare", "2 memcpys / client",
-                 "client / bare"], out))  # fmt: skip
+                 "client put / get_into", "slab copies w / r", "2 memcpys / slab copies",
+                 "2 memcpys / bare", "2 memcpys / client", "client / bare"], out))  # fmt: skip
 
 
 if __name__ == "__main__":

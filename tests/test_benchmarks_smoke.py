@@ -220,6 +220,7 @@ def test_shm_floor_probe_smoke() -> None:
              "--gap-ms", "1", timeout=180)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     assert "2 memcpys / bare" in r.stdout and "64 KiB" in r.stdout, r.stdout
+    assert "2 memcpys / slab copies" in r.stdout, r.stdout  # the slab copies check theirs too
     assert "1 ms asleep before each get_into" in r.stdout, r.stdout
 
 
