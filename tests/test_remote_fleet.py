@@ -410,8 +410,8 @@ def test_one_dead_cluster_master_costs_only_its_slots(node) -> None:
 
     The Cluster does not require full coverage: with Redis's default it answers
     -CLUSTERDOWN for every slot once the dead master is marked failed (cluster-node-
-    timeout 2 s, ~3 s after the kill here), which reads as misses and opens the healthy
-    masters' breakers too -- so the test passed only if a loaded host got its gets in
+    timeout 2 s, ~3 s after the kill here): every lookup fails then and opens the healthy
+    masters' breakers too (test_remote_error_replies.py) -- so the test passed only if a loaded host got its gets in
     within those 3 s (with a 3.5 s pause after the kill: all 8 healthy keys missed, 4
     breakers opened)."""
     from redis_servers import RedisCluster
