@@ -84,23 +84,9 @@ def store(request) -> Iterator[Store]:
 
 
 @pytest.fixture
-def node(make_broker, tmp_path) -> Iterator[Callable[..., BrokerClient]]:
-    """node(url, **extra_config) -> a client of a new broker on that store."""
-    clients: list[BrokerClient] = []
-
-    def make(url: str, **extra: object) -> BrokerClient:
-        cfg = tmp_path / f"node{len(clients)}.yaml"
-        lines = [f"remote_url: '{url}'", "remote_timeout_s: 1.0"]
-        lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
-        cfg.write_text("\n".join(lines) + "\n")
-        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
-        c = BrokerClient(b.socket_path, timeout_s=30.0)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+def node(remote_node) -> Callable[..., BrokerClient]:
+    """node(url, shm="64MiB", **extra_config) -> a client of a new broker on that store."""
+    return remote_node
 
 
 def shared(

@@ -63,24 +63,9 @@ def proxy(server: RedisServer) -> Iterator[DelayProxy]:
 
 
 @pytest.fixture
-def node(make_broker, tmp_path) -> Iterator[Callable[..., BrokerClient]]:
-    clients: list[BrokerClient] = []
-    n = [0]
-
-    def make(url: str, shm: str = "64MiB", **extra: object) -> BrokerClient:
-        n[0] += 1
-        cfg = tmp_path / f"node{n[0]}.yaml"
-        lines = [f"remote_url: '{url}'", "remote_timeout_s: 1.0"]
-        lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
-        cfg.write_text("\n".join(lines) + "\n")
-        b = make_broker("--shm-size", shm, "--config", str(cfg))
-        c = BrokerClient(b.socket_path, timeout_s=30.0)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+def node(remote_node) -> Callable[..., BrokerClient]:
+    """node(url, shm="64MiB", **extra_config) -> a client of a new broker on that store."""
+    return remote_node
 
 
 # ---------------------------------------------------------------- 2. delete vs in-flight write
