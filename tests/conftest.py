@@ -150,14 +150,16 @@ def make_broker(sock_dir: str) -> Iterator:
 @pytest.fixture
 def remote_node(make_broker, tmp_path) -> Iterator:
     """Factory: remote_node(url, shm="64MiB", **config) -> a client of a new broker whose
-    remote tier is the store at ``url`` (1 s remote timeout; other settings as YAML)."""
+    remote tier is the store at ``url`` (remote_timeout_s 1.0 unless given; other
+    settings as YAML)."""
     from lmcache_ec_broker import BrokerClient
 
     clients: list[BrokerClient] = []
 
     def make(url: str, shm: str = "64MiB", **extra: object) -> BrokerClient:
         cfg = tmp_path / f"node{len(clients) + 1}.yaml"
-        lines = [f"remote_url: '{url}'", "remote_timeout_s: 1.0"]
+        extra = {"remote_timeout_s": 1.0, **extra}
+        lines = [f"remote_url: '{url}'"]
         lines += [f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in extra.items()]
         cfg.write_text("\n".join(lines) + "\n")
         b = make_broker("--shm-size", shm, "--config", str(cfg))

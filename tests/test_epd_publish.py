@@ -76,21 +76,9 @@ def proxy(server: RedisServer) -> Iterator[DelayProxy]:
 
 
 @pytest.fixture
-def node(make_broker, tmp_path) -> Iterator[Callable[[str], BrokerClient]]:
-    clients: list[BrokerClient] = []
-
-    def make(url: str) -> BrokerClient:
-        cfg = tmp_path / f"node{len(clients)}.yaml"
-        # 10 s: a write held 1 s on the wire ends in time on a loaded host
-        cfg.write_text(f"remote_url: '{url}'\nremote_timeout_s: 10.0\n")
-        b = make_broker("--shm-size", "64MiB", "--config", str(cfg))
-        c = BrokerClient(b.socket_path, timeout_s=10.0)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+def node(remote_node) -> Callable[[str], BrokerClient]:
+    # 10 s: a write held 1 s on the wire ends in time on a loaded host
+    return lambda url: remote_node(url, remote_timeout_s=10.0)
 
 
 def _subscribed(producer: BrokerClient, consumer: BrokerClient) -> None:
