@@ -23,6 +23,11 @@
  *   before it is compared;
  * - the destination is the caller's contiguous CPU tensor of exactly `nbytes` bytes
  *   (the caller checks contiguity and device); nothing else is ever written;
+ * - the slab and the destination are not held by the call (only their addresses are
+ *   passed), and copies from RELEASE_GIL_FROM bytes release the GIL: they stay mapped
+ *   and allocated because the caller holds the client's lock (ClientLink.lock), the
+ *   only lock under which Mappings.close() unmaps the slab, and owns the destination
+ *   tensor (as for ctypes.memmove, the Python path's copy, which releases the GIL too);
  * - loads of `seq` are single aligned 8-byte volatile loads, and compiler barriers keep
  *   the field reads and the copy between the two loads of `seq`. The CPU keeps loads in
  *   order on x86-64 (TSO); the reader is used only there (residency.usable_here).
