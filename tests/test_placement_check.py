@@ -10,6 +10,7 @@ paths.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 
@@ -147,3 +148,39 @@ def test_the_extension_checks_its_arguments() -> None:
     # A mask the filter mapping does not hold, or a short digest: nothing proven, nothing read.
     assert M._proven_absent(None, 0, 0, 0, -1, 1, 128, 1 << 20, bytes(8)) is False
     assert M._proven_absent(None, 0, 0, 0, -1, 1, 1 << 20, 7, b"short") is False
+
+
+def test_a_client_cannot_resize_the_placed_words_under_the_others() -> None:
+    # Every admitted client is handed the placed words' descriptor read-write. Before they
+    # were sealed against resizing, one ftruncate of it to 0 made the next read of a
+    # placed word -- this check's, compiled or not, and the broker's -- die of SIGBUS.
+    tag = f"/ecb-test-{os.getpid()}-resize"
+    fw = F.FilterWriter(tag + "-f", F.MIN_LOG2_SLOTS)
+    fr = F.FilterReader(fw.name, fw.size, fd=fw.segment.share_fd(True))
+    broker = J.Journal.create(tag + "-j", NSLOTS)
+    client = J.Journal.attach(
+        broker.name, broker.size, None,
+        os.dup(broker.segment.share_fd(False)), os.dup(broker.settled_segment.share_fd(True)),
+    )  # fmt: skip
+    m = M.Mappings.__new__(M.Mappings)
+    m._check = None
+    try:
+        broker.hand_out(2)
+        peer = broker.segment.share_fd(False)  # the descriptor a client is handed
+        for size in (0, broker.size - 1, broker.size + 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(peer, size)
+        with pytest.raises(PermissionError):  # nor seal it against new writable mappings
+            fcntl.fcntl(peer, fcntl.F_ADD_SEALS, 0x0010)  # F_SEAL_FUTURE_WRITE
+        assert os.fstat(peer).st_size == broker.size
+        m.filter, m.journal, m._arenas = fr, client, True
+        m._check = m._compiled_check()
+        assert _both(m, "never-added", -1) == (True, True)  # still read, nothing pending
+        assert not broker.unsettled(2)
+    finally:
+        m._check = None  # its views hold exports of the mappings
+        client.close()
+        broker.close()
+        broker.unlink()
+        fr.close()
+        fw.close()

@@ -184,15 +184,22 @@ class Segment:
     def create_memfd(cls, name: str, size: int) -> Segment:
         """A segment clients write too, with no name anywhere (a memfd, mapped
         writable here; admitted clients get its descriptor): nobody can take its name
-        first, nor open it by one. ``name`` is a label, as in ``create_sealed``."""
+        first, nor open it by one. ``name`` is a label, as in ``create_sealed``.
+
+        Sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW, then F_SEAL_SEAL), though
+        not against writes: a client holding the descriptor could otherwise ftruncate
+        it, and every mapping's next read past the new end -- the broker's, every
+        other client's (the put arena's check, compiled or not) -- dies of SIGBUS."""
         if size <= 0:
             raise ShmError(f"segment size must be positive, got {size} bytes")
         try:
-            fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC)
+            fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise ShmError(f"cannot create segment {name}: {exc}") from exc
         try:
             os.ftruncate(fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
             mm = mmap.mmap(fd, size)
         except BaseException as exc:
             os.close(fd)
