@@ -248,3 +248,152 @@ def test_close_unregisters_so_the_next_client_registers_again(broker) -> None:
             assert c.put("again", src) or c.get("again", device="cuda") is not None
             assert c.mappings.slab is not None and c.mappings.slab.pinned
         _kernels_still_run()
+
+
+# ------------------------------------------------------------ streams and failures
+
+# torch.cuda._sleep cycles: tens of milliseconds of a busy stream, far longer than a
+# copy of these sizes, so a copy not ordered after the work queued before it is seen.
+_SPIN = 100_000_000
+
+
+def test_copies_are_ordered_after_pending_work_on_a_non_default_stream(broker) -> None:
+    # vLLM runs on a stream of its own (vllm.utils.current_stream), not the default one:
+    # a put must copy what the caller's stream computes, even when that is still
+    # queued (read after write), and get_into must write ``out`` only after what the
+    # caller's stream still does to it (write after write).
+    user = torch.cuda.Stream()
+    with BrokerClient(broker.socket_path) as c, torch.cuda.stream(user):
+        src = torch.zeros(1024, 1024, device="cuda")  # 4 MiB: the put arena
+        torch.cuda._sleep(_SPIN)
+        src.fill_(7.0)
+        assert c.put("ordered", src)
+        big = torch.zeros(2048, 2048, device="cuda")  # 16 MiB: reserved
+        torch.cuda._sleep(_SPIN)
+        big.fill_(3.0)
+        assert c.put("ordered-big", big)
+        out = torch.empty_like(src)
+        torch.cuda._sleep(_SPIN)
+        out.fill_(-1.0)
+        assert c.get_into("ordered", out)
+        assert bool((out == 7.0).all())
+        got = c.get("ordered-big", device="cuda")
+        assert got is not None and bool((got == 3.0).all())
+        user.synchronize()
+
+
+def test_the_broker_round_trip_onto_the_device(broker, monkeypatch) -> None:
+    # The pinned Get (reads.get_asked, get_into_asked) with CUDA tensors: the other tests
+    # are served by the residency index or the connection's own placement.
+    src = (torch.randn(300, 1024) * 50).to(torch.bfloat16)
+    with BrokerClient(broker.socket_path) as w, BrokerClient(broker.socket_path) as c:
+        assert w.put("rt", src.cuda()) and w.flush()
+        monkeypatch.setattr(c, "_usable_index", lambda s: None)
+        got = c.get("rt", device="cuda")
+        assert got is not None and got.is_cuda and torch.equal(got.cpu(), src)
+        out = torch.zeros(src.shape, dtype=src.dtype, device="cuda")
+        assert c.get_into("rt", out) and torch.equal(out.cpu(), src)
+        assert c.get_many(["rt", "absent"], device="cuda")[1] is None
+        with pytest.raises(ValueError, match="the output tensor is"):
+            c.get_into("rt", torch.empty(3, device="cuda"))
+        assert c.index_hits == 0
+        _kernels_still_run()
+
+
+def test_a_staged_tensor_taken_onto_another_stream_is_not_reused_under_its_reader(broker) -> None:
+    # The staging link's thread gets on the default stream; vLLM reads the tensor on its
+    # own stream and, with async scheduling, may free it before that read ran.
+    # StageLink.take records it on the taker's stream, so the link's next get cannot be
+    # handed the same block while the read is queued.
+    import threading
+
+    from lmcache_ec_broker.connector.vllm.stage_link import StageLink
+
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put("a", torch.full((1024, 1024), 1.0))
+        assert c.put("b", torch.full((1024, 1024), 2.0))
+        link = StageLink.__new__(StageLink)  # its hand-over only: no hub, no thread
+        link._lock = threading.Lock()
+        staged = c.get("a", device="cuda")  # on the default stream, as the link's thread
+        assert staged is not None
+        link._staged = {"a": [staged, 1]}
+        del staged
+        vllm = torch.cuda.Stream()
+        with torch.cuda.stream(vllm):
+            t = link.take("a")
+            assert t is not None
+            torch.cuda._sleep(_SPIN)
+            seen = t * 1.0
+            del t  # freed on the host while the read is still queued
+        again = c.get("b", device="cuda")  # the link's next get
+        vllm.synchronize()
+        assert again is not None and bool((again == 2.0).all())
+        assert bool((seen == 1.0).all()), "the next get overwrote a tensor a queued kernel read"
+
+
+class _FailSecondSlice:
+    """Stands in for SlabView.u8: the second slice raises, as a copy failing part-way."""
+
+    def __init__(self, real: torch.Tensor) -> None:
+        self.real, self.n = real, 0
+
+    def __getitem__(self, k):
+        self.n += 1
+        if self.n == 2:
+            raise RuntimeError("injected: the second copy failed")
+        return self.real[k]
+
+
+def test_a_copy_failing_part_way_leaves_no_dma_in_flight() -> None:
+    # The caller aborts (put), unplaces (arena) or releases (get) as soon as the copy
+    # raises, and the broker reuses those blocks at once: copies issued before the
+    # failure must be complete by then, not queued behind the caller's stream.
+    import mmap
+
+    from lmcache_ec_broker.connector.client.copy import SlabView
+
+    mm = mmap.mmap(-1, 16 << 20)
+    slab = SlabView(mm, 16 << 20)
+    real = slab.u8
+    extents = [(0, 4 << 20), (8 << 20, 4 << 20)]
+    try:
+        src = torch.full((2 << 20,), 5.0, device="cuda")  # 8 MiB
+        slab.write(extents, torch.zeros_like(src))  # registers, makes the copy stream
+        slab.u8 = _FailSecondSlice(real)
+        torch.cuda._sleep(_SPIN)  # the first copy waits behind this
+        with pytest.raises(RuntimeError, match="injected"):
+            slab.write(extents, src)
+        assert slab._stream is not None and slab._stream.query(), "write raised, DMA in flight"
+        assert bool((real[: 4 << 20].view(torch.float32) == 5.0).all())
+        slab.u8 = _FailSecondSlice(real)
+        out = torch.zeros_like(src)
+        torch.cuda._sleep(_SPIN)
+        with pytest.raises(RuntimeError, match="injected"):
+            slab.read_into(extents, out)
+        assert slab._stream.query(), "read_into raised with its first copy in flight"
+        _kernels_still_run()
+    finally:
+        slab.u8 = real
+        slab.close()
+        mm.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_second_device_from_a_thread_whose_current_device_is_the_first(broker) -> None:
+    # A TP rank's device is cuda:1 while a new thread's (the staging link's) current
+    # device is cuda:0: copies, the stream and the registration follow the tensor.
+    import threading
+
+    src = (torch.randn(512, 1024, device="cuda:1") * 10).to(torch.bfloat16)
+    with BrokerClient(broker.socket_path) as c:
+        assert c.put("d1", src)
+        got: list[torch.Tensor | None] = []
+        th = threading.Thread(target=lambda: got.append(c.get("d1", device="cuda:1")))
+        th.start()
+        th.join()
+        assert got[0] is not None and got[0].device == torch.device("cuda", 1)
+        assert torch.equal(got[0], src)
+        out = torch.empty_like(src)
+        assert c.get_into("d1", out) and torch.equal(out, src)
+        on0 = c.get("d1", device="cuda:0")
+        assert on0 is not None and torch.equal(on0.cpu(), src.cpu())

@@ -4,7 +4,7 @@ CPU tensors: one memcpy per extent between the tensor's bytes and the mapping.
 CUDA tensors: the mapping is registered once per process with
 ``cudaHostRegister`` (pinning.py) so copies run as DMA; they are issued
 ``non_blocking`` on a dedicated stream and synchronised before ``write`` or
-``read_into`` returns, i.e. before the client posts its Commit or Release
+``read_into`` returns or raises, i.e. before the client posts its Commit or Release
 (neither is waited for: the broker publishes a committed entry, or reuses a
 released block, as soon as it reads the frame, so the DMA must be complete
 when the frame is sent). If
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import sys
@@ -194,12 +195,16 @@ class SlabView:
             stream = self._ensure_cuda(tensor.device)
             src = _flat_bytes(tensor.contiguous())
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(stream):
-                off = 0
-                for start, n in extents:
-                    self.u8[start : start + n].copy_(src[off : off + n], non_blocking=True)
-                    off += n
-            stream.synchronize()
+            try:
+                with torch.cuda.stream(stream):
+                    off = 0
+                    for start, n in extents:
+                        self.u8[start : start + n].copy_(src[off : off + n], non_blocking=True)
+                        off += n
+            finally:
+                # Also when a copy raised part-way (an interrupt, a CUDA error): the
+                # caller then aborts or unplaces the blocks, which are reused at once.
+                stream.synchronize()
             return
         if len(extents) == 1 and not tensor.is_contiguous():
             # One strided pass straight into the slab instead of contiguous() + copy.
@@ -219,9 +224,12 @@ class SlabView:
     ) -> torch.Tensor:
         """A new tensor holding the entry; returns when the copy is complete."""
         check_device(device)
+        # Checked before allocating: a shape the extents do not cover must not cost an
+        # allocation of its size first (on a device, an out-of-memory there first frees
+        # every cached block of the caching allocator, with a device synchronize).
+        self._check(extents, math.prod(shape) * dtype.itemsize)
         out = torch.empty(shape, dtype=dtype, device=device)
         if out.is_cpu and out.nbytes >= self.new_tensor_min:
-            self._check(extents, out.nbytes)
             advise_huge(out)
             dst, off = _flat_bytes(out), 0
             for start, n in extents:
@@ -245,12 +253,16 @@ class SlabView:
             dst = _flat_bytes(out)
             stream = self._ensure_cuda(out.device)
             stream.wait_stream(torch.cuda.current_stream(out.device))
-            with torch.cuda.stream(stream):
-                off = 0
-                for start, n in extents:
-                    dst[off : off + n].copy_(self.u8[start : start + n], non_blocking=True)
-                    off += n
-            stream.synchronize()
+            try:
+                with torch.cuda.stream(stream):
+                    off = 0
+                    for start, n in extents:
+                        dst[off : off + n].copy_(self.u8[start : start + n], non_blocking=True)
+                        off += n
+            finally:
+                # Also when a copy raised part-way: the copies issued before it must not
+                # read blocks the caller releases, nor write ``out`` after it raised.
+                stream.synchronize()
             return
         # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
         base, ptr, off = self.base, out.data_ptr(), 0

@@ -252,9 +252,21 @@ class StageLink:
         self._thread.start()
 
     def take(self, mm_hash: str) -> torch.Tensor | None:
-        """The staged tensor of ``mm_hash``, now the caller's (the link forgets it)."""
+        """The staged tensor of ``mm_hash``, now the caller's (the link forgets it).
+
+        A CUDA tensor is recorded on the caller's current stream: the link's thread
+        allocated it on that thread's current stream (the default one), while vLLM
+        reads it on its own (vllm.utils.current_stream). Without the record, once vLLM
+        drops it from its encoder cache the allocator hands the block to the link's
+        next get at once -- whose copy waits for the default stream only -- while a
+        kernel of vLLM's stream that reads the old entry may still be queued (async
+        scheduling frees entries while the device may still run the step that reads
+        them): wrong embeddings."""
         with self._lock:
-            return self._end(mm_hash)
+            tensor = self._end(mm_hash)
+        if tensor is not None and tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return tensor
 
     def _end(self, mm_hash: str) -> torch.Tensor | None:
         held = self._staged.get(mm_hash)
