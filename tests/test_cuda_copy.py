@@ -359,6 +359,8 @@ def test_a_copy_failing_part_way_leaves_no_dma_in_flight() -> None:
     try:
         src = torch.full((2 << 20,), 5.0, device="cuda")  # 8 MiB
         slab.write(extents, torch.zeros_like(src))  # registers, makes the copy stream
+        # pinned: a D2H copy into pageable memory returns only when done (no window)
+        assert slab.pinned, "cudaHostRegister did not take"
         slab.u8 = _FailSecondSlice(real)
         torch.cuda._sleep(_SPIN)  # the first copy waits behind this
         with pytest.raises(RuntimeError, match="injected"):
