@@ -65,16 +65,46 @@ def broker_stats(socket_path: str) -> dict:
 
 
 def shm_segments(socket_path: str, include_filter: bool = False) -> list[str]:
-    """The broker's slab segments; with include_filter also its put-arena journals
-    (-j), which leak checks must count too, and any named membership filter (-f) or
-    residency index (-r): brokers before the sealed memfds (shm/segment.py
-    create_sealed) named them, so a test of stale cleanup may meet them."""
+    """Named /dev/shm segments of the broker on ``socket_path``: none since every
+    segment is a memfd (a leak check that must stay empty); brokers before that named
+    the slab, and before the sealed memfds its -f, -j and -r too (include_filter), so a
+    test of stale cleanup may meet them."""
     prefix = segment_prefix(socket_path)
     return [
         n
         for n in os.listdir("/dev/shm")
         if n.startswith(prefix) and (include_filter or not n.endswith(("-f", "-j", "-r")))
     ]
+
+
+def memfd_segments(pid: int) -> dict[str, str]:
+    """A live broker's segments, all memfds: label (``lmcache-ec-...``, ``-f``, ``-r``,
+    ``-j``, ``-js`` for the slab's companions) -> a /proc path that reaches the file
+    (stat it, open it as the broker's uid could)."""
+    out: dict[str, str] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:lmcache-ec-"):
+            out.setdefault(target.removeprefix("/memfd:").removesuffix(" (deleted)"),
+                           f"/proc/{pid}/fd/{fd}")  # fmt: skip
+    return out
+
+
+def slab_of(pid: int, socket_path: str) -> str | None:
+    """The label of the slab memfd the broker ``pid`` on ``socket_path`` holds, or None
+    (not created yet, or the process is gone)."""
+    prefix = segment_prefix(socket_path)
+    try:
+        segs = memfd_segments(pid)
+    except OSError:
+        return None
+    for label in segs:
+        if label.startswith(prefix) and not label.endswith(("-f", "-r", "-j", "-js")):
+            return label
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_cli, shm_segments
+from conftest import memfd_segments, run_cli, shm_segments, slab_of
 
 from lmcache_ec_broker import BrokerClient
 
@@ -86,11 +86,12 @@ def _mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def _segment_paths(sock: str) -> list[str]:
-    """The slab and any companion segment (e.g. a published membership filter)."""
-    names = shm_segments(sock)
-    assert names
-    return ["/dev/shm/" + n for n in names]
+def _segment_paths(b) -> list[str]:
+    """The slab of broker ``b``: a memfd, reached through the broker's descriptor (no
+    name in /dev/shm to open)."""
+    slab = slab_of(b.pid, b.socket_path)
+    assert slab is not None and shm_segments(b.socket_path, include_filter=True) == []
+    return [memfd_segments(b.pid)[slab]]
 
 
 def test_a_mode_that_cannot_admit_the_group_or_uids_is_refused_at_start(sock_dir) -> None:
@@ -108,7 +109,7 @@ def test_a_mode_that_cannot_admit_the_group_or_uids_is_refused_at_start(sock_dir
 
 def test_socket_and_segment_are_private_by_default(broker) -> None:
     assert _mode(broker.socket_path) == 0o600
-    for seg in _segment_paths(broker.socket_path):
+    for seg in _segment_paths(broker):
         assert _mode(seg) == 0o600, seg
         assert os.stat(seg).st_uid == os.getuid()
 
@@ -119,7 +120,7 @@ def test_socket_mode_and_group_open_the_socket_to_the_group_and_no_segment(make_
     b = make_broker("--shm-size", "64MiB", "--socket-mode", "0660", "--socket-group", GROUP.gr_name)
     st = os.stat(b.socket_path)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == GROUP.gr_gid
-    for path in _segment_paths(b.socket_path):
+    for path in _segment_paths(b):
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid(), path
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import shm_segments
+from conftest import memfd_segments, shm_segments, slab_of
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.protocol import LookupState
@@ -151,12 +151,13 @@ def test_every_call_when_the_segment_cannot_be_mapped(make_broker, caplog) -> No
     b = make_broker("--shm-size", "64MiB")
     with BrokerClient(b.socket_path) as first:
         assert first.put("hit", T)
-    (slab,) = shm_segments(b.socket_path)  # the slab (the filter still maps)
-    # Clients map the descriptor the broker hands over, not the name: a slab owned by
-    # a uid the client does not trust is what cannot be mapped now.
+    slab = slab_of(b.pid, b.socket_path)  # the slab (the filter still maps)
+    assert slab is not None
+    # Clients map the descriptor the broker hands over (a memfd, no name): a slab owned
+    # by a uid the client does not trust is what cannot be mapped now.
     if os.geteuid() != 0:
         pytest.skip("needs root to give the slab to another uid")
-    os.chown("/dev/shm/" + slab, pwd.getpwnam("nobody").pw_uid, -1)
+    os.chown(memfd_segments(b.pid)[slab], pwd.getpwnam("nobody").pw_uid, -1)
     names = [n for n in OUTAGE if n != "shutdown"]
     with caplog.at_level(logging.WARNING, logger="lmcache_ec_broker.connector.client"):
         # max_backoff_s=0: each call reconnects, so the calls that need no mapping

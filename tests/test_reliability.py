@@ -18,7 +18,7 @@ from pathlib import Path
 import posix_ipc
 import pytest
 import torch
-from conftest import shm_segments, wait_until
+from conftest import shm_segments, slab_of, wait_until
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.broker.server import segment_prefix
@@ -159,7 +159,8 @@ def _timed(fn, *args):
 
 
 def _mapped(name: str) -> bool:
-    return f"/dev/shm{name}" in Path("/proc/self/maps").read_text()
+    """Whether this process maps the segment labelled ``name`` (a memfd)."""
+    return f"/memfd:{name.lstrip('/')} (deleted)" in Path("/proc/self/maps").read_text()
 
 
 def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
@@ -177,7 +178,7 @@ def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
 
         b.kill9()
         assert os.path.exists(b.socket_path)  # a dead broker leaves its socket ...
-        assert shm_segments(b.socket_path)  # ... and its segment behind
+        assert shm_segments(b.socket_path, include_filter=True) == []  # ... no name in /dev/shm
 
         # During the outage: misses and False, quickly, never an exception.
         worst = 0.0
@@ -199,9 +200,7 @@ def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
         b2 = make_broker("--shm-size", "64MiB", socket_path=b.socket_path)
         log = b2.read_log()
         assert "removing stale socket" in log
-        assert "removed stale shared-memory segment" in log
-        assert old_segment.lstrip("/") not in shm_segments(b.socket_path)
-        assert len(shm_segments(b.socket_path)) == 1
+        assert shm_segments(b.socket_path, include_filter=True) == []
 
         # The client reconnects by itself (backoff <= 0.5 s) and maps the new slab.
         deadline = time.monotonic() + 30
@@ -224,9 +223,8 @@ def test_kill9_broker_restart_clients_reconnect_and_remap(make_broker) -> None:
 
 
 def test_outage_releases_the_old_mapping_so_a_restart_has_room(make_broker) -> None:
-    # Unlinked shared memory stays charged to /dev/shm while anyone maps it, so a
-    # client that kept the dead broker's slab would block a restart in a /dev/shm
-    # sized for one slab (Docker --shm-size, a Kubernetes emptyDir sizeLimit).
+    # Shared memory stays charged while anyone maps it, so a client that kept the dead
+    # broker's slab would block a restart in a container whose memory holds one slab.
     b = make_broker("--shm-size", "64MiB")
     c = BrokerClient(b.socket_path, max_backoff_s=0.1)
     try:
@@ -412,8 +410,7 @@ def test_stopped_broker_calls_end_at_the_deadline_and_recover(make_broker) -> No
 def test_sigterm_aborts_inflight_work_unlinks_everything_and_exits_0(broker) -> None:
     p = spawn(broker.socket_path, "hold-everything")
     try:
-        seg = shm_segments(broker.socket_path)
-        assert len(seg) == 1
+        assert slab_of(broker.pid, broker.socket_path) is not None
         assert broker.stop() == 0
         assert not os.path.exists(broker.socket_path)
         assert shm_segments(broker.socket_path) == []
@@ -466,13 +463,14 @@ def test_sigterm_with_a_stalled_client_still_exits(broker) -> None:
 
 def test_sigterm_during_startup_leaves_no_segment(sock_dir) -> None:
     # Pre-faulting a large slab takes a while; a stop request in that window must
-    # still unlink the half-made segment (the default SIGTERM action would not).
+    # leave nothing behind (a named slab's half-made segment once stayed in /dev/shm;
+    # the memfd goes with the process).
     path = os.path.join(sock_dir, "early.sock")
     cmd = [sys.executable, "-m", "lmcache_ec_broker.cli", "start", "--socket", path]
     p = subprocess.Popen(cmd + ["--shm-size", "2GiB"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60  # an interpreter start, on a loaded host
-        while not shm_segments(path):
+        while slab_of(p.pid, path) is None:
             assert p.poll() is None, p.stderr.read()
             assert time.monotonic() < deadline, "the segment never appeared"
             time.sleep(0.001)
@@ -483,7 +481,7 @@ def test_sigterm_during_startup_leaves_no_segment(sock_dir) -> None:
             p.kill()
             p.wait()
     assert rc in (0, 1), p.stderr.read()
-    assert shm_segments(path) == [], "SIGTERM during startup leaked the segment"
+    assert shm_segments(path, include_filter=True) == [], "SIGTERM during startup leaked"
     assert not os.path.exists(path)
 
 
@@ -519,7 +517,7 @@ def test_second_start_on_a_live_socket_refuses_and_leaves_the_first_alone(broker
     out = _cli_start(broker.socket_path, "--shm-size", "64MiB")
     assert out.returncode == 1
     assert "a broker is already running on" in out.stderr and "stop it first" in out.stderr
-    assert len(shm_segments(broker.socket_path)) == 1  # the first broker's segment is untouched
+    assert slab_of(broker.pid, broker.socket_path) is not None  # the first broker's, untouched
     with BrokerClient(broker.socket_path) as c:
         assert c.ping()
 

@@ -2,9 +2,10 @@
 
 Two containers with their own /tmp (or any private mount of the socket's
 directory) and one shared /dev/shm run brokers on the same socket path: their
-segment names derive from the same path. Each broker's start-up removes the
-segments a dead broker left under that name -- it must never remove the other,
-live broker's segments, whose clients would then fail to attach. Here each broker
+segment names derive from the same path. Every segment is a memfd now (no name at
+all); a start-up still removes the named segments an older, dead broker left under
+that prefix -- never one a live owner holds, whose clients would then fail to attach.
+Here each broker
 runs in its own mount namespace (``unshare --mount``) with a private tmpfs over the
 socket's directory; /dev/shm is the host's, shared by both.
 """
@@ -142,47 +143,55 @@ def twin() -> Iterator[Callable[[], NamespacedBroker]]:
         os.rmdir(socket_dir)
 
 
-def test_a_broker_never_removes_the_live_segments_of_a_twin_in_another_mount_namespace(
-    twin,
-) -> None:
+def test_twins_in_two_mount_namespaces_share_no_name_and_each_keeps_serving(twin) -> None:
+    # Every segment is a memfd: the twins derive the same prefix, but neither puts a
+    # name in the shared /dev/shm, so neither start-up can take the other's for stale.
     path = twin.path
     a = twin()
     assert a.line() == "ready"
     assert a.send("check") == "ok"
-    mine = set(shm_segments(path, include_filter=True))
-    # The one named segment: the slab (the journal, the membership filter and the
-    # residency index are memfds, with no name another broker could take).
-    assert len(mine) == 1, mine
+    assert shm_segments(path, include_filter=True) == []
 
     b = twin()  # same path, its own private directory
     assert b.line() == "ready"
-    both = set(shm_segments(path, include_filter=True))
-    assert mine < both and len(both) == 2, both  # A's are still there, B added its own
+    assert shm_segments(path, include_filter=True) == []
     assert a.send("check") == "ok"  # a new client of A still attaches to A's slab
     assert b.send("check") == "ok"
 
     log_b = b.stop()
-    assert "live owner" in log_b and "Give each broker its own socket path" in log_b
     assert "removed stale" not in log_b
-    assert set(shm_segments(path, include_filter=True)) == mine  # B took only its own
     assert a.send("check") == "ok"
     a.stop()
     assert shm_segments(path, include_filter=True) == []
 
 
-def test_a_dead_brokers_segments_are_still_removed_at_the_next_start(twin) -> None:
-    """The flock only protects live owners: SIGKILL drops it, and the next broker on
-    the path removes what the dead one left (as before)."""
-    path = twin.path
-    a = twin()
-    assert a.line() == "ready"
-    dead = set(shm_segments(path, include_filter=True))
-    a.kill(signal.SIGKILL)  # the broker too: it must not get to clean up
-    assert set(shm_segments(path, include_filter=True)) == dead  # left behind
+def test_an_older_brokers_named_segments_are_removed_unless_a_live_owner_holds_them(
+    twin,
+) -> None:
+    """Brokers before the memfd slab named it in /dev/shm and held a flock on it for
+    their life: a start removes such a segment a dead broker left (its lock is free),
+    never one a live owner -- a twin in another mount namespace -- still holds."""
+    import fcntl
 
-    b = twin()
-    assert b.line() == "ready"
-    assert not dead & set(shm_segments(path, include_filter=True))
-    log_b = b.stop()
-    assert "removed stale shared-memory segment" in log_b
-    assert shm_segments(path, include_filter=True) == []
+    from lmcache_ec_broker.broker.lifecycle import segment_prefix
+
+    path = twin.path
+    prefix = "/dev/shm/" + segment_prefix(path)
+    dead, live = prefix + "0000000000de", prefix + "00000000011e"
+    for name in (dead, live):
+        with open(name, "wb") as f:
+            f.truncate(1 << 20)
+    held = os.open(live, os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as its live owner does
+        b = twin()
+        assert b.line() == "ready"
+        assert not os.path.exists(dead) and os.path.exists(live)
+        log_b = b.stop()
+        assert "removed stale shared-memory segment" in log_b
+        assert "live owner" in log_b and "Give each broker its own socket path" in log_b
+    finally:
+        os.close(held)
+        for name in (dead, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)

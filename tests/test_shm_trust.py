@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shm_segments, wait_until
+from conftest import memfd_segments, shm_segments, slab_of, wait_until
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.shm import residency as R
@@ -220,8 +220,10 @@ def test_allowed_uids_gate_the_segments_not_only_the_socket(make_broker) -> None
     b = make_broker("--shm-size", "64MiB", "--socket-mode", "0666", "--allowed-uids", "0")
     with BrokerClient(b.socket_path) as c:
         assert c.put("k", torch.ones(8)) and c.flush()
-    paths = ["/dev/shm/" + n for n in shm_segments(b.socket_path, include_filter=True)]
-    assert paths
+    # Every segment is a memfd: the only paths that reach one are the broker's own
+    # descriptors under /proc (its uid's, or root's).
+    paths = list(memfd_segments(b.pid).values())
+    assert paths and shm_segments(b.socket_path, include_filter=True) == []
     out = subprocess.run(
         [sys.executable, "-c", OPENER, str(NOBODY.pw_uid), str(NOBODY.pw_gid), *paths],
         capture_output=True, text=True, timeout=60,
@@ -327,3 +329,34 @@ def test_a_same_uid_process_cannot_forge_the_index_or_the_filter(make_broker) ->
     assert sorted(link[-2:] for link in got["proc"]) == ["-f", "-r"], got
     assert all(link.startswith("/memfd:") for link in got["proc"]), got
     assert set(got["proc"].values()) == {"mmap EPERM"}, got
+
+
+def test_no_descriptor_of_the_slab_can_resize_it(make_broker) -> None:
+    # An admitted client gets the slab read-write. When it was a named /dev/shm file
+    # (which cannot be sealed), one ftruncate on that descriptor made every other
+    # process's next access past the new end -- other clients' copies, the broker's --
+    # die of SIGBUS. It is a memfd sealed against resizing now: any descriptor of it,
+    # the one a client is handed or a reopen of the broker's own through /proc (what a
+    # process of the broker's uid can do), is refused with EPERM; writes still work.
+    import fcntl
+
+    b = make_broker("--shm-size", "64MiB")
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    with BrokerClient(b.socket_path) as w, BrokerClient(b.socket_path) as r:
+        assert w.put("before", t) and w.flush()
+        slab = memfd_segments(b.pid)[slab_of(b.pid, b.socket_path)]
+        fd = os.open(slab, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            for new in (0, size // 2, size + (1 << 20)):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, new)
+            with pytest.raises(PermissionError):
+                os.posix_fallocate(fd, size, 1 << 20)
+            with pytest.raises(PermissionError):  # nor seal it against others' writes
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0x0008)  # F_SEAL_WRITE
+            assert os.fstat(fd).st_size == size
+        finally:
+            os.close(fd)
+        assert w.put("after", t + 1) and w.flush()  # clients still write it
+        assert torch.equal(r.get("before"), t) and torch.equal(r.get("after"), t + 1)

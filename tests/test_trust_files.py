@@ -22,7 +22,7 @@ from conftest import run_cli, wait_until
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.broker.lifecycle import segment_prefix
-from lmcache_ec_broker.shm.segment import unlink_segment
+from lmcache_ec_broker.shm.segment import Segment, unlink_segment
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 
@@ -254,8 +254,8 @@ def test_a_child_started_under_another_uid_inherits_no_segment(make_broker) -> N
 
 # ---------------------------------------------------------------- item 3: names first
 
-# Watches /dev/shm for the broker's slab and creates its journal's old name
-# (<slab>-j) the moment the slab appears; before that it plants, under the broker's
+# Watches /dev/shm for a named slab (older brokers had one) and creates the names
+# derived from it (<slab>-j, -f, -r) the moment it appears; before that it plants, under the broker's
 # prefix, a FIFO (an open for reading blocks) and a file of its own (the stale-segment
 # cleanup must neither wait on nor unlink them). Stops on stdin's end.
 NAME_TAKER = textwrap.dedent(
@@ -299,8 +299,10 @@ def test_a_refused_uid_cannot_keep_the_broker_from_starting(make_broker, sock_di
             with BrokerClient(b.socket_path) as c:
                 assert c.put("warm", torch.ones(64)) and c.put(KEY, torch.ones(64))
                 assert c.flush() and c.stats()["arena_places"] >= 1  # the journal is in use
-            slab = wait_until(taker.stdout.readline, "the neighbour saw the slab").split()[1]
-            assert os.path.exists(f"/dev/shm/{slab}-j")  # it did take the old name
+            # Every segment is a memfd: no name under the prefix for it to take but
+            # the two it planted itself.
+            mine = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+            assert mine == [f"{prefix}fifo", f"{prefix}planted"], mine
             assert b.stop() == 0
             log = b.read_log()
             assert "leaving it alone" in log and "removed stale" not in log, log
@@ -315,26 +317,21 @@ def test_a_refused_uid_cannot_keep_the_broker_from_starting(make_broker, sock_di
                 os.unlink(f"/dev/shm/{n}")
 
 
-def test_a_taken_slab_name_is_retried_and_never_unlinked(sock_dir) -> None:
-    # The slab's first name is random (the epoch's), so a neighbour can only guess it;
-    # a name taken anyway costs a retry under another, and is never the broker's to
-    # unlink. Fails on the old code: there was no retry (start exited 1).
-    from lmcache_ec_broker.broker.lifecycle import create_slab
-
+def test_a_file_under_the_slabs_label_changes_nothing(sock_dir) -> None:
+    # The slab was the one named segment: a neighbour creating its (random) name first
+    # cost a retry under another. It is a memfd now: a file of another uid under that
+    # name is neither in the way nor touched, and the slab is 0600 all the same.
     prefix = segment_prefix(os.path.join(sock_dir, "s.sock"))
     taken = f"/dev/shm/{prefix}0123456789ab"
     os.close(os.open(taken, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     os.chown(taken, NOBODY.pw_uid, NOBODY.pw_gid)
-    names: list[str] = []
     try:
-        seg = create_slab(prefix, "0123456789ab", 1 << 20, names)
+        seg = Segment.create_slab("/" + prefix + "0123456789ab", 1 << 20)
         try:
-            assert names == [seg.name] and seg.name != taken.removeprefix("/dev/shm")
-            assert _mode("/dev/shm" + seg.name) == 0o600
+            assert _mode(f"/proc/self/fd/{seg.share_fd()}") == 0o600
         finally:
-            seg.unlink()
             seg.close()
-        assert os.stat(taken).st_uid == NOBODY.pw_uid
+        assert os.stat(taken).st_uid == NOBODY.pw_uid and os.path.getsize(taken) == 0
     finally:
         unlink_segment("/" + os.path.basename(taken))
 

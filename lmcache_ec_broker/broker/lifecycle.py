@@ -15,11 +15,8 @@ import fcntl
 import hashlib
 import logging
 import os
-import secrets
 import socket
 import stat
-
-from ..shm.segment import Segment, SegmentExists
 
 log = logging.getLogger("lmcache_ec_broker")
 
@@ -32,29 +29,6 @@ def segment_prefix(socket_path: str) -> str:
     """Segment names derive from the socket path, so a restart can find its stale segments."""
     digest = hashlib.sha1(os.path.realpath(socket_path).encode()).hexdigest()[:12]
     return f"lmcache-ec-{digest}-"
-
-
-def create_slab(prefix: str, first: str, size: int, names: list[str], tries: int = 8) -> Segment:
-    """The slab, created 0600 under ``/<prefix><first>`` (``first``: random, the
-    epoch's), or under a fresh random suffix while that name is taken: /dev/shm is
-    world-writable, and a name someone else took first must not keep the broker from
-    starting (shm/segment.py invariants). Each name is in ``names`` while it is being
-    created (the caller unlinks them if a stop signal lands before it holds the
-    segment), and never one another process holds. Raises ShmError if every try finds
-    its name taken (only by guessing 48 random bits, ``tries`` times)."""
-    suffix = first
-    for left in range(tries - 1, -1, -1):
-        name = "/" + prefix + suffix
-        names.append(name)
-        try:
-            return Segment.create(name, size, mode=0o600)
-        except SegmentExists as exc:
-            names.remove(name)  # someone else's: never to be unlinked by us
-            if not left:
-                raise
-            log.warning("%s; trying another name", exc)
-            suffix = secrets.token_hex(6)
-    raise AssertionError("unreachable")
 
 
 def probe_socket(path: str, timeout: float = 1.0) -> bool:

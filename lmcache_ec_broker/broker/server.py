@@ -78,7 +78,7 @@ from ..shm.filter import FilterWriter, slots_for
 from ..shm.journal import Journal
 from ..shm.residency import ResidencyWriter
 from ..shm.residency import slots_for as residency_slots
-from ..shm.segment import Segment, remove_stale, unlink_segment
+from ..shm.segment import Segment, remove_stale
 from ..sizes import format_size
 from .access import AccessPolicy
 from .connection import Connection
@@ -88,7 +88,6 @@ from .lifecycle import (
     SocketLock,
     bind_socket,
     claim_socket_path,
-    create_slab,
     is_socket,
     probe_socket,
     resolve_group,
@@ -143,10 +142,6 @@ class BrokerServer:
         self.filter: FilterWriter | None = None
         self.journal: Journal | None = None  # put arenas' placement journal (shm/journal.py)
         self.residency: ResidencyWriter | None = None  # the residency index (shm/residency.py)
-        # Names of the segments this start is about to create (random, and never one
-        # another process took first: lifecycle.create_slab): cleanup() unlinks them by name too, because a stop signal can
-        # land after a segment exists but before its object is assigned anywhere.
-        self._segment_names: list[str] = []
         self.conn_ids = itertools.count(1)
         self.connections: dict[int, Connection] = {}
         self.decoder = msgspec.msgpack.Decoder(Request)
@@ -467,17 +462,14 @@ class BrokerServer:
                     "removed stale shared-memory segment /dev/shm/%s of a dead broker", name
                 )
             self.access.group_gid = gid
-            # The slab is the one named segment (a random name, retried if taken: issue
-            # 40); the journal, filter and residency index are memfds (no name). 0600
-            # whatever the socket's mode: admitted clients get the segments as
-            # descriptors over the socket (connection.py hello), nobody by name.
-            # remove_stale above still takes an older broker's named -f, -j and -r.
+            # Every segment is a memfd (no name in /dev/shm: nobody takes one first,
+            # opens one by path, and none outlives its last descriptor and mapping),
+            # the slab's sealed against resizing (shm/segment.py). Admitted clients get
+            # the segments as descriptors over the socket (connection.py hello).
+            # remove_stale above still takes an older broker's named slab, -f, -j, -r.
             t0 = time.perf_counter()
-            prefix = segment_prefix(path)
-            self.segment = create_slab(
-                prefix, self.epoch[:12], self.store.capacity_bytes, self._segment_names
-            )
-            name = self.segment.name
+            name = "/" + segment_prefix(path) + self.epoch[:12]  # a label only
+            self.segment = Segment.create_slab(name, self.store.capacity_bytes)
             log.info(
                 "created shared-memory slab %s (%s, %s blocks, prefaulted in %.2fs)",
                 name,
@@ -628,9 +620,6 @@ class BrokerServer:
             self.segment.unlink()
             self.segment.close()
             self.segment = None
-        for name in self._segment_names:
-            unlink_segment(name)
-        self._segment_names = []
         if self._lock is not None:
             self._lock.release()  # last: until here no other start may touch the path
             self._lock = None

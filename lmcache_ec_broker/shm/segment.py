@@ -1,38 +1,42 @@
-"""One POSIX shared-memory segment: create (broker), attach (clients), unlink.
+"""One shared-memory segment: create (broker), attach (clients), unlink.
 
 Invariants kept here:
-- The broker creates the segment with O_CREX, so it never adopts a segment it
-  did not create; a stale segment of a dead broker is removed explicitly first
-  (``remove_stale``), never silently reused.
-- The creator holds an exclusive ``flock`` on the segment for as long as it lives
-  (the kernel drops it when the process dies), and ``remove_stale`` unlinks only
-  segments whose lock it can take. The socket lock alone cannot prove a segment
-  stale: two containers with their own /tmp but one shared /dev/shm derive the
-  same names from the same socket path, and each would see the other's live
-  segments as a dead broker's.
-- Pages are pre-faulted at creation (first-touch faults make later copies ~10x
-  slower), and the room in /dev/shm is checked *before* creating, so a short
-  /dev/shm is a clear refusal at start instead of SIGBUS on a later copy.
+- Every segment the broker makes is a memfd: no name in /dev/shm (nobody can take
+  one first or open one by path), and nothing outlives the last descriptor and
+  mapping -- a killed broker leaves no segment behind. The slab and the journal's
+  placed words, which clients write, are sealed against resizing
+  (``create_memfd``): a client holding the read-write descriptor could otherwise
+  shrink it, and every other process's next access past the new end -- other
+  clients' copies, the broker's -- would die of SIGBUS. What only the broker writes
+  is sealed against writes too (``create_sealed``).
+- The slab's pages are pre-faulted at creation (first-touch faults make later
+  copies ~10x slower), after checking the memory it takes is there
+  (``memory_free_bytes``: MemAvailable, or what is left of the cgroup's
+  ``memory.max``): a short host or container is a clear refusal at start, not an
+  out-of-memory kill while pre-faulting.
+- Named segments are what older brokers made (the slab, and before the sealed
+  memfds its -f, -j, -r). ``create`` still makes one the old way -- O_CREX, so it
+  never adopts a segment it did not create, and an exclusive ``flock`` held for its
+  life -- and ``remove_stale`` unlinks only those whose lock it can take. The
+  socket lock alone cannot prove a segment stale: two containers with their own
+  /tmp but one shared /dev/shm derive the same names from the same socket path,
+  and each would see the other's live segments as a dead broker's.
 - ``unlink`` is idempotent; the broker calls it on every exit path.
 - A client never writes while attaching: its pre-fault only reads (or asks the
   kernel to map pages without touching them). Another process may be copying
   into its own reservation at that moment; a read-modify-write of any byte here
   could put a stale value back over that copy.
 - A client maps a segment only after checking (fstat) that a trusted uid owns it.
-- The broker creates every segment 0600 and hands it to admitted clients over the
-  socket as a file descriptor (SCM_RIGHTS, broker/connection.py): who may map it is
-  decided by the broker's admission, not by the file's mode. What only the broker
-  writes (the membership filter, the residency index, the journal's settled words)
-  is a sealed memfd (``create_sealed``): no path reaches it, and no mapping but the
-  one made before sealing can write it (root's included; a reopen through
-  /proc/<pid>/fd maps PROT_WRITE only to EPERM).
+- The broker hands every segment to admitted clients over the socket as a file
+  descriptor (SCM_RIGHTS, broker/connection.py): who may map it is decided by the
+  broker's admission. What only the broker writes (the membership filter, the
+  residency index, the journal's settled words) is a sealed memfd
+  (``create_sealed``): no mapping but the one made before sealing can write it
+  (root's included; a reopen through /proc/<pid>/fd maps PROT_WRITE only to EPERM).
 - No segment name another uid can take first (issue 40, item 3): /dev/shm is
-  world-writable, so a name derivable from one already visible (the journal's was
-  ``<slab>-j``) could be created by someone else before the broker, and ``O_EXCL``
-  would then keep the broker from starting, at every restart. Only the slab has a
-  name, with a random part, and ``create`` raises ``SegmentExists`` so that the
-  caller retries under a fresh one (broker/lifecycle.py ``create_slab``); every
-  other segment is a memfd (``create_memfd``, ``create_sealed``): no name at all.
+  world-writable, so a name derivable from one already visible could be created by
+  someone else before the broker, and ``O_EXCL`` would then keep the broker from
+  starting, at every restart. No segment has a name now.
 - ``remove_stale`` touches only regular files the broker's uid owns, opened
   without following links or blocking: another uid's file under the prefix (a
   FIFO included) is left alone, never unlinked, never waited on.
@@ -67,23 +71,41 @@ class ShmError(RuntimeError):
     """A shared-memory segment cannot be created or attached; the message says why."""
 
 
-class SegmentExists(ShmError):
-    """``create``: the name is taken (retry under another: see the invariants)."""
+def memory_free_bytes(
+    meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> tuple[int, str]:
+    """What a new memfd's pages may take, and where the bound comes from: the host's
+    MemAvailable, or less under this process's cgroup v2 ``memory.max`` (what is left
+    of it). A memfd's pages are shared memory, charged as /dev/shm's are, but no
+    /dev/shm size bounds them."""
+    avail, source = -1, "MemAvailable"
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(cgroup) as f:
+            paths = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")]
+        base = os.path.join(root, paths[0].lstrip("/")) if paths else None
+        if base is not None:
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as f:
+                    left = max(0, int(limit) - int(f.read().strip()))
+                if avail < 0 or left < avail:
+                    avail, source = left, f"cgroup memory.max {format_bytes(int(limit))}"
+    except (OSError, ValueError, IndexError):
+        pass
+    return avail, source
 
 
-def _grow_hint(size: int) -> str:
-    gib = max(1, -(-size // (1 << 30)))
-    return (
-        "Grow /dev/shm or use a smaller --shm-size: with Docker run the container with "
-        f"--shm-size={gib + 1}g; on Kubernetes mount an emptyDir with medium: Memory "
-        f"(sizeLimit >= {gib + 1}Gi) at /dev/shm; on a host: "
-        f"mount -o remount,size={gib + 1}G /dev/shm."
-    )
-
-
-def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
+def format_bytes(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
 
 
 def _madvise_populate(mm: mmap.mmap) -> bool:
@@ -134,16 +156,13 @@ def check_owner(fd: int, name: str, owners: Collection[int]) -> None:
 
 
 class Segment:
-    """A mapped POSIX shared-memory segment."""
+    """A mapped shared-memory segment: a memfd this process made, or one it attached."""
 
-    def __init__(
-        self, name: str, size: int, mm: mmap.mmap, owner: bool, lock_fd: int | None = None
-    ) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
         self.name = name
         self.size = size
         self.mm = mm
         self.owner = owner
-        self._lock_fd = lock_fd  # the creator's flock (see the invariants); closed last
         self._unlinked = False
         self._shared: dict[bool, int] = {}  # read_only -> descriptor to hand over (share_fd)
         self._memfd: int | None = None  # a memfd segment's descriptor (create_memfd/_sealed)
@@ -181,7 +200,30 @@ class Segment:
         return seg
 
     @classmethod
-    def create_memfd(cls, name: str, size: int) -> Segment:
+    def create_slab(cls, name: str, size: int) -> Segment:
+        """The slab: a memfd (``create_memfd``, sealed against resizing: a client holding
+        its descriptor cannot shrink it under everyone else's mappings), 0600, pre-faulted,
+        after checking that the memory it takes is there: a short host or cgroup is a
+        clear refusal at start, not an out-of-memory kill while pre-faulting."""
+        if size <= 0:
+            raise ShmError(f"segment size must be positive, got {size} bytes")
+        free, source = memory_free_bytes()
+        if 0 <= free < size:
+            raise ShmError(
+                f"the broker can use {format_bytes(free)} of memory ({source}) but the slab "
+                f"needs {format_bytes(size)}: use a smaller --shm-size, or give the broker "
+                "more memory (a container's memory limit)"
+            )
+        seg = cls.create_memfd(name, size, prefault=True)
+        try:
+            os.fchmod(seg.share_fd(), 0o600)
+        except OSError as exc:
+            seg.close()
+            raise ShmError(f"cannot create segment {name}: {exc}") from exc
+        return seg
+
+    @classmethod
+    def create_memfd(cls, name: str, size: int, prefault: bool = False) -> Segment:
         """A segment clients write too, with no name anywhere (a memfd, mapped
         writable here; admitted clients get its descriptor): nobody can take its name
         first, nor open it by one. ``name`` is a label, as in ``create_sealed``.
@@ -209,20 +251,24 @@ class Segment:
         seg = cls(name, size, mm, owner=True)
         seg._memfd = fd
         seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
+        if prefault:
+            try:
+                _populate_new(mm, size)
+            except BaseException:
+                seg.close()
+                raise
         return seg
 
     def share_fd(self, read_only: bool = False) -> int:
-        """The descriptor to hand to an admitted client (the broker keeps it open):
-        a sealed segment's memfd, else one opened once for the purpose, read-only
-        when ``read_only`` (the client can then map it read-only only). Never the
-        creator's own descriptor: it carries the flock, and a client's mapping keeps
-        its open file alive, so a dead broker's segment would look live to the next
-        broker's ``remove_stale`` for as long as a client maps it."""
-        own = self._memfd if self._memfd is not None else self._lock_fd
-        if self._memfd is not None and (self._sealed or not read_only):
-            return self._memfd
+        """The descriptor to hand to an admitted client (the broker keeps it open): the
+        memfd itself, or -- ``read_only`` for a segment not sealed against writes -- one
+        reopened read-only once for the purpose (the client can then map it read-only
+        only)."""
+        own = self._memfd
         if own is None:
             raise ShmError(f"segment {self.name} was not created by this process")
+        if self._sealed or not read_only:
+            return own
         fd = self._shared.get(read_only)
         if fd is None:
             flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
@@ -251,47 +297,6 @@ class Segment:
         if prefault and writable:
             _populate_shared(mm, size)
         return cls(name, size, mm, owner=False)
-
-    @classmethod
-    def create(cls, name: str, size: int, mode: int = 0o600, prefault: bool = True) -> Segment:
-        if size <= 0:
-            raise ShmError(f"segment size must be positive, got {size} bytes")
-        free = shm_free_bytes()
-        if size > free:
-            raise ShmError(
-                f"/dev/shm has {free / (1 << 20):.0f} MiB free but the slab needs "
-                f"{size / (1 << 20):.0f} MiB. {_grow_hint(size)}"
-            )
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise SegmentExists(
-                f"shared-memory segment {name} already exists; another broker owns it, "
-                "a dead broker left it, or another user took the name first"
-            ) from exc
-        except (OSError, posix_ipc.Error) as exc:
-            raise ShmError(f"cannot create shared-memory segment {name}: {exc}") from exc
-        try:
-            # Taken first: from here on no broker's remove_stale takes this segment for stale.
-            fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # The umask may have narrowed the mode; make it exactly what was asked.
-            os.fchmod(shm.fd, mode)
-            mm = mmap.mmap(shm.fd, size)
-        except BaseException as exc:  # a stop signal during start-up included
-            shm.close_fd()
-            unlink_segment(name)
-            if isinstance(exc, OSError):
-                raise ShmError(f"cannot map shared-memory segment {name}: {exc}") from exc
-            raise
-        seg = cls(name, size, mm, owner=True, lock_fd=shm.fd)
-        if prefault:
-            try:
-                _populate_new(mm, size)
-            except BaseException:
-                seg.close()
-                seg.unlink()
-                raise
-        return seg
 
     @classmethod
     def attach(
@@ -348,11 +353,6 @@ class Segment:
         for fd in self._shared.values():
             os.close(fd)
         self._shared = {}
-        # The flock goes only with the name: a closed but still-named segment keeps
-        # looking live until its owner removes it (the owner always unlinks on exit).
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
 
 def map_readonly(
