@@ -85,14 +85,14 @@ def run_broker(config: BrokerConfig) -> int:
 
     def stop_during_startup(signum: int, frame: object) -> None:
         if not prepared:
-            raise SystemExit(0)  # prepare() and Segment.create unlink what they made
+            raise SystemExit(0)  # prepare() cleans up; the slab, a memfd, goes with us
         # Between prepare() and the loop's own handlers: raising here would land inside
         # the event loop's start-up and break it (exit 1, a traceback); serve() stops
         # as soon as its handlers are in.
         server.stop_signal = signum
 
-    # Until the loop installs its own handlers: the default SIGTERM action would
-    # leave a half-made (and pre-faulting) segment in /dev/shm.
+    # Until the loop installs its own handlers: the default SIGTERM action would skip
+    # the clean-up (the socket, the lock; a named segment once, in /dev/shm).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
     try:  # a stop right after prepare() returns still cleans up (cleanup is idempotent)

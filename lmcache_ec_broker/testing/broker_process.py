@@ -24,7 +24,7 @@ CLI = ("-m", "lmcache_ec_broker.cli")
 
 def die_with_parent() -> None:
     """preexec_fn: SIGTERM this child when its starter dies, even by SIGKILL, so a killed
-    benchmark leaves no broker (and no slab in /dev/shm), redis-server or worker behind."""
+    benchmark leaves no broker (and so no slab), redis-server or worker behind."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -11,8 +11,8 @@ Invariants:
 - ``session`` is None or a live connection of the broker whose epoch ``maps`` are
   for: a handshake naming another epoch drops the old mappings before the new
   segments are mapped, so no copy touches a stale segment.
-- Mappings are dropped with a failed connect (unlinked shared memory stays charged
-  to /dev/shm while anyone maps it, and a restarting broker needs that room).
+- Mappings are dropped with a failed connect (a dead broker's shared memory stays
+  charged while anyone maps it, and a restarting broker needs that memory).
 - Nothing here waits for a broker while holding ``lock`` longer than one call's
   ``timeout_s``; the flusher takes ``lock`` with a timeout and never waits at all.
 - The session's loss callback and the flusher hold the link weakly: a client nobody

@@ -3,8 +3,8 @@
 A ``Mappings`` is made from the handshake of the first connection to a broker
 epoch and kept across reconnects to the same epoch; it is dropped whole when the
 broker restarted (another epoch: its segments are other segments) and during an
-outage (unlinked shared memory stays charged to /dev/shm while anyone maps it, and
-a restarting broker needs that room). Its parts:
+outage (a dead broker's shared memory stays charged while anyone maps it, and a
+restarting broker needs that memory). Its parts:
 
 - ``filter`` (shm/filter.py): the membership filter, read-only, or None;
 - ``journal`` (shm/journal.py): the put arenas' placement journal, or None;
