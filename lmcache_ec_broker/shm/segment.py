@@ -15,9 +15,8 @@ Invariants kept here:
   ``memory.max``): a short host or container is a clear refusal at start, not an
   out-of-memory kill while pre-faulting.
 - Named segments are what older brokers made (the slab, and before the sealed
-  memfds its -f, -j, -r). ``create`` still makes one the old way -- O_CREX, so it
-  never adopts a segment it did not create, and an exclusive ``flock`` held for its
-  life -- and ``remove_stale`` unlinks only those whose lock it can take. The
+  memfds its -f, -j, -r), each under an exclusive ``flock`` its creator held for its
+  life; ``remove_stale`` unlinks only those whose lock it can take. The
   socket lock alone cannot prove a segment stale: two containers with their own
   /tmp but one shared /dev/shm derive the same names from the same socket path,
   and each would see the other's live segments as a dead broker's.
@@ -55,6 +54,8 @@ import stat
 from collections.abc import Collection
 
 import posix_ipc
+
+from ..sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,11 @@ def memory_free_bytes(
                 with open(os.path.join(base, "memory.current")) as f:
                     left = max(0, int(limit) - int(f.read().strip()))
                 if avail < 0 or left < avail:
-                    avail, source = left, f"cgroup memory.max {format_bytes(int(limit))}"
+                    avail, source = left, f"cgroup memory.max {format_size(int(limit))}"
     except (OSError, ValueError, IndexError):
         pass
     return avail, source
 
-
-def format_bytes(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
 
 
 def _madvise_populate(mm: mmap.mmap) -> bool:
@@ -210,8 +208,8 @@ class Segment:
         free, source = memory_free_bytes()
         if 0 <= free < size:
             raise ShmError(
-                f"the broker can use {format_bytes(free)} of memory ({source}) but the slab "
-                f"needs {format_bytes(size)}: use a smaller --shm-size, or give the broker "
+                f"the broker can use {format_size(free)} of memory ({source}) but the slab "
+                f"needs {format_size(size)}: use a smaller --shm-size, or give the broker "
                 "more memory (a container's memory limit)"
             )
         seg = cls.create_memfd(name, size, prefault=True)
