@@ -199,16 +199,25 @@ print(json.dumps({"passes": passes, "mismatched": mismatched}), flush=True)
 # The client's attach, over and over, with the madvise pre-fault unavailable (as
 # on kernels before 5.14), so the page-touching fallback runs over the live slab.
 ATTACHER = """
-import json, sys
+import json, os, sys
 import lmcache_ec_broker.shm.segment as segment
 segment._POPULATE_ADVICE = ()
 from lmcache_ec_broker import BrokerClient
 
 sock, rounds = sys.argv[1], int(sys.argv[2])
 with BrokerClient(sock, timeout_s=30) as c:
-    name, size = c.handshake.segment_name, c.handshake.segment_size
+    hs = c.handshake
+    name, size, pid = hs.segment_name, hs.segment_size, hs.broker_pid
+# The slab is a memfd: reach the broker's own descriptor (this uid may), as a client's
+# handed-over one would be mapped.
+label = "/memfd:" + name.lstrip("/") + " (deleted)"
+fds = [f for f in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{f}") == label]
 for _ in range(rounds):
-    segment.Segment.attach(name, size, True).close()
+    fd = os.open(f"/proc/{pid}/fd/{fds[0]}", os.O_RDWR)
+    try:
+        segment.Segment.attach_fd(fd, name, size, True).close()
+    finally:
+        os.close(fd)
 print(json.dumps({"attached": rounds}))
 """
 
