@@ -17,7 +17,7 @@ import time
 import msgspec
 import pytest
 import torch
-from conftest import shm_segments, wait_until
+from conftest import shm_segments, slab_of, wait_until
 from rawproto import RawConn
 
 from lmcache_ec_broker import BrokerClient
@@ -270,7 +270,8 @@ def test_racing_starts_one_wins_and_stays_intact(sock_dir):
         with BrokerClient(path) as c:  # the winner's socket and slab are intact
             assert c.put("k", torch.ones(8)) and same(c.get("k"), torch.ones(8))
             assert c.stats()["pid"] == winner.pid
-        assert len(shm_segments(path)) == 1
+        assert slab_of(winner.pid, path) is not None  # the winner's slab, one only
+        assert shm_segments(path, include_filter=True) == []
         winner.terminate()
         assert winner.wait(60) == 0
     finally:
