@@ -109,6 +109,23 @@ def test_too_little_memory_is_refused_with_a_fix(sock_dir) -> None:
     assert not os.path.exists(os.path.join(sock_dir, "x.sock"))
 
 
+def test_the_memory_check_takes_the_cgroups_limit_when_it_is_lower(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 8388608 kB\n")  # 8 GiB
+    (tmp_path / "cgroup").write_text("0::/ecb/x\n")
+    group = tmp_path / "fs" / "ecb" / "x"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(f"{3 * GiB}\n")
+    (group / "memory.current").write_text(f"{1 * GiB}\n")
+    args = (str(meminfo), str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+    assert memory_free_bytes(*args) == (2 * GiB, "cgroup memory.max 3.00 GiB")
+    (group / "memory.max").write_text("max\n")  # no limit: the host's
+    assert memory_free_bytes(*args) == (8 * GiB, "MemAvailable")
+    (group / "memory.max").write_text(f"{64 * GiB}\n")  # a limit above what is there
+    assert memory_free_bytes(*args) == (8 * GiB, "MemAvailable")
+    assert memory_free_bytes(str(tmp_path / "none"), str(tmp_path / "none"))[0] == -1
+
+
 def test_socket_is_private_by_default(broker) -> None:
     assert os.stat(broker.socket_path).st_mode & 0o777 == 0o600
     segs = memfd_segments(broker.pid)

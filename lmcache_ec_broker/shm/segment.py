@@ -105,7 +105,6 @@ def memory_free_bytes(
     return avail, source
 
 
-
 def _madvise_populate(mm: mmap.mmap) -> bool:
     for advice in _POPULATE_ADVICE:
         try:
