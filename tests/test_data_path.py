@@ -211,7 +211,13 @@ with BrokerClient(sock, timeout_s=30) as c:
 # The slab is a memfd: reach the broker's own descriptor (this uid may), as a client's
 # handed-over one would be mapped.
 label = "/memfd:" + name.lstrip("/") + " (deleted)"
-fds = [f for f in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{f}") == label]
+fds = []
+for f in os.listdir(f"/proc/{pid}/fd"):
+    try:  # a connection's descriptor may close meanwhile
+        if os.readlink(f"/proc/{pid}/fd/{f}") == label:
+            fds.append(f)
+    except FileNotFoundError:
+        pass
 for _ in range(rounds):
     fd = os.open(f"/proc/{pid}/fd/{fds[0]}", os.O_RDWR)
     try:
