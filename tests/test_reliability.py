@@ -611,3 +611,20 @@ def test_a_client_that_stops_reading_does_not_stall_others(make_broker, loop, no
         # Replies to the hog are bounded by the pause/disconnect, not by what it sent.
         assert _rss(b.pid) - rss0 < 64 * MiB
     hog.close()
+
+
+def test_sigterm_the_moment_the_socket_listens_leaves_nothing_behind(sock_dir) -> None:
+    # A readiness probe connects as soon as the socket listens, before prepare() has
+    # kept it; a stop signalled then (a CI run's stop right at readiness) exited 0 but
+    # left the socket file behind: the clean-up knew of no socket to remove. The
+    # helper lands the signal there every time.
+    path = os.path.join(sock_dir, "bind.sock")
+    helper = Path(__file__).parent / "signal_at_bind.py"
+    p = subprocess.run(
+        [sys.executable, str(helper), path], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert not os.path.exists(path), "the socket was left behind"
+    assert not os.path.exists(path + ".lock")
+    assert shm_segments(path, include_filter=True) == []

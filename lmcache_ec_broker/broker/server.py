@@ -593,12 +593,17 @@ class BrokerServer:
     def cleanup(self) -> None:
         """Unlink socket and segment; safe to call more than once and on any exit path."""
         path = self.config.socket_path
-        if self._sock is not None:
+        # A socket at the path while this start holds the path's lock is this broker's
+        # (or a dead one's it would replace): removed even if a stop signal landed after
+        # bind_socket listened but before _sock kept it (a readiness probe had already
+        # connected; tests/signal_at_bind.py lands it there).
+        if self._sock is not None or self._lock is not None:
             try:
                 if is_socket(path):
                     os.unlink(path)
             except OSError:
                 pass
+        if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self.filter is not None:
