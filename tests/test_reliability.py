@@ -491,17 +491,24 @@ def test_sigterm_inside_the_loops_start_up_exits_0_and_cleans_up(sock_dir) -> No
     # loop's start-up once made the broker exit 1 with a traceback (a CI failure of
     # test_sigterm_with_a_stalled_client_still_exits); the helper lands it there
     # every time.
-    path = os.path.join(sock_dir, "window.sock")
-    helper = Path(__file__).parent / "signal_in_loop_start.py"
+    err = _stopped_by_a_helper("signal_in_loop_start.py", os.path.join(sock_dir, "window.sock"))
+    assert err.count("received SIGTERM, shutting down") == 1, err
+    assert "stopped; socket and shared-memory segment removed" in err
+
+
+def _stopped_by_a_helper(helper: str, path: str) -> str:
+    """Run tests/``helper`` (a broker it signals at one spot of its start) on ``path``;
+    check it exited 0 with no traceback and left nothing behind; its stderr."""
     p = subprocess.run(
-        [sys.executable, str(helper), path], capture_output=True, text=True, timeout=60
-    )
+        [sys.executable, str(Path(__file__).parent / helper), path],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.count("received SIGTERM, shutting down") == 1, p.stderr
-    assert "stopped; socket and shared-memory segment removed" in p.stderr
+    assert not os.path.exists(path), "the socket was left behind"
+    assert not os.path.exists(path + ".lock")
     assert shm_segments(path, include_filter=True) == []
-    assert not os.path.exists(path)
+    return p.stderr
 
 
 def _cli_start(path: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -618,13 +625,4 @@ def test_sigterm_the_moment_the_socket_listens_leaves_nothing_behind(sock_dir) -
     # kept it; a stop signalled then (a CI run's stop right at readiness) exited 0 but
     # left the socket file behind: the clean-up knew of no socket to remove. The
     # helper lands the signal there every time.
-    path = os.path.join(sock_dir, "bind.sock")
-    helper = Path(__file__).parent / "signal_at_bind.py"
-    p = subprocess.run(
-        [sys.executable, str(helper), path], capture_output=True, text=True, timeout=60
-    )
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr, p.stderr
-    assert not os.path.exists(path), "the socket was left behind"
-    assert not os.path.exists(path + ".lock")
-    assert shm_segments(path, include_filter=True) == []
+    _stopped_by_a_helper("signal_at_bind.py", os.path.join(sock_dir, "bind.sock"))
