@@ -131,7 +131,7 @@ def main() -> None:
     print(table(heads, rows))
 
     w = flt.FilterWriter(f"/ecb-bench-filter-{uuid.uuid4().hex[:12]}", flt.MIN_LOG2_SLOTS)
-    r = flt.FilterReader(w.name, w.size, fd=w.segment.share_fd(True))
+    r = flt.FilterReader(w.name, w.size, fd=w.segment.share_fd())
     batch_min = flt._BATCH_MIN
     try:
         for k in sets["vllm"][::2]:  # half present: the slot reads are not all zero

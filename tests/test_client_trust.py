@@ -204,8 +204,8 @@ def test_a_membership_filter_of_an_untrusted_owner_is_not_mapped() -> None:
     try:
         owner = os.getuid()
         with pytest.raises(ShmError, match=f"belongs to uid {owner}"):
-            FilterReader(w.name, w.size, owners={owner + 1}, fd=w.segment.share_fd(True))
-        FilterReader(w.name, w.size, owners={owner}, fd=w.segment.share_fd(True)).close()
+            FilterReader(w.name, w.size, owners={owner + 1}, fd=w.segment.share_fd())
+        FilterReader(w.name, w.size, owners={owner}, fd=w.segment.share_fd()).close()
     finally:
         w.close()
 

@@ -40,7 +40,7 @@ def writer():
 
 
 def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
     try:
         assert not reader.maybe("a")
         writer.add("a")
@@ -55,7 +55,7 @@ def test_add_remove_and_reader_view(writer: FilterWriter) -> None:
 
 
 def test_reader_maps_read_only(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
     try:
         with pytest.raises(TypeError):
             reader.mm[100] = 1  # a client cannot corrupt what every other client reads
@@ -64,7 +64,7 @@ def test_reader_maps_read_only(writer: FilterWriter) -> None:
 
 
 def test_closed_filter_says_maybe_for_everything(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
     try:
         assert not reader.maybe("never-added")
         writer.mm[20:24] = b"\0\0\0\0"  # what close() does before unlinking
@@ -90,7 +90,7 @@ def test_saturated_slots_stay_maybe(writer: FilterWriter) -> None:
 )
 def test_maybe_many_answers_like_maybe(present: list[str], probe: list[str]) -> None:
     w = FilterWriter(f"/lmcache-ec-test-{uuid.uuid4().hex[:12]}-f", 16)
-    reader = FilterReader(w.name, w.size, fd=w.segment.share_fd(True))
+    reader = FilterReader(w.name, w.size, fd=w.segment.share_fd())
     try:
         for k in present:
             w.add(k)
@@ -188,7 +188,7 @@ def test_broker_and_client_agree_on_every_key_shape(writer: FilterWriter) -> Non
     # The writer touched exactly the specified slots, as often as specified.
     assert {s: writer.mm[s] for s in count} == count
     assert sum(writer.mm[HEADER_SIZE:]) == 2 * len(present)
-    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
     try:
         expect = [
             all(writer.mm[s] for s in _reference_slots(k, seed, log2_slots))
@@ -214,11 +214,11 @@ def test_reader_refuses_a_filter_of_another_version(writer: FilterWriter, other:
     present keys absent, so a mismatched reader must refuse, naming the fix."""
     writer.mm[8:12] = struct.pack("<I", other)
     with pytest.raises(ShmError, match=f"version {other}, this client reads version {VERSION}"):
-        FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+        FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
 
 
 def test_close_with_batched_reads_done(writer: FilterWriter) -> None:
-    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd(True))
+    reader = FilterReader(writer.name, writer.size, fd=writer.segment.share_fd())
     assert reader.maybe_many([f"k{i}" for i in range(64)]) == [False] * 64
     reader.close()  # the numpy view of the counters must not keep the mapping exported
     assert reader.mm.closed

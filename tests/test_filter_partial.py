@@ -30,7 +30,7 @@ def test_a_partial_filter_says_maybe_for_every_key_and_clears_again() -> None:
     name = f"/lmcache-ec-test-{uuid.uuid4().hex[:8]}-f"
     w = FilterWriter(name, 16)
     try:
-        r = FilterReader(name, w.size, fd=w.segment.share_fd(True))
+        r = FilterReader(name, w.size, fd=w.segment.share_fd())
         try:
             w.add("here")
             assert r.maybe_many(["here", "absent"]) == [True, False]

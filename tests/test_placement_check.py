@@ -38,7 +38,7 @@ class Segments:
     def __init__(self) -> None:
         tag = f"/ecb-test-{os.getpid()}-{id(self)}"
         self.fw = F.FilterWriter(tag + "-f", F.MIN_LOG2_SLOTS)
-        self.fr = F.FilterReader(self.fw.name, self.fw.size, fd=self.fw.segment.share_fd(True))
+        self.fr = F.FilterReader(self.fw.name, self.fw.size, fd=self.fw.segment.share_fd())
         self.journal = J.Journal.create(tag + "-j", NSLOTS)
 
     def mappings(self, arenas: bool, journal: bool = True) -> M.Mappings:
@@ -52,7 +52,6 @@ class Segments:
         self.fr.close()
         self.fw.close()
         self.journal.close()
-        self.journal.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -156,17 +155,17 @@ def test_a_client_cannot_resize_the_placed_words_under_the_others() -> None:
     # placed word -- this check's, compiled or not, and the broker's -- die of SIGBUS.
     tag = f"/ecb-test-{os.getpid()}-resize"
     fw = F.FilterWriter(tag + "-f", F.MIN_LOG2_SLOTS)
-    fr = F.FilterReader(fw.name, fw.size, fd=fw.segment.share_fd(True))
+    fr = F.FilterReader(fw.name, fw.size, fd=fw.segment.share_fd())
     broker = J.Journal.create(tag + "-j", NSLOTS)
     client = J.Journal.attach(
         broker.name, broker.size, None,
-        os.dup(broker.segment.share_fd(False)), os.dup(broker.settled_segment.share_fd(True)),
+        os.dup(broker.segment.share_fd()), os.dup(broker.settled_segment.share_fd()),
     )  # fmt: skip
     m = M.Mappings.__new__(M.Mappings)
     m._check = None
     try:
         broker.hand_out(2)
-        peer = broker.segment.share_fd(False)  # the descriptor a client is handed
+        peer = broker.segment.share_fd()  # the descriptor a client is handed
         for size in (0, broker.size - 1, broker.size + 4096):
             with pytest.raises(PermissionError):
                 os.ftruncate(peer, size)
@@ -181,6 +180,5 @@ def test_a_client_cannot_resize_the_placed_words_under_the_others() -> None:
         m._check = None  # its views hold exports of the mappings
         client.close()
         broker.close()
-        broker.unlink()
         fr.close()
         fw.close()

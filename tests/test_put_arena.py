@@ -367,7 +367,7 @@ def test_readers_scan_only_the_slots_handed_out() -> None:
     broker_side = Journal.create(f"/lmcache-ec-test-j-{os.getpid()}", 1024)
     try:
         placed_fd = broker_side.segment.share_fd()
-        settled_fd = broker_side.settled_segment.share_fd(read_only=True)
+        settled_fd = broker_side.settled_segment.share_fd()
         reader = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
         writer = Journal.attach(broker_side.name, broker_side.size, None, placed_fd, settled_fd)
         try:
@@ -396,5 +396,4 @@ def test_readers_scan_only_the_slots_handed_out() -> None:
             reader.close()
             writer.close()
     finally:
-        broker_side.unlink()
         broker_side.close()

@@ -374,7 +374,7 @@ def test_a_corrupt_index_is_never_followed_outside_the_slab(tmp_path) -> None:
     w = R.ResidencyWriter(name, R.MIN_LOG2_SLOTS, slab)
     try:
         assert w.publish("k", 16, "float32", [4], [(4096, 16)])
-        r = R.ResidencyReader(name, w.size, slab, fd=w.segment.share_fd(True))
+        r = R.ResidencyReader(name, w.size, slab, fd=w.segment.share_fd())
         found = r.find("k")
         assert found is not None and found.extents == [(4096, 16)] and found.shape == [4]
         at = found.at
@@ -423,7 +423,7 @@ def test_the_writer_never_reads_back_its_seq_words() -> None:
     # odd (never readable). Scribbled here through the writer's own mapping.
     slab = 1 << 20
     w = R.ResidencyWriter(f"/ecb-test-{os.getpid()}-seq-r", R.MIN_LOG2_SLOTS, slab)
-    r = R.ResidencyReader(w.name, w.size, slab, fd=w.segment.share_fd(True))
+    r = R.ResidencyReader(w.name, w.size, slab, fd=w.segment.share_fd())
     try:
         assert w.publish("k", 16, "float32", [4], [(0, 16)])
         at = r.find("k").at

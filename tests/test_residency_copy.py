@@ -45,7 +45,7 @@ class Index:
     def __init__(self) -> None:
         self.name = f"/ecb-test-{os.getpid()}-{id(self)}-r"
         self.w = R.ResidencyWriter(self.name, R.MIN_LOG2_SLOTS, SLAB)
-        self.r = R.ResidencyReader(self.name, self.w.size, SLAB, fd=self.w.segment.share_fd(True))
+        self.r = R.ResidencyReader(self.name, self.w.size, SLAB, fd=self.w.segment.share_fd())
         g = torch.Generator().manual_seed(7)
         self.slab = torch.randint(0, 256, (SLAB,), dtype=torch.uint8, generator=g)
         self.base = self.slab.data_ptr()
@@ -255,7 +255,7 @@ def test_a_copy_racing_a_writer_is_never_reported_torn(index: Index) -> None:
     size = 8 << 20
     name = f"/ecb-test-{os.getpid()}-race-r"
     w = R.ResidencyWriter(name, R.MIN_LOG2_SLOTS, 2 * size)
-    r = R.ResidencyReader(name, w.size, 2 * size, fd=w.segment.share_fd(True))
+    r = R.ResidencyReader(name, w.size, 2 * size, fd=w.segment.share_fd())
     slab = torch.zeros(2 * size, dtype=torch.uint8)
     base = slab.data_ptr()
     extents = [(size, size // 2), (0, size // 2)]  # two extents, in reverse order

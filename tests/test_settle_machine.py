@@ -183,7 +183,6 @@ class SettleMachine(RuleBasedStateMachine):
             c.close()
         journal = self.server.journal
         if journal is not None:
-            journal.unlink()
             journal.close()
         os.rmdir(self.dir)
 

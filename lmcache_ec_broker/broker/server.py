@@ -511,16 +511,16 @@ class BrokerServer:
         made of them, whatever the descriptor's mode)."""
         labels: list[str] = []
         fds: list[int] = []
-        for label, seg, read_only in (
-            ("slab", self.segment, False),
-            ("filter", self.filter.segment if self.filter else None, True),
-            ("journal", self.journal.segment if self.journal else None, False),
-            ("settled", self.journal.settled_segment if self.journal else None, True),
-            ("index", self.residency.segment if self.residency else None, True),
+        for label, seg in (
+            ("slab", self.segment),
+            ("filter", self.filter.segment if self.filter else None),
+            ("journal", self.journal.segment if self.journal else None),
+            ("settled", self.journal.settled_segment if self.journal else None),
+            ("index", self.residency.segment if self.residency else None),
         ):
             if seg is not None:
                 labels.append(label)
-                fds.append(seg.share_fd(read_only))
+                fds.append(seg.share_fd())
         return labels, fds
 
     async def serve(self) -> None:
@@ -591,7 +591,8 @@ class BrokerServer:
         log.info("stopped; socket and shared-memory segment removed")
 
     def cleanup(self) -> None:
-        """Unlink socket and segment; safe to call more than once and on any exit path."""
+        """Unlink the socket, close the segments (memfds: their memory goes with the
+        last client's mapping); safe to call more than once and on any exit path."""
         path = self.config.socket_path
         # A socket at the path while this start holds the path's lock is this broker's
         # (or a dead one's it would replace): removed even if a stop signal landed after
@@ -611,7 +612,6 @@ class BrokerServer:
             self.filter.close()
             self.filter = None
         if self.journal is not None:
-            self.journal.unlink()
             self.journal.close()
             self.journal = None
         if self.residency is not None:
@@ -622,7 +622,6 @@ class BrokerServer:
             self.tiers.close()
             self._tiers_open = False
         if self.segment is not None:
-            self.segment.unlink()
             self.segment.close()
             self.segment = None
         if self._lock is not None:

@@ -172,7 +172,6 @@ class FilterWriter:
             self.mm[_FLAGS_OFFSET : _FLAGS_OFFSET + 4] = struct.pack("<I", 0)
         except (ValueError, OSError):
             pass
-        self.segment.unlink()
         self.segment.close()
 
 

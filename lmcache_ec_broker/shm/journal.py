@@ -150,7 +150,6 @@ class Journal:
             settled = Segment.create_sealed(name + "s", settled_size(nslots))
         except BaseException:
             placed.close()
-            placed.unlink()
             raise
         return cls(placed, settled)
 
@@ -326,7 +325,3 @@ class Journal:
         self._placed = self._words = None
         self.segment.close()
         self.settled_segment.close()
-
-    def unlink(self) -> None:
-        self.segment.unlink()
-        self.settled_segment.unlink()

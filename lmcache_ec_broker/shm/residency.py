@@ -239,7 +239,6 @@ class ResidencyWriter:
             struct.pack_into("<I", self.mm, _FLAGS_OFFSET, 0)
         except (ValueError, OSError):
             pass
-        self.segment.unlink()
         self.segment.close()
 
 

@@ -1,4 +1,5 @@
-"""One shared-memory segment: create (broker), attach (clients), unlink.
+"""One shared-memory segment: create (broker), attach (clients); older brokers'
+named segments removed (``unlink_segment``, ``remove_stale``).
 
 Invariants kept here:
 - Every segment the broker makes is a memfd: no name in /dev/shm (nobody can take
@@ -20,7 +21,8 @@ Invariants kept here:
   socket lock alone cannot prove a segment stale: two containers with their own
   /tmp but one shared /dev/shm derive the same names from the same socket path,
   and each would see the other's live segments as a dead broker's.
-- ``unlink`` is idempotent; the broker calls it on every exit path.
+- A memfd segment needs no unlinking: ``close`` drops the broker's descriptor and
+  mapping, and the memory goes with the last client's.
 - A client never writes while attaching: its pre-fault only reads (or asks the
   kernel to map pages without touching them). Another process may be copying
   into its own reservation at that moment; a read-modify-write of any byte here
@@ -160,10 +162,7 @@ class Segment:
         self.size = size
         self.mm = mm
         self.owner = owner
-        self._unlinked = False
-        self._shared: dict[bool, int] = {}  # read_only -> descriptor to hand over (share_fd)
         self._memfd: int | None = None  # a memfd segment's descriptor (create_memfd/_sealed)
-        self._sealed = False  # the memfd is sealed: no descriptor of it maps writable
 
     @classmethod
     def create_sealed(cls, name: str, size: int, prefault: bool = False) -> Segment:
@@ -192,8 +191,6 @@ class Segment:
             raise
         seg = cls(name, size, mm, owner=True)
         seg._memfd = fd
-        seg._sealed = True
-        seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
         return seg
 
     @classmethod
@@ -247,7 +244,6 @@ class Segment:
             raise
         seg = cls(name, size, mm, owner=True)
         seg._memfd = fd
-        seg._unlinked = True  # nothing to unlink: it goes with its last descriptor and mapping
         if prefault:
             try:
                 _populate_new(mm, size)
@@ -256,21 +252,14 @@ class Segment:
                 raise
         return seg
 
-    def share_fd(self, read_only: bool = False) -> int:
+    def share_fd(self) -> int:
         """The descriptor to hand to an admitted client (the broker keeps it open): the
-        memfd itself, or -- ``read_only`` for a segment not sealed against writes -- one
-        reopened read-only once for the purpose (the client can then map it read-only
-        only)."""
+        memfd itself. What a client may only read is a sealed memfd (``create_sealed``):
+        no writable mapping can be made of it, whatever the descriptor's mode."""
         own = self._memfd
         if own is None:
             raise ShmError(f"segment {self.name} was not created by this process")
-        if self._sealed or not read_only:
-            return own
-        fd = self._shared.get(read_only)
-        if fd is None:
-            flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
-            fd = self._shared[read_only] = os.open(f"/proc/self/fd/{own}", flags)
-        return fd
+        return own
 
     @classmethod
     def attach_fd(
@@ -336,20 +325,8 @@ class Segment:
         except BufferError:
             log.warning("segment %s still has live views; leaving the mapping to the GC", self.name)
         if self._memfd is not None:
-            for fd in self._shared.values():
-                os.close(fd)
-            self._shared = {}
             os.close(self._memfd)
             self._memfd = None
-
-    def unlink(self) -> None:
-        if self._unlinked:
-            return
-        self._unlinked = True
-        unlink_segment(self.name)
-        for fd in self._shared.values():
-            os.close(fd)
-        self._shared = {}
 
 
 def map_readonly(

@@ -31,7 +31,8 @@ def die_with_parent() -> None:
 
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
-    """SIGTERM ``proc`` (a broker flushes and unlinks its segments), SIGKILL after ``grace_s``."""
+    """SIGTERM ``proc`` (a broker flushes, unlinks its socket, closes its segments),
+    SIGKILL after ``grace_s``."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -116,8 +117,8 @@ class BrokerProcess:
         self.proc.wait(10)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (the broker flushes and unlinks its segments), SIGKILL after
-        ``timeout``; the exit code (negative: the signal that ended it)."""
+        """SIGTERM (the broker flushes, unlinks its socket, closes its segments), SIGKILL
+        after ``timeout``; the exit code (negative: the signal that ended it)."""
         if self.proc is None:
             return 0
         stop_process(self.proc, timeout)
