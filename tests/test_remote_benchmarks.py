@@ -61,13 +61,34 @@ def test_remote_attribution_smoke(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     assert "one remote hit of 256 KiB" in r.stdout, r.stdout
-    for phase in ("client -> broker", "read: store, first byte", "read: checksum", "bare get"):
+    for phase in (
+        "client -> broker",
+        "of which: client to send",
+        "of which: B's frame to Get",
+        "read: store, first byte",
+        "read: checksum",
+        "bare get",
+    ):
         assert phase in r.stdout, phase
     hits = json.loads(out.read_text())["hits"]["Redis"]
     assert len(hits) == 2
     for hit in hits:
         assert hit["total"] > 0 and hit["read: store, first byte"] > 0
         assert hit["lookup: store"] == 0, hit  # the lookup rode on the read
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_remote_floor_probe_smoke() -> None:
+    """The floors' fetcher and the hit through B each check the bytes they moved (a
+    wrong copy fails the run); the table has every path."""
+    r = _run(
+        "benchmarks/remote_floor_probe.py", "--size", "256KiB", "--iters", "3",
+        "--rounds", "1", timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for column in ("GET hiredis", "through B", "seq. floor", "pipe. floor", "hiredis / pipe."):
+        assert column in r.stdout, (column, r.stdout)
+    assert "256 KiB, medians of 3 iterations" in r.stdout, r.stdout
 
 
 def test_fleet_sim_smoke() -> None:
