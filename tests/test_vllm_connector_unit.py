@@ -761,6 +761,70 @@ def test_a_staged_hit_ends_its_lease_and_is_released_with_its_request(pairs, bro
     assert not p.sched.has_cache_item(h)  # a new order is needed for a new promise
 
 
+def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
+    """vLLM's waiting loop skips a held request and looks at the next, so one step can
+    meet every waiting request's hits. What is staged on a rank's device at once stays
+    within ``stage_max_embeds`` (stage_book.py, invariant 4): a hit past it is a miss
+    in that step (encoded if vLLM schedules it) and is staged in a later step, once
+    loads have made room."""
+    p = pairs(stage_max_embeds=2 * NUM_EMBEDS)
+    hashes = [f"{i:02x}" * 32 for i in range(5)]
+    tensors = {h: embedding(40 + i) for i, h in enumerate(hashes)}
+    for h, tensor in tensors.items():
+        p.worker.save_caches({h: tensor}, h)
+    requests = [make_request(f"r{i}", h) for i, h in enumerate(hashes)]
+    link = p.worker.connector_worker.link
+    book = p.sched.connector_scheduler.book
+
+    # Step 1: every request asked in turn, as the waiting loop does.
+    held = [not p.sched.ensure_cache_available(r, 0) for r in requests]
+    assert held == [True, True, False, False, False]
+    p.sched.wait_for_staging(30)
+    assert link.held() == set(hashes[:2]) and book.open_embeds == 2 * NUM_EMBEDS
+    assert [p.sched.has_cache_item(h) for h in hashes] == [True, True, False, False, False]
+    assert p.sched.stage_over_budget == 3
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())  # nothing scheduled
+
+    # Step 2: the two staged ones are scheduled and loaded; the rest still wait.
+    cache: dict[str, torch.Tensor] = {}
+    so = SchedulerOutput.make_empty()
+    for r in requests[:2]:
+        assert p.sched.ensure_cache_available(r, 0)
+        assert p.sched.has_cache_item(r.mm_features[0].identifier)
+        p.sched.update_state_after_alloc(r, 0)
+    run_worker_step(p.sched, p.worker, so, cache, [(r, 0) for r in requests[:2]])
+    assert set(cache) == set(hashes[:2]) and book.open_embeds == 0
+    assert all(torch.equal(cache[h], tensors[h]) for h in hashes[:2])
+
+    # Step 3: room again -- the next two are staged, the last one still waits.
+    held = [not p.sched.ensure_cache_available(r, 0) for r in requests[2:]]
+    assert held == [True, True, False]
+    p.sched.wait_for_staging(30)
+    assert link.held() == set(hashes[2:4]) and p.sched.stage_over_budget == 4
+
+
+def test_an_item_larger_than_the_staging_budget_is_staged_alone(pairs, broker):
+    """An item larger than ``stage_max_embeds`` is still staged when nothing else is
+    (never starved); a second item waits for room."""
+    p = pairs(stage_max_embeds=NUM_EMBEDS // 2)
+    a, b = "e1" * 32, "e2" * 32
+    for i, h in enumerate((a, b)):
+        p.worker.save_caches({h: embedding(50 + i)}, h)
+    assert not p.sched.ensure_cache_available(make_request("ra", a), 0)
+    assert p.sched.ensure_cache_available(make_request("rb", b), 0)  # no room: encoded
+    p.sched.wait_for_staging(30)
+    assert p.sched.has_cache_item(a) and not p.sched.has_cache_item(b)
+    assert p.worker.connector_worker.link.held() == {a}
+
+
+def test_a_staging_budget_of_zero_is_refused_with_the_fix(model_config, broker):
+    with pytest.raises(ValueError, match="stage_max_embeds must be > 0"):
+        ECBrokerConnector(
+            make_config(model_config, "ec_both", broker.socket_path, stage_max_embeds=0),
+            ECConnectorRole.SCHEDULER,
+        )
+
+
 def test_an_order_sent_before_the_last_load_ran_keeps_both(pairs, broker):
     """Async scheduling: step 2 orders the item again (vLLM freed it in between)
     before step 1's load ran on the worker; each order holds its own count, so both

@@ -189,6 +189,7 @@ class ECBrokerConnector(ECConnectorBase):
     claims_awaited = _scheduler_count("claims_awaited")
     claim_timeouts = _scheduler_count("claim_timeouts")
     stage_timeouts = _scheduler_count("stage_timeouts")
+    stage_over_budget = _scheduler_count("stage_over_budget")
     stage_orders = _scheduler_count("stage_orders")
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -305,6 +306,22 @@ class ECBrokerConnector(ECConnectorBase):
         threshold = int(getattr(sched, "long_prefill_token_threshold", 0) or 0)
         if threshold > 0:
             reach = min(reach, threshold)
+        # The staging budget (stage_book.py, invariant 4): embeddings held staged on each
+        # encoder rank's device at once, outside what vLLM profiled. By default what
+        # vLLM's own encoder cache holds: more could not be loaded in one step anyway.
+        stage_max_embeds = int(
+            extra(
+                "stage_max_embeds",
+                getattr(sched, "encoder_cache_size", None)
+                or getattr(sched, "max_num_batched_tokens", None)
+                or 8192,
+            )
+        )
+        if stage_max_embeds <= 0:
+            raise ValueError(
+                "ec_connector_extra_config: stage_max_embeds must be > 0 "
+                f"(got {stage_max_embeds}; it bounds the embeddings staged on a device at once)"
+            )
         self._client: BrokerClient | None = None
         self._client_pid = -1
         self._client_lock = threading.Lock()
@@ -334,7 +351,7 @@ class ECBrokerConnector(ECConnectorBase):
                     self.loads_off = f"the staging link could not be set up: {exc}"
                     logger.warning("EC broker: no loads (%s); saving only", self.loads_off)
                 else:
-                    book = StageBook(hub, stage_wait_s)
+                    book = StageBook(hub, stage_wait_s, stage_max_embeds)
             self.connector_scheduler = ECBrokerScheduler(
                 settings=SchedulerSettings(
                     encoder_only_producer=self._encoder_only_producer,

@@ -24,6 +24,7 @@ KEYS = {
     "lease_ms": "how long a hit the scheduler saw is protected from eviction",
     "max_defer_s": "how long a request may wait for a promotion",
     "stage_wait_ms": "how long a request may wait for its hits to be staged on the workers",
+    "stage_max_embeds": "the most embeddings held staged on an encoder rank's device at once",
     "claim_wait_ms": "how long a request may wait for an item another instance is encoding",
     "model_name": "the model field of the keys",
     "client_uuid_namespace": "who may share entries keyed by client multi_modal_uuids",

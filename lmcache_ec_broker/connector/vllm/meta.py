@@ -98,6 +98,7 @@ STAT_FIELDS = (
     "promotion_failures",
     "invalid_skipped",
     "stage_timeouts",
+    "stage_over_budget",
     "claim_waits",
     "claim_reasks",
     "claim_timeouts",

@@ -214,6 +214,12 @@ class ECBrokerScheduler:
         return self.book.timeouts if self.book is not None else 0
 
     @property
+    def stage_over_budget(self) -> int:
+        """Hits not staged for lack of room in the staging budget (stage_book.py,
+        invariant 4): misses in the step that met them."""
+        return self.book.over_budget if self.book is not None else 0
+
+    @property
     def stage_orders(self) -> int:
         """Stage orders open now (staging, or staged and not yet shipped)."""
         return len(self.book) if self.book is not None else 0
@@ -287,8 +293,9 @@ class ECBrokerScheduler:
             for h in expected
             if book.state(h) is not None or self._step_state.get(h) == LookupState.READY
         ]
-        if order and not book.order(req_id, order):
-            for item in order:  # the link is not up: these are encoded
+        if order:
+            book.order(req_id, order)
+            for item in order:  # the link is not up, or no room (stage_book.py): encoded
                 if book.state(item.mm_hash) is None:
                     self._step_state[item.mm_hash] = LookupState.MISS
         staging = False
@@ -390,6 +397,8 @@ class ECBrokerScheduler:
             return
         if not book.order("", [StageItem(mm_hash, self.key(mm_hash), *dims)]):
             return
+        if book.state(mm_hash) is None:
+            return  # no room in the staging budget: not ordered
         self.wait_for_staging(self._settings.stage_wait_s)
         if book.state(mm_hash) is not StageState.STAGED:
             book.release({mm_hash})

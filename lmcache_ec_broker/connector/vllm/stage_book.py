@@ -22,6 +22,14 @@ Invariants (what makes a shipped load find its tensor on every rank):
 3. **Bounded.** A STAGING entry older than ``hold_s`` fails; the hub is then
    *late* until every rank answered again, and orders nothing meanwhile (lookups
    are misses): a hung worker or broker costs one bounded wait per outage.
+4. **Bounded memory.** The embeddings of the open orders (staging or staged, not
+   yet shipped or released) never exceed ``max_embeds``, except for one order
+   alone in the book (an item larger than the budget is still staged, by itself).
+   Every rank holds a device tensor per open order, outside the memory vLLM
+   profiled: without the bound, vLLM's waiting loop -- which skips a held request
+   and looks at the next -- would stage every waiting request's hits in one step.
+   An item that does not fit is not ordered: that step it is a miss (encoded if
+   vLLM schedules it), and a later step orders it once loads have made room.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class StageState(enum.Enum):
 @dataclass
 class _Entry:
     since: float
+    embeds: int  # the item's embeddings (its share of the budget)
     state: StageState = StageState.STAGING
     ranks: set[int] = field(default_factory=set)  # ranks that reported it staged
     requests: set[str] = field(default_factory=set)  # requests that wait for it
@@ -53,30 +62,62 @@ class _Entry:
 class StageBook:
     """Owns the stage orders of one scheduler connector; given its hub."""
 
-    def __init__(self, hub: StageHub, hold_s: float) -> None:
+    def __init__(self, hub: StageHub, hold_s: float, max_embeds: int) -> None:
+        if max_embeds <= 0:
+            raise ValueError(f"max_embeds must be > 0 (got {max_embeds})")
         self._hub = hub
         self._hold_s = hold_s
+        self._max_embeds = max_embeds
         self._entries: dict[str, _Entry] = {}
+        self._open_embeds = 0  # sum of the entries' embeds (invariant 4)
         self._late = False  # a rank missed a hold bound and has not answered since
         self.timeouts = 0  # hold bounds that passed (a counter, for stats)
+        self.over_budget = 0  # items not ordered for lack of room (a counter, for stats)
 
     @property
     def ready(self) -> bool:
         """May new orders be sent: every rank linked, none late."""
         return self._hub.up and not self._late
 
+    @property
+    def open_embeds(self) -> int:
+        """The embeddings of the open orders (invariant 4)."""
+        return self._open_embeds
+
     def order(self, req_id: str, items: list[StageItem]) -> bool:
-        """Order ``items`` (those not in the book yet) for ``req_id``; False if the
-        link is not ready (the caller treats them as misses)."""
-        new = [i for i in items if i.mm_hash not in self._entries]
+        """Order ``items`` (those not in the book yet) for ``req_id``, in turn, while
+        they fit the budget (invariant 4); False if the link is not ready. Items left
+        out (no room, or the link not ready) are not in the book: the caller treats
+        them as misses."""
+        new: list[StageItem] = []
+        room = self._max_embeds - self._open_embeds
+        for item in items:
+            if item.mm_hash in self._entries or any(i.mm_hash == item.mm_hash for i in new):
+                continue
+            alone = not self._entries and not new
+            if item.num_embeds <= room or alone:
+                new.append(item)
+                room -= item.num_embeds
+            else:
+                self.over_budget += 1
         if new:
             if not self.ready or not self._hub.send(Stage(new)):
                 return False
             now = time.monotonic()
             for item in new:
-                self._entries[item.mm_hash] = _Entry(now)
+                self._entries[item.mm_hash] = _Entry(now, item.num_embeds)
+                self._open_embeds += item.num_embeds
         for item in items:
-            self._entries[item.mm_hash].requests.add(req_id)
+            entry = self._entries.get(item.mm_hash)
+            if entry is not None:
+                entry.requests.add(req_id)
+        return True
+
+    def _end(self, mm_hash: str) -> bool:
+        entry = self._entries.pop(mm_hash, None)
+        if entry is None:
+            return False
+        self._open_embeds -= entry.embeds
         return True
 
     def refresh(self) -> set[str]:
@@ -123,11 +164,11 @@ class StageBook:
 
     def shipped(self, mm_hash: str) -> None:
         """A load of ``mm_hash`` went out: its ranks take the tensor (invariant 1)."""
-        self._entries.pop(mm_hash, None)
+        self._end(mm_hash)
 
     def release(self, hashes: set[str]) -> None:
         """End these orders without a load (failed, or no longer wanted)."""
-        gone = [h for h in hashes if self._entries.pop(h, None) is not None]
+        gone = [h for h in hashes if self._end(h)]
         if gone:
             self._hub.send(StageRelease(gone))
 
@@ -149,6 +190,7 @@ class StageBook:
 
     def close(self) -> None:
         self._entries.clear()
+        self._open_embeds = 0
         self._hub.close()
 
     def __len__(self) -> int:
