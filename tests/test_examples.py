@@ -405,7 +405,7 @@ def test_the_daemonset_can_be_scraped_and_probes_the_remote_tier() -> None:
     assert "--require-remote" not in alive  # a store outage must not restart the broker
 
 
-def test_vllm_pods_share_the_brokers_socket_shm_and_uid() -> None:
+def test_vllm_pods_share_the_brokers_socket_and_uid() -> None:
     bpod, broker = _daemonset_broker()
     vpod, vllm = _pod(VLLM_DEPLOYMENT)
     assert vpod["securityContext"]["runAsUser"] == bpod["securityContext"]["runAsUser"]
@@ -414,6 +414,15 @@ def test_vllm_pods_share_the_brokers_socket_shm_and_uid() -> None:
     for mount in broker["volumeMounts"]:
         (same,) = [m for m in vllm["volumeMounts"] if m["mountPath"] == mount["mountPath"]]
         assert vvol[same["name"]]["hostPath"] == bvol[mount["name"]]["hostPath"], mount
+    # The socket directory is all they share: the slab is a memfd handed over the
+    # socket, so the broker mounts no /dev/shm and no pod mounts the node's.
+    assert [m["mountPath"] for m in broker["volumeMounts"]] == ["/run/lmcache-ec"]
+    for vol in (*bpod["volumes"], *vpod["volumes"]):
+        assert not vol.get("hostPath", {}).get("path", "").startswith("/dev/shm"), vol
+    # vLLM's own /dev/shm (PyTorch/NCCL) is a bounded memory emptyDir private to its pod.
+    (dshm,) = [m for m in vllm["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    empty = vvol[dshm["name"]]["emptyDir"]
+    assert empty["medium"] == "Memory" and empty["sizeLimit"], empty
     socket_arg = [a for a in broker["args"] if a.startswith("--socket=")][0].split("=", 1)[1]
     (ec,) = [a for a in vllm["args"] if a.startswith("--ec-transfer-config=")]
     import json
