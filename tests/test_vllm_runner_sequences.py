@@ -600,3 +600,39 @@ def test_a_request_aborted_while_held_asks_no_more(engines, broker):
             time.sleep(0.005)
         assert other.stats()["claims_answered"] == before
         assert b.sched_connector.claims_awaited == 0 and not b.has_work()
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling"), RUNNERS)
+@pytest.mark.parametrize("budget", [None, 32])
+def test_staging_is_bounded_when_every_waiting_request_is_a_hit(engines, v2, async_scheduling, budget):
+    """vLLM's waiting loop skips a request ensure_cache_available holds and looks at the
+    next (a held request takes no token budget), so one step meets every waiting
+    request's hits: without a bound (``budget`` None: far more than all of them) the
+    first step stages all twelve at once on the worker's device. With
+    ``stage_max_embeds`` 32 (two items of 16) never more than two are held staged; the
+    hits past it are encoded, every answer is the same, and nothing fails."""
+    kw = {"stage_max_embeds": budget} if budget is not None else {"stage_max_embeds": 1 << 20}
+    e = engines(v2=v2, async_scheduling=async_scheduling, **kw)
+    hashes = [f"{i:02x}" * 32 for i in range(0x30, 0x3C)]
+    store(e, *hashes)
+    requests = [make_request(f"r{i}", [h]) for i, h in enumerate(hashes)]
+    for r in requests:
+        e.add(r)
+    link = e.worker.connector_worker.link
+    most_held = 0
+    for _ in range(50):
+        if not e.has_work():
+            break
+        e.step()
+        most_held = max(most_held, len(link.held()))
+    assert not e.has_work()
+    assert_answers_unchanged(e, requests)
+    assert not e.errors and e.worker.load_failures == 0
+    if budget is None:
+        assert most_held == len(hashes)  # the hazard: all of them in one step
+        assert e.worker.loads == len(hashes)
+    else:
+        assert most_held <= 2, most_held
+        assert e.sched_connector.stage_over_budget > 0
+        assert e.worker.loads >= 2  # hits were still loaded, within the budget
+        assert e.worker.loads + e.sched_connector.ec_misses >= len(hashes)
