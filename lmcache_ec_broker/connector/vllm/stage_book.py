@@ -89,22 +89,25 @@ class StageBook:
         they fit the budget (invariant 4); False if the link is not ready. Items left
         out (no room, or the link not ready) are not in the book: the caller treats
         them as misses."""
-        new: list[StageItem] = []
+        new: dict[str, StageItem] = {}
+        left_out = 0
         room = self._max_embeds - self._open_embeds
         for item in items:
-            if item.mm_hash in self._entries or any(i.mm_hash == item.mm_hash for i in new):
+            if item.mm_hash in self._entries or item.mm_hash in new:
                 continue
-            alone = not self._entries and not new
-            if item.num_embeds <= room or alone:
-                new.append(item)
+            if item.num_embeds <= room or not (self._entries or new):  # or alone
+                new[item.mm_hash] = item
                 room -= item.num_embeds
             else:
-                self.over_budget += 1
+                left_out += 1
+        if new and not self.ready:
+            return False
+        self.over_budget += left_out
         if new:
-            if not self.ready or not self._hub.send(Stage(new)):
+            if not self._hub.send(Stage(list(new.values()))):
                 return False
             now = time.monotonic()
-            for item in new:
+            for item in new.values():
                 self._entries[item.mm_hash] = _Entry(now, item.num_embeds)
                 self._open_embeds += item.num_embeds
         for item in items:
