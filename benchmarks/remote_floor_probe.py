@@ -51,8 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from benchmarks._common import Broker, MiB, fmt_size, median, parse_sizes, table  # noqa: E402
 
 PREFIX = b"lmcache-ec:"  # the brokers' default remote_key_prefix
-# The mapping's header: sequence number of the request, bytes landed, verdict (1: the
-# value's bytes hashed; 2: failed), the value's length.
+# The mapping's header: sequence number of the request, bytes landed, verdict (1: every
+# byte landed and hashed -- a floor pays for the hash, it compares no digest), the
+# value's length.
 HEADER = struct.Struct("<QQQQ")
 DATA_AT = 4096
 CHUNK = 1 << 20  # the most one recv_into may take

@@ -165,33 +165,42 @@ class Segment:
         self._memfd: int | None = None  # a memfd segment's descriptor (create_memfd/_sealed)
 
     @classmethod
-    def create_sealed(cls, name: str, size: int, prefault: bool = False) -> Segment:
-        """A segment only the broker writes: a memfd (no path in /dev/shm), mapped
-        writable here, then sealed (F_SEAL_FUTURE_WRITE, no shrinking or growing) so
-        that every other mapping of it, by any process, is read-only. ``name`` is a
-        label (logs, the handshake, /proc/<pid>/fd's "/memfd:<name>"). ``prefault``:
-        fault the pages in before sealing (as ``create`` does)."""
+    def _create_memfd(
+        cls, name: str, size: int, seals: int, prefault: bool, what: str
+    ) -> Segment:
+        """A memfd of ``size`` bytes mapped writable here, pre-faulted if asked, then
+        sealed with ``seals`` (after the mapping: F_SEAL_FUTURE_WRITE spares only the
+        mappings made before it). ``name`` is a label (logs, the handshake,
+        /proc/<pid>/fd's "/memfd:<name>")."""
         if size <= 0:
             raise ShmError(f"segment size must be positive, got {size} bytes")
         try:
             fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise ShmError(f"cannot create sealed segment {name}: {exc}") from exc
+            raise ShmError(f"cannot create {what} {name}: {exc}") from exc
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
             if prefault:
                 _populate_new(mm, size)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):
-                raise ShmError(f"cannot create sealed segment {name}: {exc}") from exc
+                raise ShmError(f"cannot create {what} {name}: {exc}") from exc
             raise
         seg = cls(name, size, mm, owner=True)
         seg._memfd = fd
         return seg
+
+    @classmethod
+    def create_sealed(cls, name: str, size: int, prefault: bool = False) -> Segment:
+        """A segment only the broker writes: a memfd (no path in /dev/shm), mapped
+        writable here, then sealed (F_SEAL_FUTURE_WRITE, no shrinking or growing) so
+        that every other mapping of it, by any process, is read-only. ``prefault``:
+        fault the pages in before sealing."""
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE
+        return cls._create_memfd(name, size, seals, prefault, "sealed segment")
 
     @classmethod
     def create_slab(cls, name: str, size: int) -> Segment:
@@ -199,8 +208,6 @@ class Segment:
         its descriptor cannot shrink it under everyone else's mappings), 0600, pre-faulted,
         after checking that the memory it takes is there: a short host or cgroup is a
         clear refusal at start, not an out-of-memory kill while pre-faulting."""
-        if size <= 0:
-            raise ShmError(f"segment size must be positive, got {size} bytes")
         free, source = memory_free_bytes()
         if 0 <= free < size:
             raise ShmError(
@@ -220,37 +227,14 @@ class Segment:
     def create_memfd(cls, name: str, size: int, prefault: bool = False) -> Segment:
         """A segment clients write too, with no name anywhere (a memfd, mapped
         writable here; admitted clients get its descriptor): nobody can take its name
-        first, nor open it by one. ``name`` is a label, as in ``create_sealed``.
+        first, nor open it by one.
 
-        Sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW, then F_SEAL_SEAL), though
-        not against writes: a client holding the descriptor could otherwise ftruncate
-        it, and every mapping's next read past the new end -- the broker's, every
-        other client's (the put arena's check, compiled or not) -- dies of SIGBUS."""
-        if size <= 0:
-            raise ShmError(f"segment size must be positive, got {size} bytes")
-        try:
-            fd = os.memfd_create(name.lstrip("/"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise ShmError(f"cannot create segment {name}: {exc}") from exc
-        try:
-            os.ftruncate(fd, size)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-            mm = mmap.mmap(fd, size)
-        except BaseException as exc:
-            os.close(fd)
-            if isinstance(exc, OSError):
-                raise ShmError(f"cannot create segment {name}: {exc}") from exc
-            raise
-        seg = cls(name, size, mm, owner=True)
-        seg._memfd = fd
-        if prefault:
-            try:
-                _populate_new(mm, size)
-            except BaseException:
-                seg.close()
-                raise
-        return seg
+        Sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW), though not against
+        writes: a client holding the descriptor could otherwise ftruncate it, and every
+        mapping's next read past the new end -- the broker's, every other client's (the
+        put arena's check, compiled or not) -- dies of SIGBUS."""
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        return cls._create_memfd(name, size, seals, prefault, "segment")
 
     def share_fd(self) -> int:
         """The descriptor to hand to an admitted client (the broker keeps it open): the
