@@ -182,7 +182,9 @@ print(json.dumps(out))
 """
 
 
-def test_low_memlock_registration_refused_copies_exact_and_kernels_run(broker, tmp_path) -> None:
+def test_low_memlock_still_pins_copies_exact_and_kernels_run(broker, tmp_path) -> None:
+    # A default container: memlock 64 KiB, no CAP_IPC_LOCK. NVIDIA's driver pins with
+    # pin_user_pages and charges no memlock limit, so the registration takes.
     import json
     import os
     import subprocess
@@ -208,9 +210,10 @@ def test_low_memlock_registration_refused_copies_exact_and_kernels_run(broker, t
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["put"] and out["equal"] and out["pinned"] is False
+    assert out["put"] and out["equal"]
+    assert out["pinned"] is True, out["log"]
     assert out["kernel"] == 2.0 * 1023 * 1024 / 2
-    assert len(out["log"]) == 1 and "memlock" in out["log"][0], out["log"]
+    assert len(out["log"]) == 1 and "registered the" in out["log"][0], out["log"]
 
 
 def test_extents_are_checked_on_the_cuda_paths() -> None:

@@ -7,9 +7,9 @@ CUDA tensors: the mapping is registered once per process with
 ``read_into`` returns or raises, i.e. before the client posts its Commit or Release
 (neither is waited for: the broker publishes a committed entry, or reuses a
 released block, as soon as it reads the frame, so the DMA must be complete
-when the frame is sent). If
-registration is not possible (e.g. the memlock limit), copies use pageable
-memory and the reason is logged once. Tensors on any other device are refused:
+when the frame is sent). If registration fails, copies use pageable memory and
+one line says why (CUDA's error; the memlock limit too where it could not hold the
+slab). Tensors on any other device are refused:
 their data pointer is not host memory.
 
 Invariant: every copy, on every path, first checks the extents against the
@@ -151,15 +151,10 @@ class SlabView:
         return self._stream
 
     def _register(self) -> None:
-        hint = (
-            "copies use pageable memory, which is slower. Raise the memlock limit "
-            "(ulimit -l unlimited, docker run --ulimit memlock=-1, LimitMEMLOCK=infinity) "
-            "to enable DMA"
-        )
-        reason = pinning.registration_refusal(self.size)
-        if reason is not None:
-            log.warning("not registering the slab with cudaHostRegister: %s; %s", reason, hint)
-            return
+        # Always attempted, whatever RLIMIT_MEMLOCK says: NVIDIA's driver pins with
+        # pin_user_pages(FOLL_LONGTERM) and charges no memlock limit (os_lock_user_pages
+        # in its kernel module), so a container's few-MiB limit does not stop it. The
+        # limit is only named in the warning when a registration failed.
         runtime = pinning.load_runtime()
         if runtime is None:
             log.warning(
@@ -173,13 +168,14 @@ class SlabView:
             self._registered_by = os.getpid()
             self.pinned = True
             log.info("registered the %d-byte slab with cudaHostRegister", self.size)
-        else:
-            log.warning(
-                "cudaHostRegister of the %d-byte slab failed (%s, cleared); %s",
-                self.size,
-                runtime.describe(code),
-                hint,
-            )
+            return
+        log.warning(
+            "cudaHostRegister of the %d-byte slab failed (%s, cleared); copies use pageable "
+            "memory, which is slower. %s",
+            self.size,
+            runtime.describe(code),
+            pinning.failure_hint(self.size),
+        )
 
     # ------------------------------------------------------------------ copies
 

@@ -1,9 +1,9 @@
-"""Pinning the slab for CUDA DMA (cudaHostRegister), and deciding when not to.
+"""Pinning the slab for CUDA DMA (cudaHostRegister), and saying why it failed.
 
-Registration locks every page of the slab. Without CAP_IPC_LOCK the kernel holds
-locked pages to RLIMIT_MEMLOCK, which containers set to a few MiB, so a refused
-registration is the normal case there: it is decided up front, with one log
-line, instead of attempted.
+Registration is always attempted. NVIDIA's kernel module pins the pages with
+``pin_user_pages(FOLL_LONGTERM)`` (``os_lock_user_pages``) and charges no
+RLIMIT_MEMLOCK, so a container's few-MiB memlock limit does not refuse it; the
+limit is read only to name it, and its fix, when a registration did fail.
 
 A CUDA runtime call that fails also leaves its code as the calling thread's
 "last error", and the next kernel launch check (PyTorch's, vLLM's) reports that
@@ -68,6 +68,21 @@ def registration_refusal(size: int) -> str | None:
     except OSError:
         cap_eff, locked = 0, 0
     return memlock_refusal(size, soft, cap_eff, locked)
+
+
+def failure_hint(size: int) -> str:
+    """What to look at after cudaHostRegister of ``size`` bytes failed: the memlock limit
+    where it could not hold them (a driver that does charge it), else the usual causes."""
+    reason = registration_refusal(size)
+    if reason is not None:
+        return (
+            f"Possibly the limit: {reason}. Raise it (ulimit -l unlimited, "
+            "docker run --ulimit memlock=-1, LimitMEMLOCK=infinity) or grant CAP_IPC_LOCK"
+        )
+    return (
+        "The range may already be registered by another library in this process, or the "
+        "driver refused it; copies stay exact"
+    )
 
 
 def loaded_cudart_path(maps_text: str) -> str | None:
