@@ -7,7 +7,10 @@ machine over a real ``StageHub`` and one real rank on its socket:
   empty), never otherwise -- the book does not starve items;
 - every order the book holds was sent to the rank exactly once, and the book's count
   of open embeddings is the sum of its orders', through orders, reports, loads,
-  releases and ended requests.
+  releases and ended requests;
+- ``over_budget`` counts each item once per time it is held back: from the order
+  that first leaves it out until it is ordered, allocated by vLLM (encoded instead),
+  or every request that met it left out ended -- not once per step it waits.
 
 The scheduler's use of it (a hit left out is a miss that step, staged in a later one)
 is tested through vLLM's connector API in test_vllm_connector_unit.py.
@@ -56,6 +59,8 @@ class StageBudget(RuleBasedStateMachine):
         assert self.book.ready
         self.model: dict[str, set[str]] = {}  # open orders -> requests waiting for them
         self.sent: dict[str, int] = {}  # orders the rank received, per item, not ended
+        self.held_back: dict[str, set[str]] = {}  # items left out -> requests that met them
+        self.times_held_back = 0
 
     def teardown(self) -> None:
         self.rank.close()
@@ -96,13 +101,23 @@ class StageBudget(RuleBasedStateMachine):
         assert self.book.order(req, [StageItem(h, "k-" + h, ITEMS[h]) for h in hashes])
         for h in expected_in:
             self.model[h] = set()
+            self.held_back.pop(h, None)
         for h in hashes:
             if h in self.model:
                 self.model[h].add(req)
             else:  # left out: only for lack of room, with something in the book
                 assert self.model and self._open() + ITEMS[h] > MAX_EMBEDS, h
                 assert self.book.state(h) is None
+                if h not in self.held_back:  # a new time held back; a repeat is not
+                    self.times_held_back += 1
+                self.held_back.setdefault(h, set()).add(req)
         self._drain()
+
+    @rule(h=st.sampled_from(sorted(ITEMS)))
+    def allocated(self, h: str) -> None:
+        """vLLM's encoder cache took the item (encoded, as a miss, or loaded)."""
+        self.book.allocated(h)
+        self.held_back.pop(h, None)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), ok=st.booleans())
@@ -139,6 +154,10 @@ class StageBudget(RuleBasedStateMachine):
             del self.model[h]
         for reqs in self.model.values():
             reqs.discard(req)
+        for h in [h for h, reqs in self.held_back.items() if reqs <= {req}]:
+            del self.held_back[h]
+        for reqs in self.held_back.values():
+            reqs.discard(req)
         self._drain()
 
     @invariant()
@@ -151,6 +170,38 @@ class StageBudget(RuleBasedStateMachine):
     def each_open_order_was_sent_once(self) -> None:
         assert {h: 1 for h in self.model} == self.sent
 
+    @invariant()
+    def over_budget_counts_each_time_an_item_is_held_back_once(self) -> None:
+        assert self.book.over_budget == self.times_held_back
+
 
 TestStageBudget = StageBudget.TestCase
 TestStageBudget.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_an_item_held_back_for_several_steps_counts_once() -> None:
+    """An item left out in steps 1, 2 and 3 (no room) and ordered in step 4 counts 1
+    in ``over_budget``; held back again after that (a new time) it counts again, as
+    it does after vLLM took it (encoded instead) or after its requests ended."""
+    machine = StageBudget()
+    book = machine.book
+    try:
+        big, small = StageItem("big", "k-big", 90), StageItem("small", "k-small", 20)
+        assert book.order("r0", [big])
+        for _ in range(3):  # steps 1-3: r1's item does not fit beside big's order
+            assert book.order("r1", [small]) and book.state("small") is None
+        assert book.over_budget == 1
+        book.release({"big"})  # big's order ends (say, loaded): room again
+        assert book.order("r1", [small])  # step 4: ordered
+        assert book.state("small") is StageState.STAGING and book.over_budget == 1
+        assert book.order("r0", [big])  # held back again behind small: a new time
+        assert book.order("r0", [big])
+        assert book.over_budget == 2
+        book.allocated("big")  # vLLM encoded it instead: that time ended
+        assert book.order("r2", [big]) and book.over_budget == 3
+        book.forget_request("r2")  # its only request ended: so did that time
+        assert book.order("r2", [big]) and book.over_budget == 4
+        book.forget_request("r0")  # another request that met it left out: not the last
+        assert book.order("r2", [big]) and book.over_budget == 4
+    finally:
+        machine.teardown()

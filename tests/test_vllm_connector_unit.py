@@ -800,7 +800,37 @@ def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
     held = [not p.sched.ensure_cache_available(r, 0) for r in requests[2:]]
     assert held == [True, True, False]
     p.sched.wait_for_staging(30)
-    assert link.held() == set(hashes[2:4]) and p.sched.stage_over_budget == 4
+    assert link.held() == set(hashes[2:4])
+    # The last one was held back in steps 1 and 3 (not ordered, not encoded between):
+    # one time, counted once; each item held back counted once in all.
+    assert p.sched.stage_over_budget == 3
+
+
+def test_an_item_held_back_counts_once_per_time(pairs, broker):
+    """``stage_over_budget`` counts an item once per time it is held back for lack of
+    room, not once per step: asked again while held back it does not count; once vLLM
+    encoded it instead (update_state_after_alloc) that time is over, and held back
+    again after vLLM freed it, it counts again."""
+    p = pairs(stage_max_embeds=NUM_EMBEDS)
+    a, b = "f1" * 32, "f2" * 32
+    for i, h in enumerate((a, b)):
+        p.worker.save_caches({h: embedding(60 + i)}, h)
+    ra, rb = make_request("ra", a), make_request("rb", b)
+    assert not p.sched.ensure_cache_available(ra, 0)  # a is ordered, fills the budget
+    p.sched.wait_for_staging(30)
+    for _ in range(3):  # three steps in which b does not fit: one time held back
+        assert p.sched.ensure_cache_available(rb, 0)
+        assert not p.sched.has_cache_item(b)
+        assert p.sched.stage_over_budget == 1
+        p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert p.sched.ensure_cache_available(rb, 0) and not p.sched.has_cache_item(b)
+    p.sched.update_state_after_alloc(rb, 0)  # vLLM encodes b instead: that time ends
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    freed = SchedulerOutput.make_empty()
+    freed.free_encoder_mm_hashes = [b]  # vLLM evicted b (rb still runs)
+    p.sched.build_connector_meta(freed)
+    assert p.sched.ensure_cache_available(make_request("rb2", b), 0)  # a new time
+    assert p.sched.stage_over_budget == 2
 
 
 def test_an_item_larger_than_the_staging_budget_is_staged_alone(pairs, broker):

@@ -215,8 +215,10 @@ class ECBrokerScheduler:
 
     @property
     def stage_over_budget(self) -> int:
-        """Hits not staged for lack of room in the staging budget (stage_book.py,
-        invariant 4): misses in the step that met them."""
+        """Times a hit was held back for lack of room in the staging budget
+        (stage_book.py, invariant 4): once per item from the step that first left it
+        out (a miss there) until it is staged, encoded instead, or its requests end --
+        not once per step it waits."""
         return self.book.over_budget if self.book is not None else 0
 
     @property
@@ -546,7 +548,10 @@ class ECBrokerScheduler:
                 self._publish.append(mm_hash)  # skipped: its workers publish it
             return
         book = self.book
-        if book is None or book.state(mm_hash) is not StageState.STAGED:
+        if book is None:
+            return
+        book.allocated(mm_hash)  # not held back for lack of room any more
+        if book.state(mm_hash) is not StageState.STAGED:
             return
         if any(spec.mm_hash == mm_hash for spec in self._pending_loads):
             return  # one load per item and step

@@ -30,6 +30,11 @@ Invariants (what makes a shipped load find its tensor on every rank):
    and looks at the next -- would stage every waiting request's hits in one step.
    An item that does not fit is not ordered: that step it is a miss (encoded if
    vLLM schedules it), and a later step orders it once loads have made room.
+   ``over_budget`` counts each item once per time it is *held back*: from the
+   step that first leaves it out until it is ordered, encoded instead
+   (``allocated``: vLLM's encoder cache took it), or no request that met it left
+   out is alive (``forget_request``): an item left out in three steps and ordered
+   in the fourth counts 1. Those marks are bounded by the live requests' items.
 """
 
 from __future__ import annotations
@@ -72,12 +77,20 @@ class StageBook:
         self._open_embeds = 0  # sum of the entries' embeds (invariant 4)
         self._late = False  # a rank missed a hold bound and has not answered since
         self.timeouts = 0  # hold bounds that passed (a counter, for stats)
-        self.over_budget = 0  # items not ordered for lack of room (a counter, for stats)
+        # Items held back for lack of room, not ordered since: mm_hash -> the requests
+        # that met them left out (invariant 4). Each time an item enters, it counts.
+        self._held_back: dict[str, set[str]] = {}
+        self.over_budget = 0  # times an item was held back (a counter, for stats)
 
     @property
     def ready(self) -> bool:
         """May new orders be sent: every rank linked, none late."""
         return self._hub.up and not self._late
+
+    @property
+    def max_embeds(self) -> int:
+        """The budget of the open orders' embeddings (invariant 4)."""
+        return self._max_embeds
 
     @property
     def open_embeds(self) -> int:
@@ -88,9 +101,10 @@ class StageBook:
         """Order ``items`` (those not in the book yet) for ``req_id``, in turn, while
         they fit the budget (invariant 4); False if the link is not ready. Items left
         out (no room, or the link not ready) are not in the book: the caller treats
-        them as misses."""
+        them as misses. One left out for lack of room is held back: counted in
+        ``over_budget`` if it was not held back already."""
         new: dict[str, StageItem] = {}
-        left_out = 0
+        left_out: list[str] = []
         room = self._max_embeds - self._open_embeds
         for item in items:
             if item.mm_hash in self._entries or item.mm_hash in new:
@@ -99,10 +113,13 @@ class StageBook:
                 new[item.mm_hash] = item
                 room -= item.num_embeds
             else:
-                left_out += 1
+                left_out.append(item.mm_hash)
         if new and not self.ready:
             return False
-        self.over_budget += left_out
+        for h in left_out:
+            if h not in self._held_back:
+                self.over_budget += 1
+            self._held_back.setdefault(h, set()).add(req_id)
         if new:
             if not self._hub.send(Stage(list(new.values()))):
                 return False
@@ -110,6 +127,7 @@ class StageBook:
             for item in new.values():
                 self._entries[item.mm_hash] = _Entry(now, item.num_embeds)
                 self._open_embeds += item.num_embeds
+                self._held_back.pop(item.mm_hash, None)
         for item in items:
             entry = self._entries.get(item.mm_hash)
             if entry is not None:
@@ -175,14 +193,24 @@ class StageBook:
         if gone:
             self._hub.send(StageRelease(gone))
 
+    def allocated(self, mm_hash: str) -> None:
+        """vLLM allocated ``mm_hash`` in its encoder cache (encoded or loaded): if it
+        was held back, that time ends (invariant 4); a later one counts again."""
+        self._held_back.pop(mm_hash, None)
+
     def forget_request(self, req_id: str) -> None:
-        """``req_id`` ended (finished, aborted): orders only it waited for end."""
+        """``req_id`` ended (finished, aborted): orders only it waited for end, and
+        items held back only for it are held back no more."""
         done = set()
         for h, entry in self._entries.items():
             entry.requests.discard(req_id)
             if not entry.requests:
                 done.add(h)
         self.release(done)
+        for h in [h for h, reqs in self._held_back.items() if reqs <= {req_id}]:
+            del self._held_back[h]
+        for reqs in self._held_back.values():
+            reqs.discard(req_id)
 
     def clear(self) -> None:
         self.release(set(self._entries))
@@ -193,6 +221,7 @@ class StageBook:
 
     def close(self) -> None:
         self._entries.clear()
+        self._held_back.clear()
         self._open_embeds = 0
         self._hub.close()
 
