@@ -847,6 +847,66 @@ def test_an_item_larger_than_the_staging_budget_is_staged_alone(pairs, broker):
     assert p.worker.connector_worker.link.held() == {a}
 
 
+def test_the_default_staging_budget_is_the_encoder_cache_vllm_sizes(model_config, broker):
+    """By default ``stage_max_embeds`` is the size vLLM's scheduler gives its encoder
+    cache: ``max(encoder_cache_size, the largest item's embeddings)``, not the
+    configuration's ``encoder_cache_size`` -- here 64 (a small
+    ``max_num_batched_tokens``), below the tiny model's largest item (a video). The
+    explicit key still wins, even below that."""
+    from vllm.config import SchedulerConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    def scheduler_side(**extra: object) -> ECBrokerConnector:
+        config = make_config(model_config, "ec_both", broker.socket_path, **extra)
+        config.scheduler_config = scheduler_config
+        return ECBrokerConnector(config, ECConnectorRole.SCHEDULER)
+
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=model_config.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+
+    info = MULTIMODAL_REGISTRY.create_processor(model_config).info
+    largest = max(
+        info.get_mm_max_tokens_per_item(
+            seq_len=model_config.max_model_len, mm_counts={"image": 1, "video": 1}
+        ).values()
+    )
+    sched = scheduler_side()
+    try:
+        configured = scheduler_config.encoder_cache_size
+        assert configured == 64 < largest  # one item larger than the configured size
+        assert sched.connector_scheduler.book.max_embeds == largest
+    finally:
+        sched.shutdown()
+    sched = scheduler_side(stage_max_embeds=40)
+    try:
+        assert sched.connector_scheduler.book.max_embeds == 40
+    finally:
+        sched.shutdown()
+
+
+def test_the_default_staging_budget_falls_back_to_the_configured_size(caplog):
+    """Where vLLM has no encoder cache (a text-only model) or its code cannot size one
+    here, the default is the configuration's ``encoder_cache_size`` (with a warning in
+    the second case): never an engine that fails to start for a default."""
+    from types import SimpleNamespace
+
+    from lmcache_ec_broker.connector.vllm.stage_book import vllm_encoder_cache_size
+
+    sched = SimpleNamespace(encoder_cache_size=300, max_num_batched_tokens=512)
+    text = SimpleNamespace(supports_multimodal_inputs=False)
+    assert vllm_encoder_cache_size(SimpleNamespace(scheduler_config=sched, model_config=text)) == 300
+    broken = SimpleNamespace(supports_multimodal_inputs=True)  # vLLM's budget fails on it
+    with caplog.at_level(logging.WARNING, logger="vllm.lmcache_ec_broker.connector"):
+        size = vllm_encoder_cache_size(SimpleNamespace(scheduler_config=sched, model_config=broken))
+    assert size == 300
+    assert "could not compute vLLM's encoder cache size" in caplog.text
+
+
 def test_a_staging_budget_of_zero_is_refused_with_the_fix(model_config, broker):
     with pytest.raises(ValueError, match="stage_max_embeds must be > 0"):
         ECBrokerConnector(

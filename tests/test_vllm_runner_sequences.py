@@ -602,6 +602,21 @@ def test_a_request_aborted_while_held_asks_no_more(engines, broker):
         assert b.sched_connector.claims_awaited == 0 and not b.has_work()
 
 
+@pytest.mark.parametrize("explicit", [None, 40])
+def test_the_default_staging_budget_is_vllms_own_encoder_cache_size(engines, explicit):
+    """vLLM's Scheduler sizes its encoder cache at max(encoder_cache_size, the largest
+    item's embeddings): with ``max_num_batched_tokens`` 64 the configured size (64) is
+    below the tiny model's largest item, and the staging budget's default is what
+    vLLM's own EncoderCacheManager holds, not 64. An explicit ``stage_max_embeds``
+    still wins."""
+    kw = {} if explicit is None else {"stage_max_embeds": explicit}
+    e = engines(max_num_batched_tokens=64, **kw)
+    vllm_size = e.scheduler.encoder_cache_manager.cache_size
+    assert e.scheduler.vllm_config.scheduler_config.encoder_cache_size == 64 < vllm_size
+    book = e.sched_connector.connector_scheduler.book
+    assert book.max_embeds == (vllm_size if explicit is None else explicit)
+
+
 # The waiting loop is the scheduler's, the same for every runner: the two ends of RUNNERS.
 @pytest.mark.parametrize(("v2", "async_scheduling"), [RUNNERS[0], RUNNERS[-1]])
 @pytest.mark.parametrize("budget", [None, 32])

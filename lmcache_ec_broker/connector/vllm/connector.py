@@ -111,7 +111,7 @@ from lmcache_ec_broker.connector.vllm.model_id import (
     with_config,
 )
 from lmcache_ec_broker.connector.vllm.scheduler import ECBrokerScheduler, SchedulerSettings
-from lmcache_ec_broker.connector.vllm.stage_book import StageBook
+from lmcache_ec_broker.connector.vllm.stage_book import StageBook, vllm_encoder_cache_size
 from lmcache_ec_broker.connector.vllm.stage_link import (
     StageHub,
     encoder_ranks,
@@ -308,16 +308,10 @@ class ECBrokerConnector(ECConnectorBase):
             reach = min(reach, threshold)
         # The staging budget (stage_book.py, invariant 4): embeddings held staged on each
         # encoder rank's device at once, outside what vLLM profiled. By default what
-        # vLLM's own encoder cache holds: more could not be loaded in one step anyway.
-        stage_max_embeds = int(
-            extra(
-                "stage_max_embeds",
-                getattr(sched, "encoder_cache_size", None)
-                or getattr(sched, "max_num_batched_tokens", None)
-                or 8192,
-            )
-        )
-        if stage_max_embeds <= 0:
+        # vLLM's own encoder cache holds (computed where a book is built, below).
+        explicit_stage_max = extra("stage_max_embeds", None)
+        stage_max_embeds = None if explicit_stage_max is None else int(explicit_stage_max)
+        if stage_max_embeds is not None and stage_max_embeds <= 0:
             raise ValueError(
                 "ec_connector_extra_config: stage_max_embeds must be > 0 "
                 f"(got {stage_max_embeds}; it bounds the embeddings staged on a device at once)"
@@ -345,6 +339,8 @@ class ECBrokerConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER:
             book: StageBook | None = None
             if stages:
+                if stage_max_embeds is None:
+                    stage_max_embeds = vllm_encoder_cache_size(vllm_config)
                 try:
                     hub = StageHub(link_path(vllm_config), encoder_ranks(vllm_config))
                 except (OSError, ValueError) as exc:

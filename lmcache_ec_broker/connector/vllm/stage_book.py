@@ -43,10 +43,53 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcache_ec_broker.connector.vllm.stage_link import Stage, StageHub, StageItem, StageRelease
 
 log = logging.getLogger("vllm.lmcache_ec_broker.connector")
+
+
+def vllm_encoder_cache_size(vllm_config: Any) -> int:
+    """The default of the staging budget (invariant 4): the size vLLM's scheduler gives
+    its own encoder cache, in embeddings -- more could not be loaded in one step anyway.
+
+    That is not the configuration's ``encoder_cache_size``: vLLM's ``Scheduler``
+    sizes its ``EncoderCacheManager`` with ``MultiModalBudget(...).encoder_cache_size``,
+    which is ``max(encoder_cache_size, the largest item's embeddings)``
+    (``compute_mm_encoder_budget``). This asks the same vLLM code the scheduler does,
+    with the same config (vLLM 0.32 and 0.33 alike: ``vllm.multimodal.encoder_budget``,
+    ``enable_cache=False`` as vLLM's own encoder-width probe builds it; the cache only
+    memoises dummy inputs, it changes no size). Its cost is the processor's creation
+    (about 0.3 s on the tiny test model), which the scheduler's own call right after
+    then finds cached. Where vLLM has no encoder cache (no multimodal inputs, or every
+    modality disabled) or vLLM's code fails here (the scheduler then fails the same way,
+    or the helper moved in another version: a warning), the configuration's size."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    configured = int(
+        getattr(sched, "encoder_cache_size", None)
+        or getattr(sched, "max_num_batched_tokens", None)
+        or 8192
+    )
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "supports_multimodal_inputs", False) is not True:
+        return configured
+    try:
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.encoder_budget import MultiModalBudget
+
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False)
+        size = int(budget.encoder_cache_size)
+    except Exception as exc:  # never take the engine down for a default
+        log.warning(
+            "EC stage: could not compute vLLM's encoder cache size (%s: %s); the staging "
+            "budget is the configured %d embeddings (set stage_max_embeds to choose)",
+            type(exc).__name__,
+            exc,
+            configured,
+        )
+        return configured
+    return size if size > 0 else configured
 
 
 class StageState(enum.Enum):
