@@ -80,11 +80,12 @@ fi
 # and only the EC connector package, the scheduler and both model runners' EC paths
 # (tests/test_vllm_compat.py, tests/test_vllm_runner_sequences.py), and what the key's
 # identity relies on (the renderer's item numbering, the tower-LoRA identifier, the
-# hasher algorithms, the engine's call right after it built the scheduler) are kept.
+# hasher algorithms, the engine's call right after it built the scheduler) and the
+# encoder-cache sizing the staging budget asks vLLM for are kept.
 VLLM_NEXT="0.33.0"
 NEXT_DIR=".venv/vllm-$VLLM_NEXT"
 # The sentinel is the newest file kept: an older extraction is extended.
-if [ ! -f "$NEXT_DIR/vllm/v1/executor/abstract.py" ]; then
+if [ ! -f "$NEXT_DIR/vllm/v1/core/encoder_cache_manager.py" ]; then
   NEXT_TMP=$(mktemp -d)
   "$VPY" -m pip download -q --no-deps --only-binary :all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 "vllm==$VLLM_NEXT" -d "$NEXT_TMP"
@@ -98,7 +99,9 @@ keep = ("vllm/distributed/ec_transfer/", "vllm/v1/core/sched/scheduler.py",
         "vllm/v1/worker/gpu/mm/", "vllm/v1/worker/gpu/model_states/",  # the V2 runner's
         "vllm/renderers/base.py", "vllm/v1/engine/input_processor.py",  # identifiers
         "vllm/config/multimodal.py", "vllm/v1/engine/core.py",
-        "vllm/v1/executor/abstract.py")  # the newest kept: the sentinel above
+        "vllm/v1/executor/abstract.py",
+        "vllm/multimodal/encoder_budget.py",
+        "vllm/v1/core/encoder_cache_manager.py")  # the newest kept: the sentinel above
 (wheel,) = glob.glob(f"{sys.argv[1]}/vllm-*.whl")
 with zipfile.ZipFile(wheel) as z:
     for name in z.namelist():

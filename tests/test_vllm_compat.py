@@ -326,3 +326,34 @@ def test_engine_calls_the_executor_right_after_building_the_scheduler(next_src: 
         assert init.index("self.model_executor.init_ec_output_aggregator()") > built, root
         abstract = root / "vllm/v1/executor/abstract.py"
         function(abstract, "init_ec_output_aggregator", "Executor")  # defined on the base
+
+
+def test_the_staging_budget_asks_vllm_what_its_scheduler_asks(next_src: Path):
+    """stage_book.vllm_encoder_cache_size builds ``MultiModalBudget(vllm_config, registry,
+    enable_cache=False)`` and reads ``encoder_cache_size``: in the installed vLLM and in
+    0.33 the Scheduler sizes its EncoderCacheManager from the same object, whose
+    ``enable_cache`` only picks a processor cache, and the size is
+    ``compute_mm_encoder_budget``'s (the configured size raised to the largest item)."""
+    sizing = next_src / "vllm/v1/core/encoder_cache_manager.py"
+    if not sizing.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{sizing} is missing: re-run .ci/setup.sh")
+        pytest.skip(f"{sizing} is missing: `bash .ci/setup.sh` extracts it")
+    for root in (INSTALLED, next_src):
+        path = root / "vllm/multimodal/encoder_budget.py"
+        init = function(path, "__init__", "MultiModalBudget")
+        assert [a.arg for a in init.args.args] == ["self", "vllm_config", "mm_registry"], root
+        assert [a.arg for a in init.args.kwonlyargs] == ["enable_cache"], root
+        body = ast.unparse(init)
+        assert "processor_only_cache_from_config(vllm_config) if enable_cache else None" in body
+        assert "compute_mm_encoder_budget(" in body
+        assert "self.encoder_cache_size = encoder_cache_size" in body
+        manager = root / "vllm/v1/core/encoder_cache_manager.py"
+        sized = ast.unparse(function(manager, "compute_mm_encoder_budget"))
+        assert "max(scheduler_config.encoder_cache_size, max_tokens_per_mm_item)" in sized, root
+        sched = ast.unparse(
+            function(root / "vllm/v1/core/sched/scheduler.py", "__init__", "Scheduler")
+        )
+        assert "MultiModalBudget(vllm_config, mm_registry)" in sched, root
+        assert "mm_budget.encoder_cache_size if mm_budget else 0" in sched, root
+        assert "cache_size=encoder_cache_size" in sched, root
