@@ -764,9 +764,9 @@ def test_a_staged_hit_ends_its_lease_and_is_released_with_its_request(pairs, bro
 def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
     """vLLM's waiting loop skips a held request and looks at the next, so one step can
     meet every waiting request's hits. What is staged on a rank's device at once stays
-    within ``stage_max_embeds`` (stage_book.py, invariant 4): a hit past it is a miss
-    in that step (encoded if vLLM schedules it) and is staged in a later step, once
-    loads have made room."""
+    within ``stage_max_embeds`` (stage_book.py, invariant 4): a request whose hit finds
+    no room waits (held, not encoded) and its hit is staged in a later step, once loads
+    have made room."""
     p = pairs(stage_max_embeds=2 * NUM_EMBEDS)
     hashes = [f"{i:02x}" * 32 for i in range(5)]
     tensors = {h: embedding(40 + i) for i, h in enumerate(hashes)}
@@ -778,7 +778,7 @@ def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
 
     # Step 1: every request asked in turn, as the waiting loop does.
     held = [not p.sched.ensure_cache_available(r, 0) for r in requests]
-    assert held == [True, True, False, False, False]
+    assert held == [True] * 5  # two staging, three waiting for room
     p.sched.wait_for_staging(30)
     assert link.held() == set(hashes[:2]) and book.open_embeds == 2 * NUM_EMBEDS
     assert [p.sched.has_cache_item(h) for h in hashes] == [True, True, False, False, False]
@@ -798,50 +798,85 @@ def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
 
     # Step 3: room again -- the next two are staged, the last one still waits.
     held = [not p.sched.ensure_cache_available(r, 0) for r in requests[2:]]
-    assert held == [True, True, False]
+    assert held == [True, True, True]
     p.sched.wait_for_staging(30)
     assert link.held() == set(hashes[2:4])
+    assert not any(p.sched.has_cache_item(h) for h in hashes[4:])
     # The last one was held back in steps 1 and 3 (not ordered, not encoded between):
     # one time, counted once; each item held back counted once in all.
     assert p.sched.stage_over_budget == 3
 
 
 def test_an_item_held_back_counts_once_per_time(pairs, broker):
-    """``stage_over_budget`` counts an item once per time it is held back for lack of
-    room, not once per step: asked again while held back it does not count; once vLLM
-    encoded it instead (update_state_after_alloc) that time is over, and held back
-    again after vLLM freed it, it counts again."""
-    p = pairs(stage_max_embeds=NUM_EMBEDS)
+    """A request whose hit finds no room in ``stage_max_embeds`` waits for it at most
+    ``stage_wait_ms`` in all, then its hit is encoded. ``stage_over_budget`` counts an
+    item once per time it is held back for lack of room, not once per step: asked
+    again while held back it does not count; once vLLM encoded it instead
+    (update_state_after_alloc) that time is over, and held back again after vLLM freed
+    it, it counts again."""
+    wait_s = 3.0
+    p = pairs(stage_max_embeds=NUM_EMBEDS, stage_wait_ms=int(wait_s * 1000))
     a, b = "f1" * 32, "f2" * 32
     for i, h in enumerate((a, b)):
         p.worker.save_caches({h: embedding(60 + i)}, h)
     ra, rb = make_request("ra", a), make_request("rb", b)
     assert not p.sched.ensure_cache_available(ra, 0)  # a is ordered, fills the budget
     p.sched.wait_for_staging(30)
+    first = time.monotonic()
     for _ in range(3):  # three steps in which b does not fit: one time held back
-        assert p.sched.ensure_cache_available(rb, 0)
+        assert not p.sched.ensure_cache_available(rb, 0)  # waits for room
         assert not p.sched.has_cache_item(b)
         assert p.sched.stage_over_budget == 1
         p.sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert time.monotonic() - first < wait_s, "the host was too slow for this test's bound"
+    time.sleep(wait_s - (time.monotonic() - first) + 0.05)  # a never ships: no room came
     assert p.sched.ensure_cache_available(rb, 0) and not p.sched.has_cache_item(b)
     p.sched.update_state_after_alloc(rb, 0)  # vLLM encodes b instead: that time ends
     p.sched.build_connector_meta(SchedulerOutput.make_empty())
     freed = SchedulerOutput.make_empty()
     freed.free_encoder_mm_hashes = [b]  # vLLM evicted b (rb still runs)
     p.sched.build_connector_meta(freed)
-    assert p.sched.ensure_cache_available(make_request("rb2", b), 0)  # a new time
+    assert not p.sched.ensure_cache_available(make_request("rb2", b), 0)  # a new time
     assert p.sched.stage_over_budget == 2
+
+
+def test_a_request_whose_own_orders_fill_the_budget_is_not_held_for_room(pairs, broker):
+    """Room comes only from other requests' orders: a request of two hits that do not
+    fit together is not held for room (its own staged hit would be loaded only once
+    it is scheduled). Its first hit is staged and loaded, the second encoded, in the
+    next step -- not after ``stage_wait_ms``."""
+    p = pairs(stage_max_embeds=NUM_EMBEDS + NUM_EMBEDS // 2, stage_wait_ms=30_000)
+    a, b = "d1" * 32, "d2" * 32
+    for i, h in enumerate((a, b)):
+        p.worker.save_caches({h: embedding(70 + i)}, h)
+    first = make_request("r", a)
+    second = make_request("r", b).mm_features[0]
+    second.mm_position = PlaceholderRange(offset=6 + NUM_EMBEDS, length=NUM_EMBEDS)
+    r = Request(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3] + [5] * NUM_EMBEDS + [4, 9, 1] + [5] * NUM_EMBEDS + [4],
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=[first.mm_features[0], second],
+    )
+    assert not p.sched.ensure_cache_available(r, 0)  # a is staging
+    p.sched.wait_for_staging(30)
+    started = time.monotonic()
+    assert p.sched.ensure_cache_available(r, 0)  # a staged; b cannot fit beside it
+    assert time.monotonic() - started < 5
+    assert p.sched.has_cache_item(a) and not p.sched.has_cache_item(b)
+    assert p.sched.stage_over_budget == 1
 
 
 def test_an_item_larger_than_the_staging_budget_is_staged_alone(pairs, broker):
     """An item larger than ``stage_max_embeds`` is still staged when nothing else is
-    (never starved); a second item waits for room."""
+    (never starved); a second item's request waits for room."""
     p = pairs(stage_max_embeds=NUM_EMBEDS // 2)
     a, b = "e1" * 32, "e2" * 32
     for i, h in enumerate((a, b)):
         p.worker.save_caches({h: embedding(50 + i)}, h)
     assert not p.sched.ensure_cache_available(make_request("ra", a), 0)
-    assert p.sched.ensure_cache_available(make_request("rb", b), 0)  # no room: encoded
+    assert not p.sched.ensure_cache_available(make_request("rb", b), 0)  # waits for room
     p.sched.wait_for_staging(30)
     assert p.sched.has_cache_item(a) and not p.sched.has_cache_item(b)
     assert p.worker.connector_worker.link.held() == {a}

@@ -140,6 +140,11 @@ class ECBrokerScheduler:
         self._step_leased: set[str] = set()
         self._waiting: dict[str, _Waiting] = {}
         self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
+        # req_id -> since when a hit of it waits for room in the staging budget (until
+        # the request ends: the wait is bounded by stage_wait_s per request, in all)
+        self._room_waiting: dict[str, float] = {}
+        self._room_late: set[str] = set()  # ... whose bound passed (logged once)
+        self._room_held_now = False  # this step held a request for room
         self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
         # When a CLAIMED item is asked about again (reask.py); a broker that does not
         # answer holds the items met in the outage's first two probe intervals, once.
@@ -295,12 +300,21 @@ class ECBrokerScheduler:
             for h in expected
             if book.state(h) is not None or self._step_state.get(h) == LookupState.READY
         ]
-        if order:
-            book.order(req_id, order)
-            for item in order:  # the link is not up, or no room (stage_book.py): encoded
-                if book.state(item.mm_hash) is None:
-                    self._step_state[item.mm_hash] = LookupState.MISS
         staging = False
+        if order:
+            ordered = book.order(req_id, order)
+            for item in order:
+                if book.state(item.mm_hash) is not None:
+                    continue
+                if (
+                    ordered
+                    and book.held_back(item.mm_hash)
+                    and book.room_may_come(req_id, item.num_embeds)
+                    and self._room_hold(req_id)
+                ):
+                    staging = True  # no room yet: the request waits, as for a staging
+                else:  # the link is not up, or no room within the bound: encoded
+                    self._step_state[item.mm_hash] = LookupState.MISS
         for h in expected:
             state = book.state(h)
             if state is StageState.FAILED:  # could not be staged: encoded, order ended
@@ -341,6 +355,27 @@ class ECBrokerScheduler:
             )
         self._waiting[req_id] = _Waiting(since, pending)
         self.ec_deferred += 1
+        return False
+
+    def _room_hold(self, req_id: str) -> bool:
+        """Hold the request while a hit of it waits for room in the staging budget
+        (stage_book.py, invariant 4): open orders end within the hold bound (shipped,
+        failed or released), so room comes; at most stage_wait_s in all per request,
+        then its hits past the budget are encoded. Encoding at once instead would
+        encode again, in a burst of hits, every item the budget left out."""
+        now = time.monotonic()
+        since = self._room_waiting.setdefault(req_id, now)
+        if now - since < self._settings.stage_wait_s:
+            self._room_held_now = True
+            return True
+        if req_id not in self._room_late:  # said once per request
+            self._room_late.add(req_id)
+            logger.info(
+                "EC stage: request %s found no room in stage_max_embeds within %.1f s; "
+                "its hits past it are encoded",
+                req_id,
+                self._settings.stage_wait_s,
+            )
         return False
 
     def _kept(self, mm_hash: str) -> bool:
@@ -572,6 +607,7 @@ class ECBrokerScheduler:
         # moves into the encoder cache (vLLM holds the item) and its order ends.
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         self._idle_step_wait(scheduler_output)
+        self._room_held_now = False
         meta = ECBrokerConnectorMetadata(
             loads=self._pending_loads,
             model=self.field,
@@ -611,7 +647,7 @@ class ECBrokerScheduler:
         book = self.book
         if book is not None and len(book.staging()) > 0:
             book.wait(IDLE_STEP_WAIT_S)
-        elif self._waiting or self._claim_waiting:
+        elif self._waiting or self._claim_waiting or self._room_held_now:
             time.sleep(IDLE_STEP_WAIT_S)
 
     def _needed(self) -> set[str]:
@@ -635,6 +671,8 @@ class ECBrokerScheduler:
 
     def request_finished(self, request: Request) -> None:
         self._claim_waiting.pop(request.request_id, None)
+        self._room_waiting.pop(request.request_id, None)
+        self._room_late.discard(request.request_id)
         self._reask.forget_request(request.request_id)
         claimed = self._claimed_by.pop(request.request_id, None)
         client = self._live_client()

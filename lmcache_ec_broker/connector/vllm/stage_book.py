@@ -28,8 +28,12 @@ Invariants (what makes a shipped load find its tensor on every rank):
    Every rank holds a device tensor per open order, outside the memory vLLM
    profiled: without the bound, vLLM's waiting loop -- which skips a held request
    and looks at the next -- would stage every waiting request's hits in one step.
-   An item that does not fit is not ordered: that step it is a miss (encoded if
-   vLLM schedules it), and a later step orders it once loads have made room.
+   An item that does not fit is not ordered: it is *held back* (``held_back``),
+   and the scheduler holds its request until loads have made room, at most
+   ``stage_wait_ms`` per request, then encodes it (scheduler.py ``_room_hold``):
+   open orders end within their own bound, so room comes -- where other requests'
+   orders hold it (``room_may_come``); a request whose own orders fill the budget
+   is not held for room (they end only once it is scheduled): that item is encoded.
    ``over_budget`` counts each item once per time it is *held back*: from the
    step that first leaves it out until it is ordered, encoded instead
    (``allocated``: vLLM's encoder cache took it), or no request that met it left
@@ -235,6 +239,19 @@ class StageBook:
         gone = [h for h in hashes if self._end(h)]
         if gone:
             self._hub.send(StageRelease(gone))
+
+    def held_back(self, mm_hash: str) -> bool:
+        """Whether ``mm_hash`` was left out for lack of room and not ordered since."""
+        return mm_hash in self._held_back
+
+    def room_may_come(self, req_id: str, num_embeds: int) -> bool:
+        """Whether orders ``req_id`` does not wait for hold the room an item of
+        ``num_embeds`` lacks, so that waiting can give it: false where only the
+        request's own orders fill the budget (they end only once it is scheduled) or
+        its own orders and the item would not fit together."""
+        own = sum(e.embeds for e in self._entries.values() if req_id in e.requests)
+        others = self._open_embeds - own
+        return others > 0 and (own == 0 or own + num_embeds <= self._max_embeds)
 
     def allocated(self, mm_hash: str) -> None:
         """vLLM allocated ``mm_hash`` in its encoder cache (encoded or loaded): if it
