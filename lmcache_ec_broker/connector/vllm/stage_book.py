@@ -31,9 +31,10 @@ Invariants (what makes a shipped load find its tensor on every rank):
    An item that does not fit is not ordered: it is *held back* (``held_back``),
    and the scheduler holds its request until loads have made room, at most
    ``stage_wait_ms`` per request, then encodes it (scheduler.py ``_room_hold``):
-   open orders end within their own bound, so room comes -- where other requests'
-   orders hold it (``room_may_come``); a request whose own orders fill the budget
-   is not held for room (they end only once it is scheduled): that item is encoded.
+   open orders end as their requests are scheduled, fail (invariant 3) or end, so
+   room comes -- where other requests' orders hold it (``room_may_come``); a
+   request whose own orders fill the budget is not held for room (they end only
+   once it is scheduled): that item is encoded.
    ``over_budget`` counts each item once per time it is *held back*: from the
    step that first leaves it out until it is ordered, encoded instead
    (``allocated``: vLLM's encoder cache took it), or no request that met it left
