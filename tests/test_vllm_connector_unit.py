@@ -785,6 +785,21 @@ def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
     assert p.sched.stage_over_budget == 3
     p.sched.build_connector_meta(SchedulerOutput.make_empty())  # nothing scheduled
 
+    # A step without room: the three are held again without a lookup each (in a burst,
+    # a lookup per waiting request in every step).
+    sched = p.sched.connector_scheduler
+    lookups: list[list[str]] = []
+    real_lookup = sched._lookup
+
+    def counted_lookup(hashes: list[str], *args: object, **kw: object) -> None:
+        lookups.append(hashes)
+        real_lookup(hashes, *args, **kw)
+
+    sched._lookup = counted_lookup
+    assert not any(p.sched.ensure_cache_available(r, 0) for r in requests[2:])
+    assert lookups == []
+    p.sched.build_connector_meta(SchedulerOutput.make_empty())
+
     # Step 2: the two staged ones are scheduled and loaded; the rest still wait.
     cache: dict[str, torch.Tensor] = {}
     so = SchedulerOutput.make_empty()
@@ -796,9 +811,11 @@ def test_staged_embeddings_stay_within_the_staging_budget(pairs, broker):
     assert set(cache) == set(hashes[:2]) and book.open_embeds == 0
     assert all(torch.equal(cache[h], tensors[h]) for h in hashes[:2])
 
-    # Step 3: room again -- the next two are staged, the last one still waits.
+    # Step 3: room again -- the next two are looked up and staged; the last one finds
+    # none again and waits, still without a lookup.
     held = [not p.sched.ensure_cache_available(r, 0) for r in requests[2:]]
     assert held == [True, True, True]
+    assert lookups == [[h] for h in hashes[2:4]]
     p.sched.wait_for_staging(30)
     assert link.held() == set(hashes[2:4])
     assert not any(p.sched.has_cache_item(h) for h in hashes[4:])

@@ -222,8 +222,8 @@ class ECBrokerScheduler:
     def stage_over_budget(self) -> int:
         """Times a hit was held back for lack of room in the staging budget
         (stage_book.py, invariant 4): once per item from the step that first left it
-        out (a miss there) until it is staged, encoded instead, or its requests end --
-        not once per step it waits."""
+        out until it is staged, encoded instead, or its requests end -- not once per
+        step it waits."""
         return self.book.over_budget if self.book is not None else 0
 
     @property
@@ -284,12 +284,14 @@ class ECBrokerScheduler:
             return True
         self._settle(book.refresh())
         expected = self._ahead(request, num_computed_tokens)
+        req_id = request.request_id
+        if self._still_no_room(req_id, expected, book):
+            return False
         ask = [
             h
             for h in expected
             if h not in self._step_state and book.state(h) is None and not self._kept(h)
         ]
-        req_id = request.request_id
         if ask:
             self._lookup(ask, expected, req_id)
         if self._claim_hold(req_id, expected):
@@ -357,12 +359,26 @@ class ECBrokerScheduler:
         self.ec_deferred += 1
         return False
 
+    def _still_no_room(
+        self, req_id: str, expected: dict[str, tuple[int, int | None]], book: StageBook
+    ) -> bool:
+        """A request held for room whose held-back hit still finds none is held again
+        without asking the broker: in a burst, every waiting request would otherwise
+        cost a lookup in every step (vLLM's waiting loop skips held requests, so it
+        visits them all)."""
+        if req_id not in self._room_waiting or req_id in self._room_late:
+            return False
+        for h, (embeds, _width) in expected.items():
+            if book.held_back(h) and not book.fits(embeds) and book.room_may_come(req_id, embeds):
+                return self._room_hold(req_id)
+        return False
+
     def _room_hold(self, req_id: str) -> bool:
         """Hold the request while a hit of it waits for room in the staging budget
-        (stage_book.py, invariant 4): open orders end within the hold bound (shipped,
-        failed or released), so room comes; at most stage_wait_s in all per request,
-        then its hits past the budget are encoded. Encoding at once instead would
-        encode again, in a burst of hits, every item the budget left out."""
+        (stage_book.py, invariant 4): open orders end as their requests are scheduled,
+        fail or end, so room comes; at most stage_wait_s in all per request, then its
+        hits past the budget are encoded. Encoding at once instead would encode
+        again, in a burst of hits, every item the budget left out."""
         now = time.monotonic()
         since = self._room_waiting.setdefault(req_id, now)
         if now - since < self._settings.stage_wait_s:

@@ -245,6 +245,10 @@ class StageBook:
         """Whether ``mm_hash`` was left out for lack of room and not ordered since."""
         return mm_hash in self._held_back
 
+    def fits(self, num_embeds: int) -> bool:
+        """Whether an item of ``num_embeds`` would be ordered now (invariant 4)."""
+        return not self._entries or num_embeds <= self._max_embeds - self._open_embeds
+
     def room_may_come(self, req_id: str, num_embeds: int) -> bool:
         """Whether orders ``req_id`` does not wait for hold the room an item of
         ``num_embeds`` lacks, so that waiting can give it: false where only the
