@@ -148,9 +148,10 @@ class StageBook:
     def order(self, req_id: str, items: list[StageItem]) -> bool:
         """Order ``items`` (those not in the book yet) for ``req_id``, in turn, while
         they fit the budget (invariant 4); False if the link is not ready. Items left
-        out (no room, or the link not ready) are not in the book: the caller treats
-        them as misses. One left out for lack of room is held back: counted in
-        ``over_budget`` if it was not held back already."""
+        out (no room, or the link not ready) are not in the book: misses, except that
+        the caller may hold the request of one left out for lack of room, which is
+        held back (``held_back``): counted in ``over_budget`` if it was not held back
+        already."""
         new: dict[str, StageItem] = {}
         left_out: list[str] = []
         room = self._max_embeds - self._open_embeds
