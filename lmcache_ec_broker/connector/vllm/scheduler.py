@@ -35,6 +35,7 @@ from lmcache_ec_broker.connector.vllm.meta import (
     make_key,
 )
 from lmcache_ec_broker.connector.vllm.reask import ReaskSchedule
+from lmcache_ec_broker.connector.vllm.room_waits import RoomWaits
 from lmcache_ec_broker.connector.vllm.stage_book import StageBook, StageState
 from lmcache_ec_broker.connector.vllm.stage_link import StageItem
 from lmcache_ec_broker.connector.vllm.worker import logger
@@ -140,11 +141,8 @@ class ECBrokerScheduler:
         self._step_leased: set[str] = set()
         self._waiting: dict[str, _Waiting] = {}
         self._claim_waiting: dict[str, float] = {}  # req_id -> since when it waits
-        # req_id -> since when a hit of it waits for room in the staging budget (until
-        # the request ends: the wait is bounded by stage_wait_s per request, in all)
-        self._room_waiting: dict[str, float] = {}
-        self._room_late: set[str] = set()  # ... whose bound passed (logged once)
-        self._room_held_now = False  # this step held a request for room
+        # Requests whose hits wait for room in the staging budget (room_waits.py).
+        self._room = RoomWaits(settings.stage_wait_s)
         self._claimed_by: dict[str, set[str]] = {}  # req_id -> items it claimed
         # When a CLAIMED item is asked about again (reask.py); a broker that does not
         # answer holds the items met in the outage's first two probe intervals, once.
@@ -285,7 +283,7 @@ class ECBrokerScheduler:
         self._settle(book.refresh())
         expected = self._ahead(request, num_computed_tokens)
         req_id = request.request_id
-        if self._still_no_room(req_id, expected, book):
+        if self._room.still_no_room(req_id, expected, book):
             return False
         ask = [
             h
@@ -312,7 +310,7 @@ class ECBrokerScheduler:
                     ordered
                     and book.held_back(item.mm_hash)
                     and book.room_may_come(req_id, item.num_embeds)
-                    and self._room_hold(req_id)
+                    and self._room.hold(req_id)
                 ):
                     staging = True  # no room yet: the request waits, as for a staging
                 else:  # the link is not up, or no room within the bound: encoded
@@ -357,41 +355,6 @@ class ECBrokerScheduler:
             )
         self._waiting[req_id] = _Waiting(since, pending)
         self.ec_deferred += 1
-        return False
-
-    def _still_no_room(
-        self, req_id: str, expected: dict[str, tuple[int, int | None]], book: StageBook
-    ) -> bool:
-        """A request held for room whose held-back hit still finds none is held again
-        without asking the broker: in a burst, every waiting request would otherwise
-        cost a lookup in every step (vLLM's waiting loop skips held requests, so it
-        visits them all)."""
-        if req_id not in self._room_waiting or req_id in self._room_late:
-            return False
-        for h, (embeds, _width) in expected.items():
-            if book.held_back(h) and not book.fits(embeds) and book.room_may_come(req_id, embeds):
-                return self._room_hold(req_id)
-        return False
-
-    def _room_hold(self, req_id: str) -> bool:
-        """Hold the request while a hit of it waits for room in the staging budget
-        (stage_book.py, invariant 4): open orders end as their requests are scheduled,
-        fail or end, so room comes; at most stage_wait_s in all per request, then its
-        hits past the budget are encoded. Encoding at once instead would encode
-        again, in a burst of hits, every item the budget left out."""
-        now = time.monotonic()
-        since = self._room_waiting.setdefault(req_id, now)
-        if now - since < self._settings.stage_wait_s:
-            self._room_held_now = True
-            return True
-        if req_id not in self._room_late:  # said once per request
-            self._room_late.add(req_id)
-            logger.info(
-                "EC stage: request %s found no room in stage_max_embeds within %.1f s; "
-                "its hits past it are encoded",
-                req_id,
-                self._settings.stage_wait_s,
-            )
         return False
 
     def _kept(self, mm_hash: str) -> bool:
@@ -623,7 +586,7 @@ class ECBrokerScheduler:
         # moves into the encoder cache (vLLM holds the item) and its order ends.
         self._held.difference_update(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
         self._idle_step_wait(scheduler_output)
-        self._room_held_now = False
+        self._room.step_ended()
         meta = ECBrokerConnectorMetadata(
             loads=self._pending_loads,
             model=self.field,
@@ -663,7 +626,7 @@ class ECBrokerScheduler:
         book = self.book
         if book is not None and len(book.staging()) > 0:
             book.wait(IDLE_STEP_WAIT_S)
-        elif self._waiting or self._claim_waiting or self._room_held_now:
+        elif self._waiting or self._claim_waiting or self._room.held_now:
             time.sleep(IDLE_STEP_WAIT_S)
 
     def _needed(self) -> set[str]:
@@ -687,8 +650,7 @@ class ECBrokerScheduler:
 
     def request_finished(self, request: Request) -> None:
         self._claim_waiting.pop(request.request_id, None)
-        self._room_waiting.pop(request.request_id, None)
-        self._room_late.discard(request.request_id)
+        self._room.forget(request.request_id)
         self._reask.forget_request(request.request_id)
         claimed = self._claimed_by.pop(request.request_id, None)
         client = self._live_client()

@@ -30,7 +30,7 @@ Invariants (what makes a shipped load find its tensor on every rank):
    and looks at the next -- would stage every waiting request's hits in one step.
    An item that does not fit is not ordered: it is *held back* (``held_back``),
    and the scheduler holds its request until loads have made room, at most
-   ``stage_wait_ms`` per request, then encodes it (scheduler.py ``_room_hold``):
+   ``stage_wait_ms`` per request, then encodes it (room_waits.py):
    open orders end as their requests are scheduled, fail (invariant 3) or end, so
    room comes -- where other requests' orders hold it (``room_may_come``); a
    request whose own orders fill the budget is not held for room (they end only
