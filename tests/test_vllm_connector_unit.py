@@ -702,8 +702,9 @@ def broker_stats(socket_path: str, *settle: Pair) -> dict:
     connection sent before."""
     for p in settle:
         for conn in (p.sched, p.worker):
-            if conn._client is not None:
-                assert conn._client.ping()
+            for client in (conn._clients.live(), conn._stage_clients.live()):
+                if client is not None:
+                    assert client.ping()
     with BrokerClient(socket_path) as c:
         return c.stats()
 
@@ -736,6 +737,50 @@ def test_leases_end_once_the_load_is_done(pairs, make_broker):
     s = broker_stats(b.socket_path, a, reader)
     assert s["no_space"] == 0 and s["evictions"] >= 48 - 16
     assert s["pins"] == 0, "leases still held after their loads"
+
+
+def test_a_staging_copy_does_not_hold_up_the_steps_put(pairs, broker, monkeypatch):
+    """The staging thread copies an entry out of the slab through a client of its own
+    (process_clients.py): a put in the step goes ahead while that copy runs. Before,
+    both shared one client, whose lock is held through a copy, so the step's put (and
+    the engine's step) waited for the whole staging copy."""
+    from lmcache_ec_broker.connector.client.copy import SlabView
+
+    a, b = pairs(), pairs()
+    h, y = "c1" * 32, "c2" * 32
+    a.worker.save_caches({h: embedding(3)}, h)
+    copying, release = threading.Event(), threading.Event()
+    read = SlabView.read
+
+    def held_read(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            copying.set()  # the staging thread is in its copy out of the slab
+            release.wait(30)
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(SlabView, "read", held_read)
+    request = make_request("req-held-copy", h)
+    assert not b.sched.ensure_cache_available(request, 0)  # held: staging ordered
+    assert copying.wait(30)
+    put_done = threading.Event()
+
+    def step_put() -> None:
+        b.worker.save_caches({y: embedding(4)}, y)
+        put_done.set()
+
+    putter = threading.Thread(target=step_put)
+    putter.start()
+    try:
+        assert put_done.wait(10), "the step's put waited for the staging thread's copy"
+    finally:
+        release.set()
+        putter.join(30)
+    assert b.worker.puts_stored == 1
+    cache: dict[str, torch.Tensor] = {}
+    b.step(cache, [(request, 0)])
+    assert b.worker.loads == 1 and torch.equal(cache[h], embedding(3))
+    with BrokerClient(broker.socket_path) as c:
+        assert c.has([b.sched.key(y)]) == [True]
 
 
 def test_a_staged_hit_ends_its_lease_and_is_released_with_its_request(pairs, broker):
@@ -1505,7 +1550,8 @@ def test_a_slow_remote_store_costs_the_scheduler_misses_not_its_circuit(
 
 def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
     """Worker side: the first put waits worker_budget_ms, later puts are skipped at
-    once and counted, a staging fails at once (the item is encoded); all published after.
+    once and counted; the staging thread's client waits once too, then a staging fails
+    at once (the item is encoded); all published after.
     Without put arenas: a put into its arena waits for nothing, hung broker or not
     (tests/test_put_arena.py), so here the first wait would be the load's.
 
@@ -1527,12 +1573,19 @@ def test_hung_broker_skips_the_workers_puts_and_loads(pairs, make_broker):
             waits.append(time.perf_counter() - t0)
         assert 0.9 * budget < waits[0] < 3 * budget and max(waits[1:]) < budget / 3, waits
         assert p.worker.puts_skipped == 5 and p.worker.broker_timeouts == 1
-        r = make_request("r", "0" * 64)
-        p.sched.connector_scheduler._step_state["0" * 64] = LookupState.READY  # a hit seen before the hang
-        t0 = time.perf_counter()
-        assert p.staged_first(r)  # ordered; the worker's staging fails at once
-        assert time.perf_counter() - t0 < budget / 3
-        assert not p.sched.has_cache_item("0" * 64) and p.worker.load_failures == 1
+        # The staging thread reads through a client of its own (process_clients.py):
+        # its first read pays that client's one wait of the outage, off the step's
+        # thread; the next staging fails at once.
+        waits = []
+        for n, h in enumerate(("0" * 64, "0" * 63 + "1")):
+            r = make_request(f"r{n}", h)
+            p.sched.connector_scheduler._step_state[h] = LookupState.READY  # seen before the hang
+            t0 = time.perf_counter()
+            assert p.staged_first(r)  # ordered; the staging fails: encoded
+            waits.append(time.perf_counter() - t0)
+            assert not p.sched.has_cache_item(h) and p.worker.load_failures == n + 1
+        assert waits[0] < 3 * budget and waits[1] < budget / 3, waits
+        assert p.worker.broker_timeouts == 2
     finally:
         os.kill(b.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30

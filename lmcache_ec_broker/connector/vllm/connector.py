@@ -79,10 +79,7 @@ messages between the two sides and the key format are in ``meta.py``.
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -110,6 +107,7 @@ from lmcache_ec_broker.connector.vllm.model_id import (
     model_id,
     with_config,
 )
+from lmcache_ec_broker.connector.vllm.process_clients import ProcessClient
 from lmcache_ec_broker.connector.vllm.scheduler import ECBrokerScheduler, SchedulerSettings
 from lmcache_ec_broker.connector.vllm.stage_book import StageBook, vllm_encoder_cache_size
 from lmcache_ec_broker.connector.vllm.stage_link import (
@@ -139,7 +137,6 @@ DEFAULT_WORKER_BUDGET_MS = 200.0
 DEFAULT_PROBE_INTERVAL_MS = 500.0
 DEFAULT_PUBLISH_WAIT_MS = 2000
 DEFAULT_CLAIM_WAIT_MS = 10_000
-_T = TypeVar("_T")
 
 
 def _worker_count(name: str) -> property:
@@ -316,10 +313,9 @@ class ECBrokerConnector(ECConnectorBase):
                 "ec_connector_extra_config: stage_max_embeds must be > 0 "
                 f"(got {stage_max_embeds}; it bounds the embeddings staged on a device at once)"
             )
-        self._client: BrokerClient | None = None
-        self._client_pid = -1
-        self._client_lock = threading.Lock()
-        self._broker_up = True
+        # The step's client, and on a worker the staging thread's (process_clients.py).
+        self._clients = ProcessClient(self._make_client)
+        self._stage_clients = ProcessClient(self._make_client)
 
         # Counters of the connector itself (each side's part counts its own).
         self.invalid_skipped = 0  # entries of the wrong dtype/shape: misses, left alone
@@ -366,8 +362,8 @@ class ECBrokerConnector(ECConnectorBase):
                 dtype=self._dtype,
                 widths=dict(getattr(ec_config, "mm_encoder_output_widths", {})),
                 book=book,
-                on_live_connection=self._on_live_connection,
-                live_client=self._live_client,
+                on_live_connection=self._clients.on_live_connection,
+                live_client=self._clients.live,
                 item_key=self._ids.item_key,
                 mismatch=self._mismatch,
                 delete_invalid=self._delete_invalid,
@@ -383,8 +379,8 @@ class ECBrokerConnector(ECConnectorBase):
                 model_source=self._model_source,
                 bound_metadata=lambda: self._connector_metadata,
                 client=lambda: self.client,
-                on_live_connection=self._on_live_connection,
-                note_health=self._note_health,
+                on_live_read_connection=self._stage_clients.on_live_connection,
+                note_health=self._clients.note_health,
                 mismatch=self._mismatch,
                 delete_invalid=self._delete_invalid,
                 private=self._private,
@@ -434,57 +430,21 @@ class ECBrokerConnector(ECConnectorBase):
 
     @property
     def client(self) -> BrokerClient:
-        # Lazily, and again after a fork: a socket and mapping must not be shared.
-        with self._client_lock:
-            if self._client is None or self._client_pid != os.getpid():
-                self._client = BrokerClient(
-                    self._socket_path,
-                    timeout_s=self._timeout_s,
-                    connect_timeout_s=self._timeout_s,
-                    probe_interval_s=self._probe_interval_s,
-                )
-                self._client_pid = os.getpid()
-                self._broker_up = True
-                self._note_health(self._client)
-            return self._client
+        """This process's step client (made on first use, and again after a fork)."""
+        return self._clients.get()
 
-    def _live_client(self) -> BrokerClient | None:
-        """This process's client if it made one (nothing is connected for a release)."""
-        client = self._client
-        return client if client is not None and self._client_pid == os.getpid() else None
-
-    def _note_health(self, client: BrokerClient) -> None:
-        """Log each transition between reachable and unreachable broker once."""
-        up = client.connected
-        if up == self._broker_up:
-            return
-        self._broker_up = up
-        if up:
-            logger.info("EC broker at %s is reachable again", client.socket_path)
-        else:
-            logger.warning(
-                "EC broker not reachable at %s; serving without it (misses) "
-                "and reconnecting in the background",
-                client.socket_path,
-            )
-
-    def _on_live_connection(self, call: Callable[[BrokerClient], _T]) -> _T:
-        """``call(client)``, once more if the connection died under it. A connection
-        idle across a broker restart is found dead only when used; the retry connects
-        to the new broker at once (no backoff is pending), so the first load after a
-        restart does not fail its request. Only for reads: they are safe to repeat."""
-        client = self.client
-        result = call(client)
-        if not client.connected:
-            result = call(client)
-        self._note_health(client)
-        return result
+    def _make_client(self) -> BrokerClient:
+        return BrokerClient(
+            self._socket_path,
+            timeout_s=self._timeout_s,
+            connect_timeout_s=self._timeout_s,
+            probe_interval_s=self._probe_interval_s,
+        )
 
     @property
     def broker_timeouts(self) -> int:
         """Outages that cost this process a wait (one timeout each, see BrokerClient)."""
-        client = self._client
-        own = client.timeouts if client is not None and self._client_pid == os.getpid() else 0
+        own = self._clients.timeouts() + self._stage_clients.timeouts()
         if self.connector_worker is None:
             own += self._from_workers.get("broker_timeouts", 0)  # the workers' outages
         return own
@@ -527,10 +487,8 @@ class ECBrokerConnector(ECConnectorBase):
         worker = self.connector_worker
         if worker is not None and worker.link is not None:
             worker.link.close()
-        with self._client_lock:
-            if self._client is not None and self._client_pid == os.getpid():
-                self._client.close()
-            self._client = None
+        self._clients.close()
+        self._stage_clients.close()
 
     def _mismatch(
         self, dtype: str, shape: list[int], num_embeds: int | None, width: int | None

@@ -66,7 +66,7 @@ class ECBrokerWorker:
         model_source: tuple[Any, ...],
         bound_metadata: Callable[[], Any],
         client: Callable[[], BrokerClient],
-        on_live_connection: Callable[[Callable[[BrokerClient], Any]], Any],
+        on_live_read_connection: Callable[[Callable[[BrokerClient], Any]], Any],
         note_health: Callable[[BrokerClient], None],
         mismatch: Callable[[str, list[int], int | None, int | None], str],
         delete_invalid: Callable[[list[tuple[str, str]]], None],
@@ -82,7 +82,8 @@ class ECBrokerWorker:
         self._model_source = model_source
         self._bound_metadata = bound_metadata
         self._client = client
-        self._on_live_connection = on_live_connection
+        # The staging thread's reads: a client of their own (process_clients.py)
+        self._on_live_read_connection = on_live_read_connection
         self._note_health = note_health
         self._mismatch = mismatch
         self._delete_invalid = delete_invalid
@@ -285,7 +286,7 @@ class ECBrokerWorker:
     def fetch(self, keys: list[str], device: str) -> list[torch.Tensor | None]:
         """The entries under ``keys`` on ``device``; None where one cannot be had."""
         try:
-            return self._on_live_connection(lambda c: c.get_many(keys, device=device))
+            return self._on_live_read_connection(lambda c: c.get_many(keys, device=device))
         except Exception as exc:  # never take the worker down: the items are encoded
             logger.warning("EC broker get failed: %s", exc)
             return [None] * len(keys)
