@@ -334,3 +334,11 @@ def test_tp_step_cost_smoke(tmp_path: Path) -> None:
     assert {"worker/0/True", "worker/1/True", "worker/0/False", "worker/1/False"} <= set(
         samples
     ), sorted(samples)
+
+
+def test_step_put_under_staging_smoke() -> None:
+    r = _run("step_put_under_staging.py", "--puts", "10", "--put-size", "64KiB",
+             "--stage-size", "4MiB", "--stage-entries", "2", "--gap-ms", "1", timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for needle in ("put alone", "shared client", "a client each"):
+        assert needle in r.stdout, (needle, r.stdout)
