@@ -783,6 +783,17 @@ def test_a_staging_copy_does_not_hold_up_the_steps_put(pairs, broker, monkeypatc
         assert c.has([b.sched.key(y)]) == [True]
 
 
+def test_the_staging_client_is_connected_and_mapped_before_the_link_is_up(pairs):
+    """The staging thread connects its client and maps the slab before it links to
+    the scheduler: the first staged hit does not pay them inside stage_wait_ms (a
+    multi-GiB slab's mapping alone can take longer than the 700 ms default)."""
+    p = pairs()  # returns once every encoder rank linked
+    client = p.worker._stage_clients.live()
+    assert client is not None and client.connected
+    maps = client.mappings
+    assert maps is not None and maps.slab is not None
+
+
 def test_a_staged_hit_ends_its_lease_and_is_released_with_its_request(pairs, broker):
     """The lookup's lease protects the entry until the workers staged it, no longer;
     a request that ends before it loads (aborted, or never scheduled) releases the

@@ -232,17 +232,21 @@ class StageLink:
     is ordered to (``fetch``), and holds the tensors until ``take`` or ``StageRelease``.
 
     ``fetch(items)`` returns, per item, the tensor on this worker's device or the
-    reason it could not be had (any exception is caught: a failure, never a crash)."""
+    reason it could not be had (any exception is caught: a failure, never a crash).
+    ``prepare()``, if given, runs on the thread once before it links (what the first
+    fetch would otherwise pay: its broker connection and slab mapping); it may fail."""
 
     def __init__(
         self,
         path: str,
         rank: int,
         fetch: Callable[[list[StageItem]], list[torch.Tensor | str]],
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
         self.rank = rank
         self._fetch = fetch
+        self._prepare = prepare
         self._lock = threading.Lock()
         # mm_hash -> [tensor on the device, orders not ended yet] (invariant 1)
         self._staged: dict[str, list[Any]] = {}
@@ -282,6 +286,9 @@ class StageLink:
             return set(self._staged)
 
     def _run(self) -> None:
+        if self._prepare is not None:
+            with contextlib.suppress(Exception):  # an outage: the first fetch connects
+                self._prepare()
         while not self._closed.is_set():
             sock = self._connect()
             if sock is None:

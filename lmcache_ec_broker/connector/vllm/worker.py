@@ -196,7 +196,13 @@ class ECBrokerWorker:
         rank, first_stage = _ranks()
         if first_stage:
             self._device = _runner_device()
-            self.link = StageLink(path, rank, self._stage_fetch)
+            self.link = StageLink(path, rank, self._stage_fetch, self._prepare_reads)
+
+    def _prepare_reads(self) -> None:
+        """The link's thread, before it links: the staging client connected and the
+        slab mapped (a multi-GiB slab takes a while to map), so the first staged hit
+        does not pay for them within ``stage_wait_ms``. Raises during an outage."""
+        self._on_live_read_connection(lambda c: c.slab())
 
     def _stage_fetch(self, items: list[StageItem]) -> list[torch.Tensor | str]:
         """The link's thread: the ordered entries on this worker's device, checked (the
