@@ -9,18 +9,24 @@ again): see docs/performance.md,
 "What this VM does to copies and round trips".
 
     .venv/bin/python benchmarks/idle_memcpy_probe.py
+    .venv/bin/python benchmarks/idle_memcpy_probe.py --region 64MiB --nbytes 4MiB --idle 0.2  # smoke
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import mmap
 import os
+import sys
 import time
 from collections.abc import Callable
 
 import posix_ipc
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import fmt_size, parse_sizes  # noqa: E402
 
 NBYTES = 34 << 20
 REGION = 1 << 30
@@ -48,6 +54,16 @@ def rotating(base: int, src: int) -> Callable[[], None]:
 
 
 def main() -> None:
+    global NBYTES, REGION
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nbytes", default="34MiB", help="size of each copy")
+    ap.add_argument("--region", default="1GiB", help="the rotating copies' region")
+    ap.add_argument("--idle", type=float, default=3.0, help="seconds of idleness")
+    args = ap.parse_args()
+    (NBYTES,) = parse_sizes(args.nbytes)
+    (REGION,) = parse_sizes(args.region)
+    if REGION < 2 * NBYTES:
+        raise SystemExit("--region must hold at least two copies")
     name = f"/ecb-idle-probe-{os.getpid()}"
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=REGION)
     try:
@@ -63,23 +79,26 @@ def main() -> None:
         rows = [
             ("private -> private, same buffer", gbps(copy_d)),
             ("private -> shm, same offset", gbps(lambda: ctypes.memmove(b, s, NBYTES))),
-            ("private -> shm, rotating over 1 GiB", gbps(rotating(b, s), 25)),
-            ("private -> private, rotating over 1 GiB", gbps(rotating(p, s), 25)),
+            (f"private -> shm, rotating over {fmt_size(REGION)}", gbps(rotating(b, s), 25)),
+            (f"private -> private, rotating over {fmt_size(REGION)}", gbps(rotating(p, s), 25)),
         ]
-        time.sleep(3)
+        idle = f"{args.idle:g} s idle"
+        time.sleep(args.idle)
         rows.append(
-            ("shm same offset, after 3 s idle", gbps(lambda: ctypes.memmove(b, s, NBYTES), 1))
+            (f"shm same offset, after {idle}", gbps(lambda: ctypes.memmove(b, s, NBYTES), 1))
         )
-        rows.append(("private same buffer, after 3 s idle", gbps(copy_d, 1)))
-        time.sleep(1)
-        rows.append(("private same buffer, first copy after 1 s idle", gbps(copy_d, 1)))
+        rows.append((f"private same buffer, after {idle}", gbps(copy_d, 1)))
+        time.sleep(args.idle / 3)
+        rows.append(
+            (f"private same buffer, first copy after {args.idle / 3:.2g} s idle", gbps(copy_d, 1))
+        )
         rows.append(("the same copy again, back to back", gbps(copy_d, 1)))
         fresh = mmap.mmap(-1, NBYTES)  # never touched: every page faults in
         f = torch.frombuffer(fresh, dtype=torch.uint8).data_ptr()
         rows.append(
             ("private -> never-touched memory", gbps(lambda: ctypes.memmove(f, s, NBYTES), 1))
         )
-        print(f"| copy of {NBYTES >> 20} MiB | GB/s |\n|---|---|")
+        print(f"| copy of {fmt_size(NBYTES)} | GB/s |\n|---|---|")
         for label, rate in rows:
             print(f"| {label} | {rate:.2f} |")
         del slab
