@@ -76,11 +76,12 @@ def main() -> None:
         private = torch.ones(REGION, dtype=torch.uint8)
         s, d, b, p = src.data_ptr(), dst.data_ptr(), slab.data_ptr(), private.data_ptr()
         copy_d = lambda: ctypes.memmove(d, s, NBYTES)  # noqa: E731
+        over = f"{REGION >> 30} GiB" if REGION % (1 << 30) == 0 else fmt_size(REGION)
         rows = [
             ("private -> private, same buffer", gbps(copy_d)),
             ("private -> shm, same offset", gbps(lambda: ctypes.memmove(b, s, NBYTES))),
-            (f"private -> shm, rotating over {fmt_size(REGION)}", gbps(rotating(b, s), 25)),
-            (f"private -> private, rotating over {fmt_size(REGION)}", gbps(rotating(p, s), 25)),
+            (f"private -> shm, rotating over {over}", gbps(rotating(b, s), 25)),
+            (f"private -> private, rotating over {over}", gbps(rotating(p, s), 25)),
         ]
         idle = f"{args.idle:g} s idle"
         time.sleep(args.idle)
