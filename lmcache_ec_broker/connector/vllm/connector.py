@@ -315,7 +315,7 @@ class ECBrokerConnector(ECConnectorBase):
             )
         # The step's client, and on a worker the staging thread's (process_clients.py).
         self._clients = ProcessClient(self._make_client)
-        self._stage_clients = ProcessClient(self._make_client)
+        self._stage_clients = ProcessClient(self._make_client, "staging reads")
 
         # Counters of the connector itself (each side's part counts its own).
         self.invalid_skipped = 0  # entries of the wrong dtype/shape: misses, left alone

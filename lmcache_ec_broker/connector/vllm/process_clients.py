@@ -31,8 +31,10 @@ class ProcessClient:
     """One lazily made BrokerClient per process, and whether the broker answered it
     (each transition logged once)."""
 
-    def __init__(self, make: Callable[[], BrokerClient]) -> None:
+    def __init__(self, make: Callable[[], BrokerClient], role: str = "") -> None:
+        """``role``: named in the health log lines (two clients, two lines)."""
         self._make = make
+        self._role = f" ({role})" if role else ""
         self._client: BrokerClient | None = None
         self._pid = -1
         self._lock = threading.Lock()
@@ -64,12 +66,13 @@ class ProcessClient:
             return
         self._up = up
         if up:
-            logger.info("EC broker at %s is reachable again", client.socket_path)
+            logger.info("EC broker at %s is reachable again%s", client.socket_path, self._role)
         else:
             logger.warning(
-                "EC broker not reachable at %s; serving without it (misses) "
+                "EC broker not reachable at %s%s; serving without it (misses) "
                 "and reconnecting in the background",
                 client.socket_path,
+                self._role,
             )
 
     def on_live_connection(self, call: Callable[[BrokerClient], _T]) -> _T:
