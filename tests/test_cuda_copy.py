@@ -244,6 +244,25 @@ def test_extents_are_checked_on_the_cuda_paths() -> None:
         mm.close()
 
 
+def test_two_clients_of_one_process_each_pin_and_prepare_registers_before_a_copy(broker) -> None:
+    """A vLLM worker has two clients (the step's, the staging thread's: two mappings
+    of the slab in one process); the staging one registers at start (prepare_device),
+    before its first copy. Both must pin, and a put through one is read exactly
+    through the other onto the device."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with BrokerClient(broker.socket_path) as step, BrokerClient(broker.socket_path) as staging:
+        slab = staging.slab()
+        assert not slab.pinned
+        slab.prepare_device(dev)
+        assert slab.pinned, "prepare_device did not register the slab"
+        src = torch.randn(333, 1280, device=dev).to(torch.bfloat16)
+        assert step.put("two-clients", src)
+        assert step.mappings.slab is not None and step.mappings.slab.pinned
+        got = staging.get("two-clients", device=dev)
+        assert got is not None and torch.equal(got, src)
+    _kernels_still_run()
+
+
 def test_close_unregisters_so_the_next_client_registers_again(broker) -> None:
     src = torch.randn(256, 1024, device="cuda")
     for _ in range(3):

@@ -81,3 +81,20 @@ def test_take_of_a_cpu_tensor_touches_no_cuda(monkeypatch) -> None:
     t = torch.ones(3)
     link._staged["h"] = [t, 1]
     assert link.take("h") is t and link.take("h") is None
+
+
+def test_prepare_device_registers_for_a_cuda_device_only(monkeypatch) -> None:
+    # The staging thread prepares its client's slab before it links (worker.py,
+    # _prepare_reads): registered with CUDA for a CUDA device, untouched for the CPU.
+    mm = mmap.mmap(-1, 1 << 20)
+    view = SlabView(mm, 1 << 20)
+    asked: list[torch.device] = []
+    monkeypatch.setattr(view, "_ensure_cuda", asked.append)
+    try:
+        view.prepare_device(torch.device("cpu"))
+        assert asked == []
+        view.prepare_device(torch.device("cuda", 1))
+        assert asked == [torch.device("cuda", 1)]
+    finally:
+        view.close()
+        mm.close()

@@ -141,6 +141,13 @@ class SlabView:
 
     # ------------------------------------------------------------------ CUDA
 
+    def prepare_device(self, device: torch.device) -> None:
+        """Register the slab for copies with ``device`` now, not on the first copy:
+        ``cudaHostRegister`` of a slab of GiBs takes about a second, which a staged
+        load must not pay within its bound (connector/vllm/worker.py). No-op off CUDA."""
+        if device.type == "cuda":
+            self._ensure_cuda(device)
+
     def _ensure_cuda(self, device: torch.device) -> torch.cuda.Stream:
         if not self._cuda_tried:
             self._cuda_tried = True

@@ -199,10 +199,12 @@ class ECBrokerWorker:
             self.link = StageLink(path, rank, self._stage_fetch, self._prepare_reads)
 
     def _prepare_reads(self) -> None:
-        """The link's thread, before it links: the staging client connected and the
-        slab mapped (a multi-GiB slab takes a while to map), so the first staged hit
-        does not pay for them within ``stage_wait_ms``. Raises during an outage."""
-        self._on_live_read_connection(lambda c: c.slab())
+        """The link's thread, before it links: the staging client connected, the slab
+        mapped and, on a GPU, registered with CUDA (each takes a while for a slab of
+        GiBs), so the first staged hit does not pay for them within ``stage_wait_ms``.
+        Only this thread uses that client. Raises during an outage."""
+        slab = self._on_live_read_connection(lambda c: c.slab())
+        slab.prepare_device(torch.device(self._device))
 
     def _stage_fetch(self, items: list[StageItem]) -> list[torch.Tensor | str]:
         """The link's thread: the ordered entries on this worker's device, checked (the
