@@ -143,8 +143,8 @@ class SlabView:
 
     def prepare_device(self, device: torch.device) -> None:
         """Register the slab for copies with ``device`` now, not on the first copy:
-        ``cudaHostRegister`` of a slab of GiBs takes about a second, which a staged
-        load must not pay within its bound (connector/vllm/worker.py). No-op off CUDA."""
+        ``cudaHostRegister`` pins every page of the slab, which a staged load must not
+        pay within its bound (connector/vllm/worker.py). No-op off CUDA."""
         if device.type == "cuda":
             self._ensure_cuda(device)
 
