@@ -30,15 +30,22 @@ sys.path.insert(0, str(HERE.parent))
 from _common import Broker, MiB, fmt_size, median, parse_sizes, percentile, table  # noqa: E402
 
 
-def _stage_loop(client, keys: list[str], stop: threading.Event, copies: list[int]) -> None:
+def _stage_loop(
+    client, keys: list[str], stop: threading.Event, copies: list[int], failed: list[BaseException]
+) -> None:
+    """The staging thread: ``keys`` read into new tensors in turn until ``stop``; a
+    failure lands in ``failed`` (reported by the main thread, not lost in this one)."""
     n = 0
-    while not stop.is_set():
-        key = keys[n % len(keys)]
-        (got,) = client.get_many([key])
-        if got is None:
-            raise RuntimeError(f"staging read of {key} missed")
-        copies[0] += 1
-        n += 1
+    try:
+        while not stop.is_set():
+            key = keys[n % len(keys)]
+            (got,) = client.get_many([key])
+            if got is None:
+                raise RuntimeError(f"staging read of {key} missed")
+            copies[0] += 1
+            n += 1
+    except BaseException as exc:
+        failed.append(exc)
 
 
 def _puts(client, torch, tag: str, args: argparse.Namespace) -> list[float]:
@@ -81,27 +88,24 @@ def main() -> None:
         seed.close()
         for case in ("put alone", "shared client", "a client each"):
             step = BrokerClient(broker.socket_path)
-            stager = step if case == "shared client" else BrokerClient(broker.socket_path)
-            for c in (step, stager):  # mapped and holding a put arena before the clock runs
+            own = [step] + ([BrokerClient(broker.socket_path)] if case == "a client each" else [])
+            for c in own:  # mapped and holding a put arena before the clock runs
                 warm = f"warm-{case}-{id(c)}"
                 c.put(warm, torch.zeros(8))
                 c.get(warm)
             stop, copies, failed = threading.Event(), [0], []
-
-            def stage(stager=stager, stop=stop, copies=copies, failed=failed) -> None:
-                try:
-                    _stage_loop(stager, keys, stop, copies)
-                except BaseException as exc:  # reported below, not lost in the thread
-                    failed.append(exc)
-
-            thread = threading.Thread(target=stage, name="staging")
+            thread = None
             if case != "put alone":
+                stager = own[-1]  # the step's own client when shared
+                thread = threading.Thread(
+                    target=_stage_loop, args=(stager, keys, stop, copies, failed), name="staging"
+                )
                 thread.start()
             try:
                 times = _puts(step, torch, case.replace(" ", "-"), args)
             finally:
                 stop.set()
-                if thread.is_alive() or case != "put alone":
+                if thread is not None:
                     thread.join(60)
             if failed:
                 raise failed[0]
@@ -113,7 +117,7 @@ def main() -> None:
                 case, f"{p50:.0f}", f"{p90:.0f}", f"{us[-1]:.0f}",
                 f"{p50 / alone[0]:.1f}x", f"{p90 / alone[1]:.1f}x", str(copies[0]),
             ])  # fmt: skip
-            for c in {id(step): step, id(stager): stager}.values():
+            for c in own:
                 c.close()
     src = torch.randint(0, 255, (args.stage_size,), dtype=torch.uint8)
     dst = torch.empty_like(src)

@@ -82,7 +82,8 @@ class ECBrokerWorker:
         self._model_source = model_source
         self._bound_metadata = bound_metadata
         self._client = client
-        # The staging thread's reads: a client of their own (process_clients.py)
+        # Reads (the staging thread's; fetch's rare in-step fallback too): a client of
+        # their own, so a copy never holds up the step's puts (process_clients.py)
         self._on_live_read_connection = on_live_read_connection
         self._note_health = note_health
         self._mismatch = mismatch
