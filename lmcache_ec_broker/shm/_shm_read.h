@@ -1,5 +1,5 @@
-/* What the client's compiled shared-memory reads share (_residency_copy.c,
- * _placement_check.c): the stable ABI they are built against, the compiler barrier
+/* What the client's compiled shared-memory parts share (_residency_copy.c,
+ * _placement_check.c, _stream_copy.c): the stable ABI they are built against, the compiler barrier
  * that keeps their loads in program order, and their argument helpers. */
 #ifndef LMCACHE_EC_SHM_READ_H
 #define LMCACHE_EC_SHM_READ_H

@@ -1,6 +1,7 @@
 """Tensor copies between torch tensors and the mapped slab (the only data copy).
 
-CPU tensors: one memcpy per extent between the tensor's bytes and the mapping.
+CPU tensors: one memcpy per extent between the tensor's bytes and the mapping (into
+the slab, extents of ``STREAM_MIN`` bytes or more with non-temporal stores).
 CUDA tensors: the mapping is registered once per process with
 ``cudaHostRegister`` (pinning.py) so copies run as DMA; they are issued
 ``non_blocking`` on a dedicated stream and synchronised before ``write`` or
@@ -78,6 +79,19 @@ def torch_dtype(name: str) -> torch.dtype:
 # thread slept or a CPU-bound process ran beside it: issue 42).
 _memmove = ctypes.memmove
 
+# A put's extents of STREAM_MIN bytes or more are copied into the slab with
+# non-temporal stores (shm/_stream_copy.c says why, and what keeps it right): the write
+# into slab memory no cache holds 1.25-1.65x faster from 256 KiB up, and the writer's
+# caches kept. Below 1 MiB a reader that copies the entry out at once would lose what
+# the write gains (the lines are no longer in the shared cache); from 2 MiB the pair is
+# faster (docs/performance.md). Without the compiled module (no C compiler at install),
+# or off x86-64, memmove.
+STREAM_MIN = 1 << 20
+try:
+    from ...shm._stream_copy import stream_copy as _stream_copy
+except ImportError:  # pragma: no cover - built with a C compiler in every supported set-up
+    _stream_copy = None
+
 # The one exception: a get into a NEW CPU tensor of NEW_TENSOR_MIN bytes or more. Such a
 # tensor is fresh pages from the allocator (glibc maps anything over 32 MiB anew), and
 # their first-touch faults cost more than the copy on this VM (34 MiB: 16 ms with
@@ -138,6 +152,9 @@ class SlabView:
         # read()'s new-tensor path from this size (NEW_TENSOR_MIN; a benchmark sets
         # sys.maxsize to compare with the memmove path in the same process)
         self.new_tensor_min = NEW_TENSOR_MIN
+        # write()'s streamed extents from this size (STREAM_MIN; sys.maxsize: memmove
+        # only, as a benchmark compares them)
+        self.stream_min = STREAM_MIN if _stream_copy is not None else sys.maxsize
 
     # ------------------------------------------------------------------ CUDA
 
@@ -217,9 +234,12 @@ class SlabView:
             return
         # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
         src = tensor if tensor.is_contiguous() else tensor.contiguous()
-        base, ptr, off = self.base, src.data_ptr(), 0
+        base, ptr, off, stream_min = self.base, src.data_ptr(), 0, self.stream_min
         for start, n in extents:
-            _memmove(base + start, ptr + off, n)
+            if n >= stream_min:
+                _stream_copy(base + start, ptr + off, n)  # type: ignore[misc]
+            else:
+                _memmove(base + start, ptr + off, n)
             off += n
 
     def read(
