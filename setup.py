@@ -4,7 +4,8 @@ _residency_copy.c) and the put arena's check (shm/_placement_check.c) -- and its
 streaming copy into the slab (shm/_stream_copy.c), built against
 CPython 3.10's stable ABI, so one wheel serves every CPython >= 3.10 on its platform.
 Optional: where no C compiler is found the package installs without them, and the
-client reads those segments in Python (the same answers, slower)."""
+client reads those segments in Python and copies puts with memmove (the same answers,
+slower)."""
 
 from setuptools import Extension, setup
 

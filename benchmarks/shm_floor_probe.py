@@ -23,6 +23,11 @@ the least, with nothing of ours in the way:
   after they were last touched), unlike the memcpy baseline's two warm buffers.
   ``2 memcpys / slab copies`` is therefore the most any client can reach of the
   issue's ratio on this machine.
+- **streaming**: the client's put of 4 MiB or more is copied into the slab with
+  non-temporal stores (``shm/_stream_copy.c``). Two more paths show what that does, in
+  the same processes: **client, memmove puts** (the writer's ``SlabView.stream_min``
+  set past the size for that put: the copy as it was) and **slab copies, streamed**
+  (the writer's copy of the slab-copies pair with the same non-temporal stores).
 
 A writer and a reader worker process; each iteration runs the bare pair, the client
 pair and the slab copies in rotating order, every call a request to a just-woken worker, as
@@ -52,6 +57,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lmcache_ec_broker.shm._stream_copy import stream_copy as _stream_copy  # noqa: E402
+
 from benchmarks._common import (  # noqa: E402
     Broker,
     MiB,
@@ -62,6 +69,7 @@ from benchmarks._common import (  # noqa: E402
     serve_worker,
     table,
 )
+from lmcache_ec_broker.connector.client.copy import STREAM_MIN  # noqa: E402
 
 HEADER = struct.Struct("<QQ")  # offset of the latest bare put's bytes, its sequence number
 HIDDEN = 1024
@@ -124,10 +132,11 @@ class Side:
         assert self._same(), "the bare copy moved other bytes"
         return {"us": us}
 
-    def slab_put(self, i: int) -> dict:
+    def slab_put(self, i: int, streamed: bool = False) -> dict:
         dst = self.slab_base + (i % self.slab_slots) * self.size
+        copy = _stream_copy if streamed else ctypes.memmove
         t0 = time.perf_counter_ns()
-        ctypes.memmove(dst, self.tensor.data_ptr(), self.size)
+        copy(dst, self.tensor.data_ptr(), self.size)
         return {"us": (time.perf_counter_ns() - t0) / 1e3}
 
     def slab_get(self, i: int) -> dict:
@@ -139,10 +148,13 @@ class Side:
         assert self._same(), "the slab copy moved other bytes"
         return {"us": us}
 
-    def put(self, key: str) -> dict:
+    def put(self, key: str, memmove: bool = False) -> dict:
+        slab = self.client.slab()
+        slab.stream_min = sys.maxsize if memmove else STREAM_MIN
         t0 = time.perf_counter_ns()
         ok = self.client.put(key, self.tensor)
         us = (time.perf_counter_ns() - t0) / 1e3
+        slab.stream_min = STREAM_MIN
         assert ok, f"put of {key} refused"
         return {"us": us}
 
@@ -214,28 +226,38 @@ def run(
                        slab=slab, sink=sink_path, size=size, slots=slots)  # fmt: skip
             load = [os.getloadavg()[0]]
             rows: list[dict[str, float]] = []
-            paths = ("bare", "client", "slab")
-            for i in range(3 + iters):
+            paths = ("bare", "client", "slab", "client mm", "slab nt")
+            n = len(paths)
+            for i in range(n + iters):
                 row: dict[str, float] = {}
-                for path in paths[i % 3 :] + paths[: i % 3]:
+                for path in paths[i % n :] + paths[: i % n]:
                     row[f"memcpy w {path}"] = writer.call(op="memcpy")["us"]
                     if path == "bare":
                         row["bare put"] = writer.call(op="bare_put")["us"]
-                    elif path == "slab":
-                        row["slab put"] = writer.call(op="slab_put", i=i)["us"]
+                    elif path.startswith("slab"):
+                        nt = path == "slab nt"
+                        # a slot of its own for each: the streamed copy's reader must
+                        # not find the other copy's lines in the caches
+                        row[f"{path} put"] = writer.call(
+                            op="slab_put", i=2 * i + nt, streamed=nt
+                        )["us"]
                     else:
-                        row["put"] = writer.call(op="put", key=f"k{i}")["us"]
+                        mm = path == "client mm"
+                        row[f"{path} put"] = writer.call(op="put", key=f"{path}{i}", memmove=mm)[
+                            "us"
+                        ]
                     row[f"memcpy r {path}"] = reader.call(op="memcpy")["us"]
                     if gap_s:
                         time.sleep(gap_s)
                     if path == "bare":
                         row["bare get_into"] = reader.call(op="bare_get_into")["us"]
-                    elif path == "slab":
-                        row["slab get"] = reader.call(op="slab_get", i=i)["us"]
+                    elif path.startswith("slab"):
+                        nt = path == "slab nt"
+                        row[f"{path} get"] = reader.call(op="slab_get", i=2 * i + nt)["us"]
                     else:
-                        row["get_into"] = reader.call(op="get_into", key=f"k{i}")["us"]
-                        writer.call(op="delete", key=f"k{i}")
-                if i >= 3:
+                        row[f"{path} get"] = reader.call(op="get_into", key=f"{path}{i}")["us"]
+                        writer.call(op="delete", key=f"{path}{i}")
+                if i >= n:
                     rows.append(row)
             load.append(os.getloadavg()[0])
     finally:
@@ -263,10 +285,10 @@ def run(
         "size": size, "iters": iters, "load": load, "sched_batch": sched_batch,
         "medians": {k: med(k) for k in rows[0]},
         "bare": ratio(("bare put", "bare get_into"), "bare"),
-        "client": ratio(("put", "get_into"), "client"),
-        "slab": ratio(("slab put", "slab get"), "slab"),
+        **{p: ratio((f"{p} put", f"{p} get"), p) for p in ("client", "client mm", "slab", "slab nt")},
         "client_over_bare": median(
-            (r["put"] + r["get_into"]) / (r["bare put"] + r["bare get_into"]) for r in rows
+            (r["client put"] + r["client get"]) / (r["bare put"] + r["bare get_into"])
+            for r in rows
         ),
     }  # fmt: skip
 
@@ -301,10 +323,12 @@ def main() -> None:
                 fmt_size(size), rnd, f"{min(r['load']):.1f}-{max(r['load']):.1f}",
                 f"{m['memcpy w bare']:.1f} / {m['memcpy r bare']:.1f}",
                 f"{m['bare put']:.1f} / {m['bare get_into']:.1f}",
-                f"{m['put']:.1f} / {m['get_into']:.1f}",
+                f"{m['client put']:.1f} / {m['client get']:.1f}",
+                f"{m['client mm put']:.1f} / {m['client mm get']:.1f}",
                 f"{m['slab put']:.1f} / {m['slab get']:.1f}",
-                f"{r['slab']:.2f}x", f"{r['bare']:.2f}x", f"{r['client']:.2f}x",
-                f"{r['client_over_bare']:.2f}x",
+                f"{m['slab nt put']:.1f} / {m['slab nt get']:.1f}",
+                f"{r['slab']:.2f}x", f"{r['slab nt']:.2f}x", f"{r['bare']:.2f}x",
+                f"{r['client mm']:.2f}x", f"{r['client']:.2f}x", f"{r['client_over_bare']:.2f}x",
             ])  # fmt: skip
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; broker "
@@ -313,8 +337,14 @@ def main() -> None:
         "iterations, µs\n"
     )
     print(table(["size", "round", "load", "memcpy w / r", "bare put / get_into",
-                 "client put / get_into", "slab copies w / r", "2 memcpys / slab copies",
-                 "2 memcpys / bare", "2 memcpys / client", "client / bare"], out))  # fmt: skip
+                 "client put / get_into", "client, memmove puts", "slab copies w / r",
+                 "slab copies, streamed", "2 memcpys / slab copies", "2 memcpys / streamed",
+                 "2 memcpys / bare", "2 memcpys / client, memmove puts", "2 memcpys / client",
+                 "client / bare"], out))  # fmt: skip
+    print(
+        f"\nThe client streams puts of {fmt_size(STREAM_MIN)} or more (non-temporal "
+        "stores); 'memmove puts' is the same client with that off, call by call."
+    )
 
 
 if __name__ == "__main__":

@@ -223,6 +223,8 @@ def test_shm_floor_probe_smoke() -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     assert "2 memcpys / bare" in r.stdout and "64 KiB" in r.stdout, r.stdout
     assert "2 memcpys / slab copies" in r.stdout, r.stdout  # the slab copies check theirs too
+    # the streamed and memmove puts side by side (each get_into checks its bytes)
+    assert "2 memcpys / streamed" in r.stdout and "client, memmove puts" in r.stdout, r.stdout
     assert "1 ms asleep before each get_into" in r.stdout, r.stdout
 
 

@@ -488,7 +488,7 @@ def test_the_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, sock_di
     assert "No module named 'torch'" in r.stderr  # the broker needs no torch
     r = run(py, "-c", "import lmcache_ec_broker as m; print(m.__file__)")
     assert r.stdout.startswith(str(venv)), r.stdout  # the wheel's copy, not this tree's
-    for module in ("_residency_copy", "_placement_check"):  # the compiled parts are in it
+    for module in ("_residency_copy", "_placement_check", "_stream_copy"):  # the compiled parts are in it
         r = run(py, "-c", f"from lmcache_ec_broker.shm import {module} as m; print(m.__file__)")
         assert r.stdout.startswith(str(venv)), r.stdout + r.stderr
     r = run(

@@ -1,7 +1,7 @@
 """A put's copy into the slab with non-temporal stores (shm/_stream_copy.c, issue 42):
 byte-exact for every size and alignment on every store width this CPU has, never a byte
 outside the destination, overlapping ranges as memmove, and the client's put streams
-exactly its extents of ``SlabView.stream_min`` bytes or more -- read back by another
+every extent of a put of ``SlabView.stream_min`` bytes or more -- read back by another
 process through a real broker."""
 
 from __future__ import annotations
@@ -107,15 +107,14 @@ def test_a_put_streams_its_large_extents_and_another_process_reads_every_byte(
     monkeypatch.setattr(C, "_stream_copy", counting)
     g = torch.Generator().manual_seed(7)
     small = torch.randint(0, 255, (C.STREAM_MIN - 4,), dtype=torch.uint8, generator=g)
-    large = torch.randint(0, 255, (2 * MiB + 40,), dtype=torch.uint8, generator=g)
-    odd = torch.randint(-1000, 1000, (1021, 769), dtype=torch.int32, generator=g)  # 3.0 MiB
+    large = torch.randint(0, 255, (C.STREAM_MIN + 40,), dtype=torch.uint8, generator=g)
+    odd = torch.randint(-1000, 1000, (1021, 1283), dtype=torch.int32, generator=g)  # 5.0 MiB
     with BrokerClient(broker.socket_path) as c:
         assert c.put("small", small)
         assert not streamed  # below stream_min: memmove
         assert c.put("large", large)
         assert c.put("odd", odd)
         assert sum(streamed) == large.nbytes + odd.nbytes
-        assert min(streamed) >= C.STREAM_MIN
     out = subprocess.run(
         [sys.executable, "-c", READER, broker.socket_path, "small", "large", "odd"],
         capture_output=True,

@@ -6,11 +6,12 @@
  * x86_non_temporal_threshold, 240 MiB on these VMs, whose hypervisor reports a 320 MiB
  * cache) first reads every destination line from memory to own it, then writes it.
  * Non-temporal stores write whole lines without reading them, and leave the writer's
- * caches -- the engine's working set -- as they were. Measured on this VM's CPU (AMD EPYC,
- * 32 MiB L3; docs/performance.md): the write into a cold 256 MiB mapping 1.25-1.65x
- * faster from 256 KiB to 34 MiB; a reader that copies the block out at once takes
- * longer below 2 MiB (the lines are no longer in the shared cache), the same from
- * 8 MiB. So the client streams only extents of SlabView.stream_min bytes or more.
+ * caches -- the engine's working set -- as they were. Measured through a real broker
+ * (benchmarks/shm_floor_probe.py, docs/performance.md): a put of 8 MiB 1.2-1.4x faster,
+ * of 34 MiB 1.4-1.5x; a reader that copies the entry out at once then reads it from
+ * memory, not the shared cache -- at 1-2 MiB it loses more than the put gains, from
+ * 4 MiB the pair is faster. So the client streams only puts of SlabView.stream_min
+ * (4 MiB) or more.
  *
  * What keeps it right:
  * - the copy ends with SFENCE: non-temporal stores are weakly ordered, and the frame

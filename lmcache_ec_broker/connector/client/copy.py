@@ -1,7 +1,7 @@
 """Tensor copies between torch tensors and the mapped slab (the only data copy).
 
 CPU tensors: one memcpy per extent between the tensor's bytes and the mapping (into
-the slab, extents of ``STREAM_MIN`` bytes or more with non-temporal stores).
+the slab, puts of ``STREAM_MIN`` bytes or more with non-temporal stores).
 CUDA tensors: the mapping is registered once per process with
 ``cudaHostRegister`` (pinning.py) so copies run as DMA; they are issued
 ``non_blocking`` on a dedicated stream and synchronised before ``write`` or
@@ -79,14 +79,15 @@ def torch_dtype(name: str) -> torch.dtype:
 # thread slept or a CPU-bound process ran beside it: issue 42).
 _memmove = ctypes.memmove
 
-# A put's extents of STREAM_MIN bytes or more are copied into the slab with
-# non-temporal stores (shm/_stream_copy.c says why, and what keeps it right): the write
-# into slab memory no cache holds 1.25-1.65x faster from 256 KiB up, and the writer's
-# caches kept. Below 1 MiB a reader that copies the entry out at once would lose what
-# the write gains (the lines are no longer in the shared cache); from 2 MiB the pair is
-# faster (docs/performance.md). Without the compiled module (no C compiler at install),
-# or off x86-64, memmove.
-STREAM_MIN = 1 << 20
+# A put of STREAM_MIN bytes or more is copied into the slab with
+# non-temporal stores (shm/_stream_copy.c says why, and what keeps it right): the put
+# faster (8 MiB 1.2-1.4x, 34 MiB 1.4-1.5x) and the writer's caches kept. A reader that
+# copies the entry out at once then reads it from memory, not the shared cache: from
+# 4 MiB the pair is still faster (4 MiB 6-30%, 8-34 MiB 6-24%); at 1-2 MiB the reader
+# loses what the put gains (the pair no faster, up to 18% slower in a round;
+# benchmarks/shm_floor_probe.py, docs/performance.md). Without the compiled module (no C
+# compiler at install), or off x86-64, memmove.
+STREAM_MIN = 4 << 20
 try:
     from ...shm._stream_copy import stream_copy as _stream_copy
 except ImportError:  # pragma: no cover - built with a C compiler in every supported set-up
@@ -152,7 +153,7 @@ class SlabView:
         # read()'s new-tensor path from this size (NEW_TENSOR_MIN; a benchmark sets
         # sys.maxsize to compare with the memmove path in the same process)
         self.new_tensor_min = NEW_TENSOR_MIN
-        # write()'s streamed extents from this size (STREAM_MIN; sys.maxsize: memmove
+        # write() streams puts from this size (STREAM_MIN; sys.maxsize: memmove
         # only, as a benchmark compares them)
         self.stream_min = STREAM_MIN if _stream_copy is not None else sys.maxsize
 
@@ -234,12 +235,10 @@ class SlabView:
             return
         # A contiguous CPU tensor's bytes start at data_ptr() (no uint8 view needed).
         src = tensor if tensor.is_contiguous() else tensor.contiguous()
-        base, ptr, off, stream_min = self.base, src.data_ptr(), 0, self.stream_min
+        base, ptr, off = self.base, src.data_ptr(), 0
+        copy = _stream_copy if nbytes >= self.stream_min else _memmove
         for start, n in extents:
-            if n >= stream_min:
-                _stream_copy(base + start, ptr + off, n)  # type: ignore[misc]
-            else:
-                _memmove(base + start, ptr + off, n)
+            copy(base + start, ptr + off, n)  # type: ignore[misc]
             off += n
 
     def read(
