@@ -30,7 +30,7 @@ the least, with nothing of ours in the way:
   (the writer's copy of the slab-copies pair with the same non-temporal stores).
 
 A writer and a reader worker process; each iteration runs the bare pair, the client
-pair and the slab copies in rotating order, every call a request to a just-woken worker, as
+pair (streamed and memmove puts) and the slab copies (both ways) in rotating order, every call a request to a just-woken worker, as
 ``attribution.py --only across`` does. Medians of ``--iters`` iterations, µs.
 ``--gap-ms`` sleeps that long before each get_into (both paths): how the client's cost
 in a just-woken process grows with the time it slept, against the bare path's.
