@@ -7,23 +7,26 @@ process through a real broker."""
 from __future__ import annotations
 
 import ctypes
+import json
 import platform
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_ec_broker import BrokerClient
 from lmcache_ec_broker.connector.client import copy as C
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from client_proc import make_tensor, parse  # noqa: E402
+
 sc = pytest.importorskip("lmcache_ec_broker.shm._stream_copy")
 KINDS = list(range(sc.BEST + 1))
 GUARD = 64
-MiB = 1 << 20
 
 
 def test_the_package_was_built_with_the_streaming_copy_and_uses_it() -> None:
@@ -81,20 +84,7 @@ def test_bad_arguments_are_refused_naming_the_problem() -> None:
     sc.stream_copy(0, 0, 0)  # nothing to copy: nothing touched
 
 
-READER = textwrap.dedent(
-    """
-    import sys, torch
-    from lmcache_ec_broker import BrokerClient
-    c = BrokerClient(sys.argv[1])
-    for key in sys.argv[2:]:
-        t = c.get(key)
-        sys.stdout.write(key + " " + (t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()
-                                      if t is not None else "none") + "\\n")
-    """
-)
-
-
-def test_a_put_streams_its_large_extents_and_another_process_reads_every_byte(
+def test_a_put_of_stream_min_or_more_streams_every_extent_and_another_process_reads_it(
     broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     streamed: list[int] = []
@@ -105,24 +95,23 @@ def test_a_put_streams_its_large_extents_and_another_process_reads_every_byte(
         real(dst, src, n)
 
     monkeypatch.setattr(C, "_stream_copy", counting)
-    g = torch.Generator().manual_seed(7)
-    small = torch.randint(0, 255, (C.STREAM_MIN - 4,), dtype=torch.uint8, generator=g)
-    large = torch.randint(0, 255, (C.STREAM_MIN + 40,), dtype=torch.uint8, generator=g)
-    odd = torch.randint(-1000, 1000, (1021, 1283), dtype=torch.int32, generator=g)  # 5.0 MiB
+    specs = {  # client_proc.py's SPECs: any process can rebuild and check the bytes
+        "small": f"small:uint8:{C.STREAM_MIN - 4}:1",
+        "large": f"large:uint8:{C.STREAM_MIN + 40}:2",
+        "odd": "odd:int32:1021x1283:3",  # 5.0 MiB, laid over extents below STREAM_MIN
+    }
+    tensors = {name: make_tensor(*parse(spec)[1:]) for name, spec in specs.items()}
     with BrokerClient(broker.socket_path) as c:
-        assert c.put("small", small)
+        assert c.put("small", tensors["small"])
         assert not streamed  # below stream_min: memmove
-        assert c.put("large", large)
-        assert c.put("odd", odd)
-        assert sum(streamed) == large.nbytes + odd.nbytes
-    out = subprocess.run(
-        [sys.executable, "-c", READER, broker.socket_path, "small", "large", "odd"],
+        assert c.put("large", tensors["large"])
+        assert c.put("odd", tensors["odd"])
+        assert sum(streamed) == tensors["large"].nbytes + tensors["odd"].nbytes
+    r = subprocess.run(
+        [sys.executable, str(HERE / "client_proc.py"), broker.socket_path, "get", *specs.values()],
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
-    ).stdout.split("\n")
-    got = dict(line.split(" ", 1) for line in out if line)
-    assert bytes.fromhex(got["small"]) == small.numpy().tobytes()
-    assert bytes.fromhex(got["large"]) == large.numpy().tobytes()
-    assert bytes.fromhex(got["odd"]) == odd.view(torch.uint8).numpy().tobytes()
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == {spec: "ok" for spec in specs.values()}

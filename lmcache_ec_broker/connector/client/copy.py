@@ -238,7 +238,7 @@ class SlabView:
         base, ptr, off = self.base, src.data_ptr(), 0
         copy = _stream_copy if nbytes >= self.stream_min else _memmove
         for start, n in extents:
-            copy(base + start, ptr + off, n)  # type: ignore[misc]
+            copy(base + start, ptr + off, n)
             off += n
 
     def read(
